@@ -1,0 +1,73 @@
+"""Join a model's attention call to the paged store.
+
+Stage 1 (fill, no autograd): write the chunk's K/V to its pages and attend.
+Stage 2 (recompute, autograd): ``PagedAttention`` writes the recomputed K/V, attends,
+and in backward adds dK/dV of every attended page into the gradient pages, then
+returns the chunk's own K/V gradient FROM its gradient pages: by then they hold the
+contributions of every later chunk (which ran its backward first) plus this one's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oomb.attention.context import StepContext
+
+
+class PagedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, step: StepContext, layer_idx: int, scale: float, sliding_window):
+        store = step.store
+        store.write(layer_idx, k, v)
+        pools = store.layer(layer_idx)
+        out, lse = step.backend.forward(
+            q, pools.k, pools.v, store.page_table, store.num_tokens,
+            scale=scale, sliding_window=sliding_window, sinks=sinks,
+        )
+        ctx.save_for_backward(q, out, lse, sinks)
+        ctx.step, ctx.layer_idx, ctx.scale, ctx.sliding_window = step, layer_idx, scale, sliding_window
+        ctx.record = store.last_chunk()
+        ctx.kv_len = store.num_tokens
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, out, lse, sinks = ctx.saved_tensors
+        store = ctx.step.store
+        if store.last_chunk() != ctx.record:
+            raise RuntimeError("the paged store changed between this chunk's forward and backward")
+        pools = store.layer(ctx.layer_idx)
+        dq, d_sinks = ctx.step.backend.backward(
+            d_out.contiguous(), q, out, lse, pools.k, pools.v, pools.dk, pools.dv,
+            store.page_table, ctx.kv_len,
+            scale=ctx.scale, sliding_window=ctx.sliding_window, sinks=sinks,
+        )
+        dk, dv = store.read_grad(ctx.layer_idx, ctx.record)
+        if d_sinks is not None:
+            d_sinks = d_sinks.to(sinks.dtype)
+        return dq, dk.to(q.dtype), dv.to(q.dtype), d_sinks, None, None, None, None
+
+
+def paged_attention(
+    q: torch.Tensor,  # [B, H, C, D], after RoPE
+    k: torch.Tensor,  # [B, H_kv, C, D], after RoPE
+    v: torch.Tensor,  # [B, H_kv, C, D]
+    step: StepContext,
+    layer_idx: int,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [H]
+) -> torch.Tensor:
+    """The chunk's attention output [B, H, C, D] over everything stored before it and itself."""
+    if step.stage == "fill":
+        # Stage 1 runs under no_grad: write and attend, nothing saved.
+        store = step.store
+        store.write(layer_idx, k, v)
+        pools = store.layer(layer_idx)
+        out, _ = step.backend.forward(
+            q, pools.k, pools.v, store.page_table, store.num_tokens,
+            scale=scale, sliding_window=sliding_window, sinks=sinks,
+        )
+        return out
+    return PagedAttention.apply(q, k, v, sinks, step, layer_idx, scale, sliding_window)

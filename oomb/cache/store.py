@@ -1,0 +1,288 @@
+"""The paged K/V store: per layer, K and V pages and their gradient pages.
+
+Layout (one set of pools per attention layer, page ids shared by all layers)::
+
+    k_pool, v_pool, dk_pool, dv_pool : [num_pages, H_kv, page_size, D]
+    mean_k                           : [num_pages, H_kv, D]  float32
+    page_table                       : [B, max_pages]        int32 (block table)
+
+    sequence b, absolute position p  ->  page_table[b, p // page_size], slot p % page_size
+
+    chunk 0            chunk 1            chunk 2 (last, ragged)
+    |page|page|page|   |page|page|page|   |page|pa..|        <- per sequence
+     0    1    2        3    4    5        6    7 (padded; slots past the end are zero)
+
+A [H_kv, page_size, D] tile of one page and head is contiguous, so a kernel reads it
+with one strided load. Chunks are appended at the end and freed newest first, which
+is exactly the order of the two-stage step (stage 1 appends, stage 2 frees in reverse).
+Gradient pages are zeroed when a chunk is allocated; attention backward adds into them.
+
+Memory per token (all layers) = layers * H_kv * D * (2 * itemsize + 2 * grad_itemsize).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oomb.cache.allocator import OutOfPagesError, PageAllocator
+from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Shapes and dtypes of a store; two stores with equal specs are interchangeable."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+    grad_dtype: torch.dtype
+    device: torch.device
+
+    def bytes_per_token(self) -> int:
+        """K, V and their gradient pages, all layers (the memory that grows with the context)."""
+        per_head_token = self.head_dim * (2 * _itemsize(self.dtype) + 2 * _itemsize(self.grad_dtype))
+        return self.num_layers * self.num_kv_heads * per_head_token
+
+    def bytes_per_page(self) -> int:
+        """One page id across all layers: K, V, dK, dV and the fp32 mean key."""
+        return self.bytes_per_token() * self.page_size + self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class LayerPools:
+    """The tensors of one layer; kernels see only these, a page table and lengths."""
+
+    k: torch.Tensor  # [num_pages, H_kv, page_size, D]
+    v: torch.Tensor  # [num_pages, H_kv, page_size, D]
+    dk: torch.Tensor  # [num_pages, H_kv, page_size, D], grad_dtype
+    dv: torch.Tensor  # [num_pages, H_kv, page_size, D], grad_dtype
+    mean_k: torch.Tensor  # [num_pages, H_kv, D] float32: mean key over a page's valid slots
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """Where one appended chunk lives: tokens [start, end) of every sequence."""
+
+    start: int
+    end: int
+    first_page: int  # index into the page table's columns
+    num_pages: int
+    page_ids: tuple[int, ...]  # B * num_pages ids, sequence-major
+
+
+class PagedKVStore:
+    """Preallocated K/V (+gradient) pools with a shared block table.
+
+    The API is the whole contract the engine and attention need:
+    ``reserve`` (before a step), ``append_chunk`` (allocate pages for the next chunk),
+    ``write`` (a layer's K/V of the newest chunk), ``layer`` (pools for kernels),
+    ``read``/``read_grad`` (a chunk's K/V or gradient back as dense tensors) and
+    ``free_last_chunk``.
+    """
+
+    def __init__(self, spec: StoreSpec) -> None:
+        if spec.page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {spec.page_size}")
+        self.spec = spec
+        self._allocator = PageAllocator(0)
+        self._layers: list[LayerPools] = []
+        self._allocate_pools(0)
+        self.batch_size = 0
+        self.page_table = torch.zeros((0, 0), dtype=torch.int32, device=spec.device)
+        self.num_tokens = 0
+        self._chunks: list[ChunkRecord] = []
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def capacity_pages(self) -> int:
+        return self._allocator.num_pages
+
+    @property
+    def num_used_pages(self) -> int:
+        return self._allocator.num_used
+
+    @property
+    def chunks(self) -> tuple[ChunkRecord, ...]:
+        return tuple(self._chunks)
+
+    def pages_for(self, batch_size: int, num_tokens: int) -> int:
+        return batch_size * -(-num_tokens // self.spec.page_size)
+
+    def nbytes(self) -> int:
+        """Bytes held by the pools (allocated capacity, used or not)."""
+        return self.capacity_pages * self.spec.bytes_per_page()
+
+    def reserve(self, batch_size: int, num_tokens: int) -> None:
+        """Make room for ``batch_size`` sequences of ``num_tokens`` and start a new step.
+
+        The store must be empty. Growing an empty pool frees the old tensors before
+        allocating new ones, so growth never holds two pools at once.
+        """
+        if self._chunks:
+            raise RuntimeError("reserve() needs an empty store: free the previous step's chunks first")
+        if batch_size <= 0 or num_tokens <= 0:
+            raise ValueError(f"batch_size and num_tokens must be positive, got {batch_size}, {num_tokens}")
+        needed = self.pages_for(batch_size, num_tokens)
+        if needed > self.capacity_pages:
+            self._layers = []  # drop the old pools first: peak memory = the new pools only
+            self._allocate_pools(needed)
+            self._allocator.reset(needed)
+        max_pages = -(-num_tokens // self.spec.page_size)
+        self.batch_size = batch_size
+        self.page_table = torch.zeros((batch_size, max_pages), dtype=torch.int32, device=self.spec.device)
+        self.num_tokens = 0
+
+    def _allocate_pools(self, num_pages: int) -> None:
+        s = self.spec
+        shape = (num_pages, s.num_kv_heads, s.page_size, s.head_dim)
+        self._layers = [
+            LayerPools(
+                k=torch.empty(shape, dtype=s.dtype, device=s.device),
+                v=torch.empty(shape, dtype=s.dtype, device=s.device),
+                dk=torch.empty(shape, dtype=s.grad_dtype, device=s.device),
+                dv=torch.empty(shape, dtype=s.grad_dtype, device=s.device),
+                mean_k=torch.empty((num_pages, s.num_kv_heads, s.head_dim), dtype=torch.float32, device=s.device),
+            )
+            for _ in range(s.num_layers)
+        ]
+
+    def _grow(self, num_pages: int) -> None:
+        """Grow while holding data (append past the reservation): copy into larger pools."""
+        old = self._layers
+        self._allocate_pools(num_pages)
+        n = self._allocator.num_pages
+        for new_l, old_l in zip(self._layers, old, strict=True):
+            for name in ("k", "v", "dk", "dv", "mean_k"):
+                getattr(new_l, name)[:n].copy_(getattr(old_l, name))
+        self._allocator.grow(num_pages)
+
+    # ------------------------------------------------------------------ chunks
+    def append_chunk(self, num_tokens: int) -> ChunkRecord:
+        """Allocate pages for the next ``num_tokens`` tokens of every sequence.
+
+        The previous chunk must have ended on a page boundary (only the last chunk of a
+        sequence may be ragged). Gradient pages of the new chunk are zeroed.
+        """
+        s = self.spec
+        if self.batch_size == 0:
+            raise RuntimeError("call reserve() before append_chunk()")
+        if num_tokens <= 0:
+            raise ValueError(f"a chunk needs at least one token, got {num_tokens}")
+        if self.num_tokens % s.page_size:
+            raise RuntimeError(
+                f"the store holds {self.num_tokens} tokens, not a multiple of page_size={s.page_size}: "
+                "only the last chunk of a sequence may end inside a page"
+            )
+        n_pages = -(-num_tokens // s.page_size)
+        first_page = self.num_tokens // s.page_size
+        if first_page + n_pages > self.page_table.shape[1]:
+            grown = torch.zeros(
+                (self.batch_size, first_page + n_pages), dtype=torch.int32, device=s.device
+            )
+            grown[:, : self.page_table.shape[1]] = self.page_table
+            self.page_table = grown
+        want = self.batch_size * n_pages
+        if want > self._allocator.num_free:
+            self._grow(max(self.capacity_pages + want - self._allocator.num_free, self.capacity_pages * 3 // 2))
+        try:
+            ids = self._allocator.allocate(want)
+        except OutOfPagesError as e:  # unreachable after _grow; kept to name the store in the message
+            raise OutOfPagesError(f"paged store: {e}") from e
+        ids_t = torch.tensor(ids, dtype=torch.int32).view(self.batch_size, n_pages).to(s.device)
+        self.page_table[:, first_page : first_page + n_pages] = ids_t
+        ids_long = ids_t.view(-1).long()
+        for pools in self._layers:
+            pools.dk[ids_long] = 0
+            pools.dv[ids_long] = 0
+        record = ChunkRecord(
+            start=self.num_tokens,
+            end=self.num_tokens + num_tokens,
+            first_page=first_page,
+            num_pages=n_pages,
+            page_ids=tuple(ids),
+        )
+        self._chunks.append(record)
+        self.num_tokens = record.end
+        return record
+
+    def last_chunk(self) -> ChunkRecord:
+        if not self._chunks:
+            raise RuntimeError("the store holds no chunk")
+        return self._chunks[-1]
+
+    def free_last_chunk(self) -> None:
+        """Free the newest chunk's pages (all layers); the store then ends where it began."""
+        record = self.last_chunk()
+        self._allocator.free(list(record.page_ids))
+        self._chunks.pop()
+        self.page_table[:, record.first_page : record.first_page + record.num_pages] = 0
+        self.num_tokens = record.start
+
+    def clear(self) -> None:
+        """Free every chunk (after a step, or after an error inside one)."""
+        while self._chunks:
+            self.free_last_chunk()
+
+    # ------------------------------------------------------------------ data
+    def layer(self, layer_idx: int) -> LayerPools:
+        return self._layers[layer_idx]
+
+    def _chunk_page_ids(self, record: ChunkRecord) -> torch.Tensor:
+        return self.page_table[:, record.first_page : record.first_page + record.num_pages].long()
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the newest chunk's keys and values [B, H_kv, T, D] of one layer into its pages.
+
+        Slots past T in the chunk's last page are zeroed; the per-page mean key is
+        computed over valid slots only.
+        """
+        s = self.spec
+        record = self.last_chunk()
+        expected = (self.batch_size, s.num_kv_heads, record.end - record.start, s.head_dim)
+        for name, t in (("keys", k), ("values", v)):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} of shape {tuple(t.shape)} do not fit the chunk's pages {expected}")
+            if t.dtype != s.dtype:
+                raise TypeError(f"{name} are {t.dtype} but the store holds {s.dtype}")
+        pools = self._layers[layer_idx]
+        ids = self._chunk_page_ids(record).reshape(-1)
+        kp = tokens_to_tiles(k, s.page_size)
+        pools.k[ids] = kp
+        pools.v[ids] = tokens_to_tiles(v, s.page_size)
+        valid = _valid_per_page(record, s.page_size, k.device).repeat(self.batch_size)  # [B*n_pages]
+        pools.mean_k[ids] = kp.float().sum(dim=2) / valid.view(-1, 1, 1)
+
+    def read(self, layer_idx: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of tokens [start, end) as [B, H_kv, end-start, D] (a copy)."""
+        pools = self._layers[layer_idx]
+        return self._gather(pools.k, start, end), self._gather(pools.v, start, end)
+
+    def read_grad(self, layer_idx: int, record: ChunkRecord) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradient pages of one chunk as dense [B, H_kv, T, D] tensors."""
+        pools = self._layers[layer_idx]
+        return self._gather(pools.dk, record.start, record.end), self._gather(pools.dv, record.start, record.end)
+
+    def _gather(self, pool: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        if not 0 <= start < end <= self.num_tokens:
+            raise ValueError(f"tokens [{start}, {end}) are not in the store (it holds {self.num_tokens})")
+        ps = self.spec.page_size
+        p0, p1 = start // ps, -(-end // ps)
+        ids = self.page_table[:, p0:p1].long()  # [B, n]
+        dense = tiles_to_tokens(pool[ids])  # [B, H_kv, n * page_size, D]
+        return dense[:, :, start - p0 * ps : end - p0 * ps]
+
+
+def _valid_per_page(record: ChunkRecord, page_size: int, device: torch.device) -> torch.Tensor:
+    """Number of real (non-padding) tokens in each page of a chunk, as float32 [num_pages]."""
+    n = record.end - record.start
+    valid = torch.full((record.num_pages,), float(page_size), device=device)
+    valid[-1] = n - (record.num_pages - 1) * page_size
+    return valid

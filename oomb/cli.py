@@ -1,0 +1,61 @@
+"""`oomb` command line: `oomb train [CONFIG.yaml] [key=value ...]`, `oomb bench ...`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="oomb", description="Long-context training on one GPU.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train_p = sub.add_parser(
+        "train",
+        help="train a model (no arguments: a small built-in default on the passkey task)",
+        description="Precedence: key=value overrides > CONFIG.yaml > defaults. Keys: see --list-keys.",
+    )
+    train_p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value",
+                         help="an optional YAML config file first, then dotted overrides like train.steps=100")
+    train_p.add_argument("--list-keys", action="store_true", help="print every config key with its default")
+    train_p.add_argument("--list-presets", action="store_true", help="print the built-in model presets")
+    bench_p = sub.add_parser("bench", help="measured benchmarks (GPU): memory and time of a chunked step")
+    bench_p.add_argument("bench_args", nargs=argparse.REMAINDER)
+
+    args = parser.parse_args(argv)
+    console = Console(stderr=False)
+    if args.command == "train":
+        return _train(args, console)
+    from oomb.bench.core import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def _train(args, console: Console) -> int:
+    from oomb.train.config import ConfigError, describe_keys, load_config
+    from oomb.train.presets import preset_names
+    from oomb.train.trainer import train
+
+    if args.list_keys:
+        for key, default, doc in describe_keys():
+            console.print(f"[bold]{key}[/] = {default}  [dim]{doc}[/]", highlight=False)
+        return 0
+    if args.list_presets:
+        console.print("\n".join(preset_names()))
+        return 0
+    config_path = None
+    overrides = list(args.args)
+    if overrides and "=" not in overrides[0]:
+        config_path = overrides.pop(0)
+    try:
+        cfg = load_config(config_path, overrides)
+        train(cfg, console)
+    except ConfigError as e:
+        console.print(f"[red]config error:[/] {e}", highlight=False)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

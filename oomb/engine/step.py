@@ -1,0 +1,213 @@
+"""The chunk-recurrent training step (shared/DESIGN.md, "One training step").
+
+    stage 1 (no autograd)   c_0 -> c_1 -> ... -> c_{m-2}     fill the paged store
+    stage 2 (autograd)      c_{m-1} -> ... -> c_1 -> c_0     recompute, loss, backward, free
+
+Stage 1 skips the last chunk: nothing after it reads its K/V, and stage 2 starts by
+recomputing it. Only one chunk's activations are alive at any time; what grows with
+the sequence is the store (K, V and their gradient pages).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers import PreTrainedModel
+
+from oomb.attention import STEP_KWARG, StepContext, check_attention_support, oomb_attention
+from oomb.cache import PagedKVStore, StoreSpec
+from oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy_sum
+from oomb.kernels import get_backend
+
+# One store per model, reused across steps so the pools are allocated once.
+_STORES: weakref.WeakKeyDictionary[torch.nn.Module, PagedKVStore] = weakref.WeakKeyDictionary()
+
+
+def chunked_backward(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 4096,
+    page_size: int = 128,
+    backend: str = "auto",
+    grad_dtype: torch.dtype | None = None,
+    loss_impl: str = "auto",
+) -> torch.Tensor:
+    """Exact loss and parameter gradients of a long sequence, one chunk of activations at a time.
+
+    Args:
+        model: a transformers causal LM whose attention goes through AttentionInterface.
+        input_ids: [B, N] token ids, N >= 2.
+        labels: [B, N] targets aligned with ``input_ids`` as in transformers (shifted inside);
+            -100 marks positions without a target. None = next-token prediction on ``input_ids``.
+        chunk_size: tokens per chunk (a multiple of ``page_size``).
+        page_size: tokens per page of the K/V store.
+        backend: attention backend: "auto" or "torch".
+        grad_dtype: dtype of the gradient pages (default: the model's dtype).
+        loss_impl: fused linear cross-entropy: "auto", "liger" or "torch".
+
+    Accumulates d(loss)/d(param) into ``.grad`` like ``loss.backward()`` and returns the
+    mean loss over target tokens as a detached scalar.
+    """
+    targets = _validate(model, input_ids, labels, chunk_size, page_size)
+    n_targets = int((targets != IGNORE_INDEX).sum())  # host sync, once per step
+    if n_targets == 0:
+        raise ValueError("no position has a target: every label is -100 (or the sequence has one token)")
+
+    batch, seq_len = input_ids.shape
+    store = _store_for(model, input_ids.device, page_size, grad_dtype)
+    store.reserve(batch, seq_len)
+    step = StepContext(store=store, backend=get_backend(backend, input_ids.device.type))
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    bounds = [(s, min(s + chunk_size, seq_len)) for s in range(0, seq_len, chunk_size)]
+    expected_layers = set(range(model.config.num_hidden_layers))
+
+    def run_decoder(start: int, end: int) -> torch.Tensor:
+        step.layers_seen.clear()
+        positions = torch.arange(start, end, device=input_ids.device).expand(batch, -1)
+        hidden = decoder(
+            input_ids=input_ids[:, start:end], position_ids=positions, use_cache=False, **{STEP_KWARG: step}
+        ).last_hidden_state
+        if step.layers_seen != expected_layers:
+            missing = sorted(expected_layers - step.layers_seen)
+            raise RuntimeError(
+                f"attention layers {missing[:8]} did not go through oomb's attention: this model computes "
+                "attention outside transformers' AttentionInterface and cannot be trained with oomb"
+            )
+        return hidden
+
+    total = torch.zeros((), dtype=torch.float32, device=input_ids.device)
+    try:
+        with oomb_attention(model):
+            # Stage 1: fill the store with the K/V of every chunk but the last.
+            step.stage = "fill"
+            with torch.no_grad():
+                for start, end in bounds[:-1]:
+                    store.append_chunk(end - start)
+                    run_decoder(start, end)
+
+            # Stage 2: newest chunk first; recompute with autograd, loss, backward, free.
+            step.stage = "recompute"
+            store.append_chunk(bounds[-1][1] - bounds[-1][0])
+            for start, end in reversed(bounds):
+                hidden = run_decoder(start, end)
+                loss = linear_cross_entropy_sum(
+                    hidden.reshape(-1, hidden.shape[-1]),
+                    head.weight,
+                    head.bias,
+                    targets[:, start:end].reshape(-1),
+                    impl=loss_impl,
+                ) / n_targets
+                loss.backward()
+                total += loss.detach()
+                store.free_last_chunk()
+    finally:
+        store.clear()  # pool usage returns to zero, also after an error mid-step
+    return total
+
+
+def release_memory(model: torch.nn.Module) -> None:
+    """Drop the paged store kept for ``model`` (its pools are otherwise reused by the next step)."""
+    _STORES.pop(model, None)
+
+
+def store_for_model(model: torch.nn.Module) -> PagedKVStore | None:
+    """The store oomb keeps for ``model`` between steps, if any (for memory accounting)."""
+    return _STORES.get(model)
+
+
+def _store_for(
+    model: PreTrainedModel, device: torch.device, page_size: int, grad_dtype: torch.dtype | None
+) -> PagedKVStore:
+    cfg = model.config
+    dtype = model.get_input_embeddings().weight.dtype
+    spec = StoreSpec(
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        page_size=page_size,
+        dtype=dtype,
+        grad_dtype=grad_dtype or dtype,
+        device=torch.device(device),
+    )
+    store = _STORES.get(model)
+    if store is None or store.spec != spec:
+        _STORES.pop(model, None)  # free the old pools before allocating new ones
+        store = PagedKVStore(spec)
+        _STORES[model] = store
+    return store
+
+
+def _validate(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None,
+    chunk_size: int,
+    page_size: int,
+) -> torch.Tensor:
+    """Check everything before any work starts; return the shifted targets [B, N]."""
+    check_attention_support(model)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [batch, seq_len] tensor, got {_describe(input_ids)}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    batch, seq_len = input_ids.shape
+    if batch == 0 or seq_len < 2:
+        raise ValueError(
+            f"input_ids has shape {tuple(input_ids.shape)}: need at least 1 sequence of at least 2 tokens "
+            "(a 1-token sequence has nothing to predict)"
+        )
+    if page_size <= 0 or chunk_size <= 0:
+        raise ValueError(f"chunk_size and page_size must be positive, got {chunk_size} and {page_size}")
+    if chunk_size % page_size:
+        raise ValueError(
+            f"chunk_size={chunk_size} is not a multiple of page_size={page_size}: chunks must start on a page; "
+            f"try chunk_size={max(page_size, chunk_size // page_size * page_size)}"
+        )
+    vocab = model.get_input_embeddings().weight.shape[0]
+    lo, hi = int(input_ids.min()), int(input_ids.max())  # host sync, once per step
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"input_ids must lie in [0, {vocab}) (the model's vocabulary), found ids in [{lo}, {hi}]")
+    param = next(model.parameters())
+    if input_ids.device != param.device:
+        raise ValueError(f"input_ids are on {input_ids.device} but the model is on {param.device}")
+    cfg = model.config
+    if getattr(cfg, "final_logit_softcapping", None):
+        raise ValueError("final logit soft-capping is not supported by oomb's fused cross-entropy")
+    if getattr(cfg, "output_router_logits", False):
+        raise ValueError(
+            "output_router_logits=True adds a router auxiliary loss that oomb does not compute; "
+            "set model.config.output_router_logits = False"
+        )
+    if model.training and getattr(cfg, "attention_dropout", 0.0):
+        raise ValueError(
+            f"attention_dropout={cfg.attention_dropout}: dropout makes the recomputed forward differ from "
+            "the first one; set model.config.attention_dropout = 0"
+        )
+    if model.get_output_embeddings() is None:
+        raise ValueError(f"{type(model).__name__} has no output embedding (LM head): use a *ForCausalLM model")
+
+    if labels is None:
+        labels = input_ids
+    elif not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {_describe(labels)}"
+        )
+    labels = labels.to(input_ids.device, torch.int64)
+    # Position t predicts labels[t + 1]; the last position predicts nothing.
+    pad = torch.full((batch, 1), IGNORE_INDEX, dtype=torch.int64, device=labels.device)
+    targets = torch.cat([labels[:, 1:], pad], dim=1)
+    bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= head_vocab(model)))
+    if bool(bad.any()):
+        raise ValueError(f"labels must be -100 or lie in [0, {head_vocab(model)}) (the LM head's vocabulary)")
+    return targets
+
+
+def head_vocab(model: PreTrainedModel) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def _describe(x) -> str:
+    return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__

@@ -1,0 +1,217 @@
+"""Attention of one chunk's queries over a paged K/V store, in plain PyTorch.
+
+This is the CPU path and the oracle for the Triton kernels, which share these
+signatures. Conventions (the same for every backend):
+
+- ``q`` [B, H, C, D] holds the queries of the NEWEST chunk in the store: absolute
+  positions ``kv_len - C .. kv_len - 1``. Keys are every stored token 0 .. kv_len-1
+  (the chunk's own keys included, already written to its pages).
+- Pools are [num_pages, H_kv, page_size, D]; ``page_table`` [B, >= ceil(kv_len/page_size)]
+  int32 maps a sequence's page index to a page id.
+- GQA: query head h reads KV head h // (H // H_kv), as transformers' repeat_kv does.
+- Mask: key position j is visible to query position i when j <= i, and, with a
+  ``sliding_window`` W, when i - j < W (transformers' convention).
+- ``sinks`` [H] (GPT-OSS): a per-head logit that joins the softmax denominator and
+  contributes no value.
+- Arithmetic in float32 (float64 for float64 inputs, the tests' oracle).
+- ``lse`` [B, H, C] float32: natural-log sum of exp over the visible keys (and the sink).
+
+Memory is bounded: keys are visited in blocks of pages with an online-softmax merge,
+so the largest temporary is [B, H, C, block_tokens] float32, never [C, kv_len].
+``block_tokens`` is chosen so one such block is about ``_BLOCK_BYTES``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
+
+# Score block budget: about 4 fp32 [B, H, C, block] temporaries live in the backward at once.
+# Larger on CUDA, where fewer, larger blocks keep the GPU busy between launches.
+_BLOCK_BYTES = {"cpu": 128 * 2**20, "cuda": 512 * 2**20}
+
+
+def _block_pages(q: torch.Tensor, page_size: int, block_tokens: int | None) -> int:
+    b, h, c, _ = q.shape
+    if block_tokens is None:
+        budget = _BLOCK_BYTES.get(q.device.type, _BLOCK_BYTES["cpu"])
+        block_tokens = max(page_size, budget // (4 * b * h * c))
+    return max(1, block_tokens // page_size)
+
+
+def _first_visible_page(kv_len: int, q_len: int, page_size: int, sliding_window: int | None) -> int:
+    """Pages before this one hold no key that any query of the chunk can see."""
+    if sliding_window is None:
+        return 0
+    earliest_key = max(0, kv_len - q_len - sliding_window + 1)
+    return earliest_key // page_size
+
+
+@contextlib.contextmanager
+def _tf32_for(dtype: torch.dtype, device: torch.device):
+    """Let fp32 matmuls use TF32 on CUDA when the inputs are bf16/fp16.
+
+    bf16 and fp16 values are exact in TF32, so q @ k^T loses nothing; probabilities
+    keep 10 mantissa bits (bf16 flash kernels keep 8). fp32 inputs stay full fp32.
+    """
+    if device.type != "cuda" or dtype == torch.float32:
+        yield
+        return
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic in fp32, or fp64 for fp64 inputs (tests use fp64 as the oracle)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _gather_block(pool: torch.Tensor, page_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """pool[page_ids] for page_ids [B, n] -> [B, H_kv, n * page_size, D] in ``dtype``."""
+    return tiles_to_tokens(pool[page_ids.long()]).to(dtype)
+
+
+def _block_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, kv_len: int, sliding_window: int | None
+) -> torch.Tensor:
+    """[C, T] bool: which keys each query position sees."""
+    visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_len)
+    if sliding_window is not None:
+        visible &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+    return visible
+
+
+def _group(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, C, ...] -> [B, H_kv, G*C, ...]: the G query heads of a KV head as one row block."""
+    b, h, c = x.shape[:3]
+    return x.reshape(b, kv_heads, (h // kv_heads) * c, *x.shape[3:])
+
+
+def _sink_logits(sinks: torch.Tensor, batch: int, kv_heads: int, q_len: int) -> torch.Tensor:
+    """sinks [H] -> [B, H_kv, G*C], aligned with _group's row order."""
+    g = sinks.numel() // kv_heads
+    per_row = sinks.to(_acc_dtype(sinks.dtype)).view(1, kv_heads, g, 1).expand(batch, kv_heads, g, q_len)
+    return per_row.reshape(batch, kv_heads, g * q_len)
+
+
+def paged_attention_forward(
+    q: torch.Tensor,  # [B, H, C, D]
+    k_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D]
+    v_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D]
+    page_table: torch.Tensor,  # [B, >= ceil(kv_len / page_size)] int32
+    kv_len: int,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [H]
+    block_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out [B, H, C, D] in q.dtype, lse [B, H, C] float32)."""
+    b, h, c, d = q.shape
+    h_kv, page_size = k_pool.shape[1], k_pool.shape[2]
+    q_pos = torch.arange(kv_len - c, kv_len, device=q.device)
+    q_pos_rows = q_pos.repeat(h // h_kv)  # row r = g*C + i has position q_pos[i]
+    acc_dtype = _acc_dtype(q.dtype)
+    qg = _group(q, h_kv).to(acc_dtype)
+    rows = qg.shape[2]
+
+    if sinks is not None:
+        m = _sink_logits(sinks, b, h_kv, c).to(acc_dtype)
+        l = torch.ones_like(m)  # exp(sink - m) with m = sink
+    else:
+        m = torch.full((b, h_kv, rows), -math.inf, device=q.device, dtype=acc_dtype)
+        l = torch.zeros((b, h_kv, rows), device=q.device, dtype=acc_dtype)
+    acc = torch.zeros((b, h_kv, rows, d), device=q.device, dtype=acc_dtype)
+
+    n_pages = -(-kv_len // page_size)
+    step = _block_pages(q, page_size, block_tokens)
+    with _tf32_for(q.dtype, q.device):
+        for p0 in range(_first_visible_page(kv_len, c, page_size, sliding_window), n_pages, step):
+            p1 = min(p0 + step, n_pages)
+            ids = page_table[:, p0:p1]
+            k = _gather_block(k_pool, ids, acc_dtype)
+            v = _gather_block(v_pool, ids, acc_dtype)
+            k_pos = torch.arange(p0 * page_size, p1 * page_size, device=q.device)
+            visible = _block_mask(q_pos_rows, k_pos, kv_len, sliding_window)
+            s = (qg @ k.transpose(-1, -2)) * scale
+            s = s.masked_fill(~visible, -math.inf)
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            # Rows that have seen no visible key yet keep m = -inf; shift by 0 there to avoid inf - inf.
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - m_safe.unsqueeze(-1))
+            alpha = torch.exp(m - m_safe)
+            l = l * alpha + p.sum(dim=-1)
+            acc = acc * alpha.unsqueeze(-1) + p @ v
+            m = m_new
+    # Every query sees at least its own key, so l > 0.
+    out = acc / l.unsqueeze(-1)
+    lse = m + torch.log(l)
+    return out.reshape(b, h, c, d).to(q.dtype), lse.reshape(b, h, c).to(acc_dtype)
+
+
+def paged_attention_backward(
+    d_out: torch.Tensor,  # [B, H, C, D]
+    q: torch.Tensor,  # [B, H, C, D]
+    out: torch.Tensor,  # [B, H, C, D]
+    lse: torch.Tensor,  # [B, H, C] float32
+    k_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D]
+    v_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D]
+    dk_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D], accumulated into
+    dv_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D], accumulated into
+    page_table: torch.Tensor,  # [B, >= ceil(kv_len / page_size)] int32
+    kv_len: int,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [H]
+    block_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Adds dK/dV of every visible page into dk_pool/dv_pool.
+
+    Returns (dq [B, H, C, D] in q.dtype, d_sinks [H] float32 (fp64 for fp64 q) or None).
+    """
+    b, h, c, d = q.shape
+    h_kv, page_size = k_pool.shape[1], k_pool.shape[2]
+    q_pos_rows = torch.arange(kv_len - c, kv_len, device=q.device).repeat(h // h_kv)
+    acc_dtype = _acc_dtype(q.dtype)
+    qg = _group(q, h_kv).to(acc_dtype)
+    dog = _group(d_out, h_kv).to(acc_dtype)
+    lse_g = _group(lse, h_kv).to(acc_dtype)
+    delta = (dog * _group(out, h_kv).to(acc_dtype)).sum(dim=-1)  # [B, H_kv, G*C] = rowsum(dO * O)
+    dq = torch.zeros_like(qg)
+
+    n_pages = -(-kv_len // page_size)
+    step = _block_pages(q, page_size, block_tokens)
+    with _tf32_for(q.dtype, q.device):
+        for p0 in range(_first_visible_page(kv_len, c, page_size, sliding_window), n_pages, step):
+            p1 = min(p0 + step, n_pages)
+            ids = page_table[:, p0:p1]
+            k = _gather_block(k_pool, ids, acc_dtype)
+            v = _gather_block(v_pool, ids, acc_dtype)
+            k_pos = torch.arange(p0 * page_size, p1 * page_size, device=q.device)
+            visible = _block_mask(q_pos_rows, k_pos, kv_len, sliding_window)
+            s = (qg @ k.transpose(-1, -2)) * scale
+            p = torch.exp(s - lse_g.unsqueeze(-1)).masked_fill(~visible, 0.0)
+            dv = p.transpose(-1, -2) @ dog  # [B, H_kv, T, D], summed over the group's heads
+            ds = p * (dog @ v.transpose(-1, -2) - delta.unsqueeze(-1))
+            dq += (ds @ k) * scale
+            dk = (ds.transpose(-1, -2) @ qg) * scale
+            flat_ids = ids.reshape(-1).long()
+            dk_pool.index_add_(0, flat_ids, tokens_to_tiles(dk, page_size).to(dk_pool.dtype))
+            dv_pool.index_add_(0, flat_ids, tokens_to_tiles(dv, page_size).to(dv_pool.dtype))
+
+    d_sinks = None
+    if sinks is not None:
+        # The sink is a key with logit `sink` and value 0: dS_sink = P_sink * (0 - delta).
+        p_sink = torch.exp(_sink_logits(sinks, b, h_kv, c) - lse_g)
+        d_sinks = -(p_sink * delta).reshape(b, h, c).sum(dim=(0, 2))
+    return dq.reshape(b, h, c, d).to(q.dtype), d_sinks
+

@@ -1,0 +1,1 @@
+"""The training application: config, data, model presets, the loop behind `oomb train`."""

@@ -1,0 +1,176 @@
+"""The run configuration: one typed dataclass tree.
+
+Precedence: command-line ``key=value`` > the YAML file > these defaults. Keys are
+dotted paths (``train.steps=100``); unknown keys and wrong types raise with a hint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; the message says what and where."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    """Built-in architecture, random init (see `oomb train --list-presets`)."""
+    path: str | None = None
+    """Local Hugging Face model directory; when set, it replaces `preset`."""
+    dtype: str = "auto"
+    """Parameter dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16 or float32."""
+
+
+@dataclass
+class DataConfig:
+    task: str = "passkey"
+    """Training data: the built-in passkey retrieval task."""
+    seq_len: int = 4096
+    """Tokens per sequence."""
+    passkey_digits: int = 5
+    """Digits of the passkey to retrieve."""
+    depth: float | None = None
+    """Where the passkey sits, as a fraction of the sequence; null = random per sequence."""
+    loss_on: str = "all"
+    """Which tokens carry loss: all (language modelling of the whole sequence) or answer (the digits only)."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 60
+    """Optimizer steps."""
+    batch_size: int = 1
+    """Sequences per step."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 5
+    """Linear warmup steps before the cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = off)."""
+    chunk_size: int = 1024
+    """Tokens per chunk of the chunk-recurrent step (a multiple of page_size)."""
+    page_size: int = 128
+    """Tokens per page of the K/V store."""
+    seed: int = 0
+    """Seed for model init and data."""
+    device: str = "auto"
+    """auto (cuda if available), cuda, cuda:N or cpu."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    out_dir: str | None = None
+    """Where metrics.jsonl goes; null = runs/<date-time>. An existing non-empty folder is refused."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the YAML file, then ``key=value`` overrides."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"{path} must hold a mapping of sections (model:, data:, train:), not {type(data).__name__}"
+            )
+        _apply(cfg, data, prefix="", source=str(path))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. train.steps=100)")
+        nested: dict = {}
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = yaml.safe_load(raw) if raw else None
+        _apply(cfg, nested, prefix="", source="command line")
+    return cfg
+
+
+def _apply(obj, data: dict, prefix: str, source: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    hints = typing.get_type_hints(type(obj))
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key {name!r} ({source}){hint}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name} ({source}) must be a section (a mapping), got {value!r}")
+            _apply(current, value, prefix=f"{name}.", source=source)
+        else:
+            setattr(obj, key, _coerce(value, hints[key], name, source))
+
+
+def _coerce(value, hint, name: str, source: str):
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in allowed:
+            return None
+        raise ConfigError(f"{name} ({source}) cannot be null")
+    for t in allowed:
+        if t is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if t is not type(None) and type(value) is t:
+            return value
+    expected = " or ".join(t.__name__ for t in allowed)
+    raise ConfigError(f"{name} ({source}) must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def describe_keys() -> list[tuple[str, str, str]]:
+    """(key, default, meaning) for every config key, for docs and --help."""
+    rows = []
+
+    def walk(obj, prefix):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            else:
+                rows.append((f"{prefix}{f.name}", repr(value), _field_doc(type(obj), f.name)))
+
+    walk(Config(), "")
+    return rows
+
+
+def _field_doc(cls, name: str) -> str:
+    """The docstring under a dataclass field (attribute docstrings, read from the source)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == name:
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                return str(nxt.value.value)
+    return ""

@@ -1,0 +1,102 @@
+"""Built-in synthetic long-context task: a passkey hidden deep in filler text.
+
+A sequence (token ids, no tokenizer needed)::
+
+    BOS  filler ... KEY d d d d d END  filler ...  QUERY d d d d d
+         |<-- depth * seq_len -->|                       ^ answer: copy the digits
+
+Filler is made of "words": fixed multi-token sequences drawn from a small lexicon,
+so a model learns it quickly (the loss falls visibly) while the answer can only be
+predicted by attending back to the passkey, thousands of tokens earlier.
+
+Token ids: 0 BOS, 1 KEY, 2 END, 3 QUERY, 4..13 the digits 0-9, 14.. filler. Any model
+with a vocabulary of at least ``PasskeyTask.vocab_size`` ids can train on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BOS, KEY, END, QUERY = 0, 1, 2, 3
+DIGIT0 = 4
+FILLER0 = 14
+
+
+@dataclass
+class PasskeyBatch:
+    input_ids: torch.Tensor  # [B, N] int64
+    labels: torch.Tensor  # [B, N] int64 (aligned with input_ids; -100 = no loss)
+    answer_positions: torch.Tensor  # [B, digits]: positions whose NEXT token is an answer digit
+
+
+class PasskeyTask:
+    """Deterministic given (seed, step): a resumed run sees the same batches."""
+
+    def __init__(
+        self,
+        seq_len: int,
+        *,
+        digits: int = 5,
+        depth: float | None = None,
+        filler_tokens: int = 50,
+        lexicon_words: int = 24,
+        loss_on: str = "all",
+        seed: int = 0,
+    ) -> None:
+        if digits < 1:
+            raise ValueError(f"passkey digits must be >= 1, got {digits}")
+        min_len = 2 * digits + 8
+        if seq_len < min_len:
+            raise ValueError(f"seq_len={seq_len} is too short for a {digits}-digit passkey (need >= {min_len})")
+        if depth is not None and not 0.0 <= depth <= 1.0:
+            raise ValueError(f"depth must lie in [0, 1] (a fraction of the sequence), got {depth}")
+        if loss_on not in ("all", "answer"):
+            raise ValueError(f"loss_on must be 'all' or 'answer', got {loss_on!r}")
+        self.seq_len, self.digits, self.depth, self.loss_on, self.seed = seq_len, digits, depth, loss_on, seed
+        self.vocab_size = FILLER0 + filler_tokens
+        gen = torch.Generator().manual_seed(seed)
+        self.lexicon = [
+            torch.randint(FILLER0, self.vocab_size, (int(torch.randint(2, 6, (1,), generator=gen)),), generator=gen)
+            for _ in range(lexicon_words)
+        ]
+
+    def _filler(self, n: int, gen: torch.Generator) -> torch.Tensor:
+        out, total = [], 0
+        while total < n:
+            word = self.lexicon[int(torch.randint(len(self.lexicon), (1,), generator=gen))]
+            out.append(word)
+            total += len(word)
+        return torch.cat(out)[:n]
+
+    def sequence(self, index: int) -> tuple[torch.Tensor, int]:
+        """Sequence number ``index`` and the position of its QUERY token."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        d = self.digits
+        passkey = torch.randint(0, 10, (d,), generator=gen) + DIGIT0
+        body = self.seq_len - 1 - (d + 2) - (d + 1)  # BOS, KEY..END, QUERY+answer
+        depth = self.depth if self.depth is not None else float(torch.rand((), generator=gen))
+        before = int(round(depth * body))
+        ids = torch.cat([
+            torch.tensor([BOS]),
+            self._filler(before, gen),
+            torch.tensor([KEY]), passkey, torch.tensor([END]),
+            self._filler(body - before, gen),
+            torch.tensor([QUERY]), passkey,
+        ])
+        assert ids.numel() == self.seq_len
+        return ids, self.seq_len - d - 1
+
+    def batch(self, step: int, batch_size: int) -> PasskeyBatch:
+        seqs, queries = zip(*(self.sequence(step * batch_size + i) for i in range(batch_size)), strict=True)
+        input_ids = torch.stack(seqs)
+        d = self.digits
+        query = torch.tensor(queries)
+        answer_positions = query[:, None] + torch.arange(d)[None, :]  # predicting digit j from position q+j
+        labels = input_ids.clone()
+        if self.loss_on == "answer":
+            labels.fill_(-100)
+            rows = torch.arange(batch_size)[:, None]
+            labels[rows, answer_positions + 1] = input_ids[rows, answer_positions + 1]
+        return PasskeyBatch(input_ids, labels, answer_positions)

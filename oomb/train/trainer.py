@@ -1,0 +1,171 @@
+"""The training loop behind `oomb train`: build, check, train, log.
+
+    check config  ->  build model, data, optimizer  ->  for each step:
+        chunked_backward -> clip -> AdamW step -> metrics.jsonl + progress
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+import oomb
+from oomb.train.config import Config, ConfigError, config_to_dict
+from oomb.train.data import PasskeyTask
+from oomb.train.presets import build_model, preset_names
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"train.device={name!r} is not a device name (use auto, cpu, cuda or cuda:N)") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device asks for CUDA but no CUDA device is visible; use train.device=cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ConfigError(f"model.dtype={name!r}: use auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def check_config(cfg: Config) -> None:
+    """Everything that can be checked before a model is built."""
+    t, d = cfg.train, cfg.data
+    for name, value in (("train.steps", t.steps), ("train.batch_size", t.batch_size),
+                        ("train.chunk_size", t.chunk_size), ("train.page_size", t.page_size),
+                        ("data.seq_len", d.seq_len)):
+        if value <= 0:
+            raise ConfigError(f"{name} must be positive, got {value}")
+    if t.chunk_size % t.page_size:
+        raise ConfigError(f"train.chunk_size={t.chunk_size} must be a multiple of train.page_size={t.page_size}")
+    if t.lr <= 0 or t.warmup_steps < 0 or t.grad_clip < 0 or not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError("train.lr must be > 0, train.warmup_steps and train.grad_clip >= 0, "
+                          "train.min_lr_ratio in [0, 1]")
+    if d.task != "passkey":
+        raise ConfigError(f"data.task={d.task!r}: the built-in task is 'passkey'")
+    if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
+        raise ConfigError(f"model.path={cfg.model.path!r} is not a directory")
+    if cfg.model.path is None and cfg.model.preset not in preset_names():
+        raise ConfigError(f"unknown model preset {cfg.model.preset!r}; built-in presets: {', '.join(preset_names())}")
+
+
+def prepare_out_dir(cfg: Config) -> Path:
+    if cfg.out_dir is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out = Path("runs") / stamp
+    else:
+        out = Path(cfg.out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(
+            f"out_dir {out} already holds files; oomb never overwrites a run. Choose another out_dir=..."
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def lr_lambda(cfg: Config):
+    t = cfg.train
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / (t.warmup_steps + 1)
+        progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def build(cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(cfg.train.seed)
+    if cfg.model.path is not None:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(
+            cfg.model.path, dtype=dtype, local_files_only=True, trust_remote_code=False
+        ).to(device)
+    return build_model(cfg.model.preset, dtype=dtype, device=device)
+
+
+def train(cfg: Config, console: Console | None = None) -> Path:
+    """Run the configured training; returns the output folder (metrics.jsonl, config.json)."""
+    console = console or Console()
+    check_config(cfg)
+    device = resolve_device(cfg.train.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    task = PasskeyTask(cfg.data.seq_len, digits=cfg.data.passkey_digits, depth=cfg.data.depth,
+                       loss_on=cfg.data.loss_on, seed=cfg.train.seed)
+    model = build(cfg, device, dtype)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if vocab < task.vocab_size:
+        raise ConfigError(f"the model's vocabulary ({vocab}) is smaller than the passkey task's ({task.vocab_size})")
+    out = prepare_out_dir(cfg)
+    (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    n_params = sum(p.numel() for p in params)
+    console.print(
+        f"[bold]oomb train[/]: {cfg.model.path or cfg.model.preset} ({n_params / 1e6:.2f}M params, {dtype}) on "
+        f"{device}; {cfg.train.steps} steps x {cfg.train.batch_size} x {cfg.data.seq_len} tokens, "
+        f"chunk {cfg.train.chunk_size}, page {cfg.train.page_size}; writing {out}/metrics.jsonl"
+    )
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    columns = [
+        TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+        TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+    ]
+    started = time.perf_counter()
+    with open(out / "metrics.jsonl", "a") as metrics, Progress(*columns, console=console) as progress:
+        bar = progress.add_task("train", total=cfg.train.steps, loss=float("nan"), tps=0.0)
+        for step in range(cfg.train.steps):
+            batch = task.batch(step, cfg.train.batch_size)
+            t0 = time.perf_counter()
+            loss = oomb.chunked_backward(
+                model, batch.input_ids.to(device), batch.labels.to(device),
+                chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size,
+            )
+            grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+                         if cfg.train.grad_clip > 0 else None)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value = float(loss)  # host sync: the step is done
+            seconds = time.perf_counter() - t0
+            record = {
+                "step": step + 1,
+                "loss": loss_value,
+                "tokens": tokens_per_step * (step + 1),
+                "seconds": seconds,
+                "elapsed": time.perf_counter() - started,
+                "tokens_per_s": tokens_per_step / seconds,
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            }
+            if device.type == "cuda":
+                record["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            progress.update(bar, advance=1, loss=loss_value, tps=record["tokens_per_s"])
+            if not console.is_terminal and (step + 1) % 10 == 0:
+                console.print(f"step {step + 1}: loss {loss_value:.4f}, {record['tokens_per_s']:,.0f} tok/s")
+    console.print(f"done: {cfg.train.steps} steps in {time.perf_counter() - started:.1f} s; "
+                  f"final loss {loss_value:.4f}; metrics in {out}/metrics.jsonl")
+    return out

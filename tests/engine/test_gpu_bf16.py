@@ -1,0 +1,52 @@
+"""On a GPU in bf16: chunked_backward's gradient error against an fp32 full-sequence reference.
+
+Run on the H200 with `pytest -m gpu`. The bound follows the habit of comparing a bf16
+result's error with plain bf16 training's: oomb (bf16, chunked) must be no worse than
+twice transformers' own bf16 full-sequence SDPA training, and under 1e-2 globally.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+import oomb
+
+pytestmark = pytest.mark.gpu
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=65536,
+                      attention_dropout=0.0)
+    with torch.device("cuda"):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+
+
+def _flat_grads(model):
+    return torch.cat([p.grad.float().reshape(-1) for p in model.parameters()])
+
+
+def _full_sequence(model, ids):
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return _flat_grads(model)
+
+
+@pytest.mark.parametrize("backend", ["torch"])
+def test_bf16_gradients_close_to_fp32_full_sequence(backend):
+    ids = torch.randint(0, 4096, (1, 8192 + 77), device="cuda")
+    ref_model = _model(torch.float32)
+    g_ref = _full_sequence(ref_model, ids)
+    model = _model(torch.bfloat16)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref_model.state_dict().items()})
+    g_hf = _full_sequence(model, ids)
+    model.zero_grad(set_to_none=True)
+    oomb.chunked_backward(model, ids, chunk_size=2048, page_size=128, backend=backend)
+    g_oomb = _flat_grads(model)
+    assert torch.isfinite(g_oomb).all()
+    err_oomb = float((g_oomb - g_ref).norm() / g_ref.norm())
+    err_hf = float((g_hf - g_ref).norm() / g_ref.norm())
+    print(f"global relative gradient error vs fp32: oomb {err_oomb:.4f}, transformers bf16 {err_hf:.4f}")
+    assert err_oomb <= 1e-2
+    assert err_oomb <= 2 * err_hf + 1e-6

@@ -1,0 +1,26 @@
+"""Comparison helpers with verbose failure messages."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64 (0 when both are zero)."""
+    x, ref = x.detach().double(), ref.detach().double()
+    denom = ref.norm()
+    if denom == 0:
+        return float((x - ref).norm())
+    return float((x - ref).norm() / denom)
+
+
+def assert_close_rel(x: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "tensor") -> None:
+    assert x.shape == ref.shape, f"{what}: shape {tuple(x.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(x).all(), f"{what}: {int((~torch.isfinite(x)).sum())} non-finite values"
+    err = rel_err(x, ref)
+    if err > tol:
+        diff = (x.double() - ref.double()).abs()
+        idx = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0])
+        raise AssertionError(
+            f"{what}: relative error {err:.3e} > {tol:.1e}; worst at {idx}: {x[idx].item()} vs {ref[idx].item()}"
+        )

@@ -1,0 +1,107 @@
+"""`oomb train`: config precedence and errors, the passkey task, and a real short run."""
+
+import json
+
+import pytest
+import torch
+
+from oomb.cli import main
+from oomb.train.config import ConfigError, describe_keys, load_config
+from oomb.train.data import DIGIT0, KEY, QUERY, PasskeyTask
+
+
+def test_precedence_cli_over_file_over_defaults(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  steps: 7\n  lr: 0.01\ndata:\n  seq_len: 2048\n")
+    cfg = load_config(f, ["train.steps=9", "data.depth=0.5"])
+    assert cfg.train.steps == 9  # command line wins
+    assert cfg.train.lr == 0.01  # file wins over default
+    assert cfg.data.seq_len == 2048 and cfg.data.depth == 0.5
+    assert cfg.train.chunk_size == 1024  # default
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["train.stpes=3"], "unknown config key 'train.stpes'.*did you mean train.steps"),
+        (["trian.steps=3"], "unknown config key 'trian'.*did you mean train"),
+        (["train.steps=three"], "train.steps .* must be int, got 'three'"),
+        (["train.lr=true"], "train.lr .* must be float"),
+        (["train"], "must look like key=value"),
+        (["train=3"], "must be a section"),
+        (["train.steps="], "cannot be null"),
+    ],
+)
+def test_bad_overrides(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        load_config(bad)
+
+
+def test_every_key_is_documented():
+    rows = describe_keys()
+    assert {"train.steps", "data.seq_len", "model.preset", "out_dir"} <= {k for k, _, _ in rows}
+    assert all(doc for _, _, doc in rows), [k for k, _, doc in rows if not doc]
+
+
+def test_passkey_task_layout_and_determinism():
+    task = PasskeyTask(300, digits=4, depth=0.25, seed=3)
+    b = task.batch(step=2, batch_size=2)
+    assert b.input_ids.shape == (2, 300)
+    for row, pos in zip(b.input_ids, b.answer_positions, strict=True):
+        key_at = int((row == KEY).nonzero()[0])
+        assert abs(key_at - 0.25 * 300) < 10
+        assert row[pos[0]] == QUERY
+        passkey = row[key_at + 1 : key_at + 5]
+        assert torch.equal(row[pos + 1], passkey) and (passkey >= DIGIT0).all()
+    assert torch.equal(task.batch(2, 2).input_ids, b.input_ids)  # same step, same data
+    answer_only = PasskeyTask(300, digits=4, loss_on="answer").batch(0, 1)
+    assert int((answer_only.labels != -100).sum()) == 4
+
+
+def test_passkey_task_rejects_bad_settings():
+    with pytest.raises(ValueError, match="too short"):
+        PasskeyTask(10, digits=5)
+    with pytest.raises(ValueError, match="depth"):
+        PasskeyTask(100, depth=1.5)
+
+
+def test_train_writes_metrics_and_the_loss_falls(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", f"out_dir={out}", "train.steps=12", "data.seq_len=512", "train.chunk_size=256",
+                 "train.page_size=64", "train.lr=0.01", "train.warmup_steps=2"])
+    assert code == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert all({"step", "loss", "tokens", "seconds"} <= r.keys() for r in records)
+    assert records[-1]["tokens"] == 12 * 512
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]
+    assert json.loads((out / "config.json").read_text())["train"]["steps"] == 12
+
+
+def test_train_refuses_a_used_out_dir(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("precious\n")
+    assert main(["train", f"out_dir={out}", "train.steps=1"]) == 2
+    assert "never overwrites" in capsys.readouterr().out
+    assert (out / "metrics.jsonl").read_text() == "precious\n"
+
+
+def test_train_refuses_bad_settings_before_work(tmp_path, capsys):
+    assert main(["train", f"out_dir={tmp_path / 'r'}", "train.chunk_size=100"]) == 2
+    assert "multiple of train.page_size" in capsys.readouterr().out
+    assert not (tmp_path / "r").exists()
+    assert main(["train", "model.preset=nope"]) == 2
+    assert "unknown model preset 'nope'" in capsys.readouterr().out
