@@ -1,0 +1,1 @@
+"""Measured benchmarks: memory and time against context, kernels against baselines."""
