@@ -101,11 +101,11 @@ def run(args) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             times = _time_steps(step, args.repeats)
-            store = store_for_model(model)
+            # No local name for the store: a live reference would keep its pools through the next length.
             record("oomb", n, times, extra={
                 "chunk_size": args.chunk, "page_size": args.page, "backend": args.backend,
-                "store_gib": store.nbytes() / 2**30,
-                "store_bytes_per_token": store.spec.bytes_per_token(),
+                "store_gib": store_for_model(model).nbytes() / 2**30,
+                "store_bytes_per_token": store_for_model(model).spec.bytes_per_token(),
                 "params_plus_grads_gib": 2 * param_bytes / 2**30,
             })
         except torch.OutOfMemoryError as e:

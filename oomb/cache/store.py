@@ -226,6 +226,12 @@ class PagedKVStore:
         self.page_table[:, record.first_page : record.first_page + record.num_pages] = 0
         self.num_tokens = record.start
 
+    def release(self) -> None:
+        """Free every chunk and drop the pools' memory (capacity 0); the store stays usable."""
+        self.clear()
+        self._allocate_pools(0)
+        self._allocator.reset(0)
+
     def clear(self) -> None:
         """Free every chunk (after a step, or after an error inside one)."""
         while self._chunks:

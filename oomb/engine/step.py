@@ -109,8 +109,10 @@ def chunked_backward(
 
 
 def release_memory(model: torch.nn.Module) -> None:
-    """Drop the paged store kept for ``model`` (its pools are otherwise reused by the next step)."""
-    _STORES.pop(model, None)
+    """Free the paged store's memory kept for ``model`` (its pools are otherwise reused by the next step)."""
+    store = _STORES.pop(model, None)
+    if store is not None:
+        store.release()  # frees the pools even if something else still references the store
 
 
 def store_for_model(model: torch.nn.Module) -> PagedKVStore | None:
@@ -134,7 +136,7 @@ def _store_for(
     )
     store = _STORES.get(model)
     if store is None or store.spec != spec:
-        _STORES.pop(model, None)  # free the old pools before allocating new ones
+        release_memory(model)  # free the old pools before allocating new ones
         store = PagedKVStore(spec)
         _STORES[model] = store
     return store

@@ -146,3 +146,13 @@ def test_bytes_per_token_matches_qwen25_7b():
     spec = StoreSpec(num_layers=28, num_kv_heads=4, head_dim=128, page_size=128, dtype=torch.bfloat16,
                      grad_dtype=torch.bfloat16, device=torch.device("cpu"))
     assert spec.bytes_per_token() == 112 * 1024  # DESIGN.md: K+V 56 KiB/token, with gradients 112 KiB
+
+
+def test_release_frees_the_pools():
+    store = PagedKVStore(_spec())
+    store.reserve(1, 16)
+    store.append_chunk(16)
+    store.release()
+    assert store.capacity_pages == 0 and store.nbytes() == 0 and store.num_used_pages == 0
+    store.reserve(1, 8)  # still usable
+    store.append_chunk(8)
