@@ -88,8 +88,12 @@ def run(args) -> dict:
 
     vocab = cfg.vocab_size
     warmed = False
-    for n in args.lengths:
+    runs = [(n, False) for n in args.lengths] + [(n, True) for n in args.ckpt_lengths]
+    for n, layer_ckpt in runs:
+        system = "oomb+layer-ckpt" if layer_ckpt else "oomb"
         ids = torch.randint(0, vocab, (1, n), device=device)
+        if layer_ckpt:  # transformers' per-layer checkpointing inside each chunk
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
         def step(ids=ids):
             oomb.chunked_backward(model, ids, chunk_size=args.chunk, page_size=args.page, backend=args.backend)
@@ -102,14 +106,15 @@ def run(args) -> dict:
             torch.cuda.reset_peak_memory_stats()
             times = _time_steps(step, args.repeats)
             # No local name for the store: a live reference would keep its pools through the next length.
-            record("oomb", n, times, extra={
+            record(system, n, times, extra={
                 "chunk_size": args.chunk, "page_size": args.page, "backend": args.backend,
                 "store_gib": store_for_model(model).nbytes() / 2**30,
                 "store_bytes_per_token": store_for_model(model).spec.bytes_per_token(),
                 "params_plus_grads_gib": 2 * param_bytes / 2**30,
             })
         except torch.OutOfMemoryError as e:
-            record("oomb", n, error=f"out of memory: {str(e).splitlines()[0]}")
+            record(system, n, error=f"out of memory: {str(e).splitlines()[0]}")
+        model.gradient_checkpointing_disable()
         oomb.release_memory(model)
         torch.cuda.empty_cache()
 
@@ -186,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="oomb bench core", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen2.5-7b")
     p.add_argument("--lengths", type=_ints, default=[16384, 32768, 65536])
+    p.add_argument("--ckpt-lengths", type=_ints, default=[],
+                   help="also time oomb with per-layer checkpointing inside chunks at these lengths")
     p.add_argument("--hf-lengths", type=_ints, default=[], help="also time transformers at these lengths")
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--page", type=int, default=128)

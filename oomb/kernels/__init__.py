@@ -1,11 +1,15 @@
 """Attention over the paged store: one signature, several backends.
 
-``backend="torch"`` is the PyTorch path (kernels/reference.py): CPU and CUDA, the
-oracle in tests. The Triton kernels join here as another backend.
+- ``torch``: the PyTorch path (kernels/reference.py). CPU and CUDA; the oracle in tests.
+- ``triton``: the Triton kernels (kernels/triton_attention.py). CUDA, or CPU under
+  ``TRITON_INTERPRET=1`` (tests only: slow).
+- ``auto``: triton on CUDA when it imports, torch elsewhere.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,17 +23,39 @@ class AttentionBackend:
     backward: Callable
 
 
-_BACKENDS = {
-    "torch": AttentionBackend("torch", reference.paged_attention_forward, reference.paged_attention_backward),
-}
+BACKEND_NAMES = ("auto", "torch", "triton")
 
-BACKEND_NAMES = ("auto", *_BACKENDS)
+
+@functools.cache
+def _triton_backend() -> AttentionBackend:
+    from oomb.kernels import triton_attention  # imports triton: only when asked for
+
+    return AttentionBackend("triton", triton_attention.paged_attention_forward,
+                            triton_attention.paged_attention_backward)
+
+
+def _triton_importable() -> bool:
+    try:
+        _triton_backend()
+    except ImportError:
+        return False
+    return True
 
 
 def get_backend(name: str, device_type: str) -> AttentionBackend:
-    """Resolve a backend name; ``auto`` picks the fastest one that runs on ``device_type``."""
-    if name == "auto":
-        name = "torch"
-    if name not in _BACKENDS:
+    """Resolve a backend name for tensors on ``device_type`` ("cpu", "cuda")."""
+    if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
-    return _BACKENDS[name]
+    if name == "auto":
+        name = "triton" if device_type == "cuda" and _triton_importable() else "torch"
+    if name == "torch":
+        return AttentionBackend("torch", reference.paged_attention_forward, reference.paged_attention_backward)
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"backend='triton' needs a CUDA device (tensors are on {device_type}); use backend='torch' "
+            "(or set TRITON_INTERPRET=1 to run the kernels in Triton's slow interpreter)"
+        )
+    try:
+        return _triton_backend()
+    except ImportError as e:
+        raise ValueError(f"backend='triton' needs the triton package: {e}") from e

@@ -96,3 +96,14 @@ def test_frozen_parameters_get_no_gradient():
     oomb.chunked_backward(model, ids, chunk_size=32, page_size=16)
     for name, p in model.named_parameters():
         assert (p.grad is not None) == ("layers.1" in name), name
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_layer_checkpointing_inside_chunks_changes_nothing(family):
+    # transformers' own gradient checkpointing re-runs each layer (and its paged attention,
+    # which rewrites the same K/V) during backward: less activation memory, same gradients.
+    model = tiny_model(family)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, VOCAB, (2, 150))
+    _assert_same_training(model, ids, chunk_size=32, page_size=16)
