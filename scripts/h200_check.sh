@@ -11,10 +11,11 @@ fi
 what=${1:-all}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-if [[ $what == core || $what == all ]]; then
-  python3 -m oomb.bench.core --out "$OUT/core_h200.json" --hf-lengths 16384,32768 2>&1 | tee "$OUT/core.log" | tail -15
-fi
+python3 -m pytest -q -s -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "error|passed|failed|FAIL" | tail -25
 if [[ $what == attention || $what == all ]] && [[ -f oomb/bench/attention.py ]]; then
   python3 -m oomb.bench.attention --out "$OUT/attention_h200.json" 2>&1 | tee "$OUT/attention.log" | tail -15
+fi
+if [[ $what == core || $what == all ]]; then
+  python3 -m oomb.bench.core --out "$OUT/core_h200.json" ${CORE_ARGS:---hf-lengths 16384,32768} 2>&1 \
+    | tee "$OUT/core.log" | tail -15
 fi

@@ -2,8 +2,14 @@ import os
 import random
 import sys
 
-import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter. The switch is read when triton
+# is first imported, and `import oomb` (through transformers) may import it: set it first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))  # tiny_models, helpers
 

@@ -34,7 +34,7 @@ def _full_sequence(model, ids):
     return _flat_grads(model)
 
 
-@pytest.mark.parametrize("backend", ["torch"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_bf16_gradients_close_to_fp32_full_sequence(backend):
     ids = torch.randint(0, 4096, (1, 8192 + 77), device="cuda")
     ref_model = _model(torch.float32)

@@ -1,0 +1,249 @@
+"""The Triton paged attention against the PyTorch reference (kernels/reference.py).
+
+Without CUDA the kernels run in the Triton interpreter on CPU, in fp32 (the interpreter's
+bf16 arithmetic is wrong, see FACTS.md), at tiny shapes. With CUDA the same cases run
+compiled on the GPU, and the `gpu`-marked tests check bf16 at realistic shapes
+(`pytest -m gpu tests/kernels/test_triton_attention.py`).
+"""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+_CUDA = torch.cuda.is_available()
+if not _CUDA:
+    # Must precede the first `import triton` of the process; note that `import oomb` imports triton
+    # (through transformers and torch._dynamo), so in a full test run tests/conftest.py should set it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from helpers import assert_close_rel, rel_err  # noqa: E402
+from paged_inputs import make_problem  # noqa: E402
+
+from oomb.kernels import reference as R  # noqa: E402
+from oomb.kernels import triton_attention as T  # noqa: E402
+
+# Without CUDA the kernels only run if triton itself was imported under the interpreter.
+_INTERPRETER_MISSING = not _CUDA and type(triton.language.zeros).__name__ != "InterpretedFunction"
+
+DEVICE = "cuda" if _CUDA else "cpu"
+TOL = {"fp32": 1e-5, "bf16_grad_pool": 1e-2, "gpu_bf16": 1e-2, "gpu_lse": 1e-3}
+
+# Tile variants (interpreter-sized) that exercise each way of addressing a key block.
+SMALL = T.Tiles(16, 16, 1, 1, 16, 16, 16, 16, 1, 1, delta_c=16)
+TILES = {
+    "default": None,
+    "wide": dataclasses.replace(SMALL, fwd_m=32, fwd_n=32, dkdv_m=32, dkdv_n=32, dq_m=32, dq_n=32),
+    "tma": dataclasses.replace(SMALL, tma=True),
+}
+
+CASES = [
+    # b, h, h_kv, c, kv_len, d, page, window, sinks, tiles
+    pytest.param(1, 4, 2, 32, 96, 32, 16, None, False, "default", id="gqa-round"),
+    pytest.param(2, 3, 3, 13, 45, 16, 16, None, False, "default", id="mha-odd-ragged"),
+    pytest.param(1, 4, 2, 40, 40, 16, 16, None, False, "default", id="first-chunk-ragged"),
+    pytest.param(2, 4, 2, 20, 77, 16, 16, 11, False, "default", id="sliding-window"),
+    pytest.param(1, 4, 1, 12, 50, 16, 16, None, True, "default", id="sinks-mqa"),
+    pytest.param(2, 6, 2, 9, 70, 16, 8, 25, True, "default", id="everything-multipage-blocks"),
+    pytest.param(1, 4, 2, 24, 83, 16, 16, None, False, "wide", id="two-pages-per-block"),
+    pytest.param(1, 4, 2, 24, 83, 16, 32, 40, False, "default", id="two-blocks-per-page"),
+    pytest.param(1, 4, 2, 20, 61, 16, 24, None, True, "default", id="page-size-24"),
+    pytest.param(2, 4, 2, 20, 77, 16, 32, 30, True, "tma", id="tma-window-sinks"),
+    pytest.param(1, 2, 1, 16, 48, 64, 16, None, False, "default", id="head-dim-64"),
+]
+
+
+def _use_tiles(monkeypatch, name):
+    if TILES[name] is not None:
+        monkeypatch.setattr(T, "choose_tiles", lambda head_dim, page_size, dtype: TILES[name])
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_ready():
+    if _INTERPRETER_MISSING:
+        pytest.fail("no CUDA and triton was imported before TRITON_INTERPRET=1 was set (another module imported "
+                    "oomb or triton first): set it at the top of tests/conftest.py")
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    """Every buffer a kernel fills starts as NaN, so an unwritten element fails the comparison."""
+
+    def nan_empty(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(T, "_empty", nan_empty)
+
+
+def _never_read(pb, page, window):
+    """[num_pages, page] bool: slots no query may see (spare pages, pages before every window, the
+    ragged tail). The kernels get NaN there; the reference gets the clean pools."""
+    kv_len, c = pb.kv_len, pb.q.shape[2]
+    hidden = torch.ones(pb.k_pool.shape[0], page, dtype=torch.bool, device=pb.k_pool.device)
+    first = R._first_visible_page(kv_len, c, page, window)
+    for bi in range(pb.page_table.shape[0]):
+        for p in range(first, -(-kv_len // page)):
+            hidden[pb.page_table[bi, p], : min(page, kv_len - p * page)] = False
+    return hidden
+
+
+def _poisoned(pool, hidden):
+    pages, slots = hidden.nonzero(as_tuple=True)
+    pool = pool.clone()
+    pool[pages, :, slots] = float("nan")
+    return pool
+
+
+def _assert_untouched(pool, pool0, hidden):
+    pages, slots = hidden.nonzero(as_tuple=True)
+    assert torch.equal(pool[pages, :, slots], pool0[pages, :, slots]), "a slot no query sees was written"
+
+
+def _problem(b, h, h_kv, c, kv_len, d, page, window, sinks, dtype=torch.float32):
+    pb = make_problem(b, h, h_kv, c, kv_len, d, page, dtype=dtype, device=DEVICE, sinks=sinks)
+    hidden = _never_read(pb, page, window)
+    return pb, hidden, _poisoned(pb.k_pool, hidden), _poisoned(pb.v_pool, hidden)
+
+
+@pytest.mark.parametrize("b,h,h_kv,c,kv_len,d,page,window,sinks,tiles", CASES)
+def test_forward_matches_reference(monkeypatch, b, h, h_kv, c, kv_len, d, page, window, sinks, tiles):
+    _use_tiles(monkeypatch, tiles)
+    pb, _, k_pool, v_pool = _problem(b, h, h_kv, c, kv_len, d, page, window, sinks)
+    kw = dict(scale=d**-0.5, sliding_window=window, sinks=pb.sinks)
+    out, lse = T.paged_attention_forward(pb.q, k_pool, v_pool, pb.page_table, kv_len, **kw)
+    ref_out, ref_lse = R.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
+    assert out.dtype == pb.q.dtype and lse.dtype == torch.float32
+    assert_close_rel(out, ref_out, TOL["fp32"], "out")
+    assert_close_rel(lse, ref_lse, TOL["fp32"], "lse")
+
+
+@pytest.mark.parametrize("b,h,h_kv,c,kv_len,d,page,window,sinks,tiles", CASES)
+def test_backward_matches_reference(monkeypatch, b, h, h_kv, c, kv_len, d, page, window, sinks, tiles):
+    _use_tiles(monkeypatch, tiles)
+    pb, hidden, k_pool, v_pool = _problem(b, h, h_kv, c, kv_len, d, page, window, sinks)
+    kw = dict(scale=d**-0.5, sliding_window=window, sinks=pb.sinks)
+    out, lse = R.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
+    d_out = torch.randn_like(out)
+    # The gradient pools already hold other chunks' gradients: the kernels must ADD into them.
+    dk0, dv0 = torch.randn_like(pb.k_pool), torch.randn_like(pb.v_pool)
+    dk, dv, ref_dk, ref_dv = dk0.clone(), dv0.clone(), dk0.clone(), dv0.clone()
+
+    dq, d_sinks = T.paged_attention_backward(d_out, pb.q, out, lse, k_pool, v_pool, dk, dv, pb.page_table,
+                                             kv_len, **kw)
+    ref_dq, ref_d_sinks = R.paged_attention_backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, ref_dk, ref_dv,
+                                                     pb.page_table, kv_len, **kw)
+    assert dq.dtype == pb.q.dtype
+    assert_close_rel(dq, ref_dq, TOL["fp32"], "dq")
+    assert_close_rel(dk - dk0, ref_dk - dk0, TOL["fp32"], "dk added")
+    assert_close_rel(dv - dv0, ref_dv - dv0, TOL["fp32"], "dv added")
+    if sinks:
+        assert_close_rel(d_sinks, ref_d_sinks, TOL["fp32"], "d_sinks")
+    else:
+        assert d_sinks is None
+    # Slots no query sees (spare pages, pages before the window, the ragged tail) keep their bits.
+    _assert_untouched(dk, dk0, hidden)
+    _assert_untouched(dv, dv0, hidden)
+
+
+def test_fp16_inputs_as_close_to_fp32_as_torch_fp16():
+    # err(kernel) <= 2 * err(reference on the same fp16 inputs) + 1e-6, both against the fp32 reference.
+    pb, _, k_pool, v_pool = _problem(1, 4, 2, 24, 70, 32, 16, None, True)
+    kw = dict(scale=32**-0.5, sinks=pb.sinks)
+    q16, k16, v16 = pb.q.half(), pb.k_pool.half(), pb.v_pool.half()
+
+    def run(fwd, bwd, q, k, v, d_out):
+        out, lse = fwd(q, k, v, pb.page_table, 70, **kw)
+        dk, dv = torch.zeros_like(pb.k_pool), torch.zeros_like(pb.v_pool)
+        dq, _ = bwd(d_out.to(q.dtype), q, out, lse, k, v, dk, dv, pb.page_table, 70, **kw)
+        return {"out": out.float(), "lse": lse, "dq": dq.float(), "dk": dk, "dv": dv}
+
+    d_out = torch.randn_like(pb.q)
+    exact = run(R.paged_attention_forward, R.paged_attention_backward, pb.q, pb.k_pool, pb.v_pool, d_out)
+    torch16 = run(R.paged_attention_forward, R.paged_attention_backward, q16, k16, v16, d_out)
+    ours = run(T.paged_attention_forward, T.paged_attention_backward, q16, k_pool.half(), v_pool.half(), d_out)
+    for name, ref in exact.items():
+        assert_close_rel(ours[name], ref, 2 * rel_err(torch16[name], ref) + 1e-6, f"fp16 {name}")
+
+
+def test_bf16_gradient_pools_accumulate_in_fp32():
+    pb, hidden, k_pool, v_pool = _problem(2, 4, 2, 20, 53, 16, 16, None, False)
+    kw = dict(scale=0.25)
+    out, lse = R.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, 53, **kw)
+    d_out = torch.randn_like(out)
+    ref_dk, ref_dv = torch.zeros_like(pb.k_pool), torch.zeros_like(pb.v_pool)
+    R.paged_attention_backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, ref_dk, ref_dv, pb.page_table, 53, **kw)
+    dk0 = (0.1 * torch.randn_like(pb.k_pool)).bfloat16()
+    dv0 = (0.1 * torch.randn_like(pb.v_pool)).bfloat16()
+    dk, dv = dk0.clone(), dv0.clone()
+    T.paged_attention_backward(d_out, pb.q, out, lse, k_pool, v_pool, dk, dv, pb.page_table, 53, **kw)
+    assert dk.dtype == torch.bfloat16
+    assert_close_rel(dk.float() - dk0.float(), ref_dk, TOL["bf16_grad_pool"], "bf16 dk added")
+    assert_close_rel(dv.float() - dv0.float(), ref_dv, TOL["bf16_grad_pool"], "bf16 dv added")
+    _assert_untouched(dk, dk0, hidden)
+    _assert_untouched(dv, dv0, hidden)
+
+
+def test_rejects_bad_inputs():
+    pb = make_problem(1, 4, 2, 8, 32, 16, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="columns"):
+        T.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table[:, :1], 32, scale=0.25)
+    with pytest.raises(ValueError, match="newest"):
+        T.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, 4, scale=0.25)
+    with pytest.raises(ValueError, match="int32"):
+        T.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table.long(), 32, scale=0.25)
+
+
+# --------------------------------------------------------------------------------------
+# bf16 at realistic shapes, on the GPU (Qwen2.5-7B heads; D=64 with GPT-OSS sinks and window)
+# --------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    # h, h_kv, d, page, window, sinks, tma
+    pytest.param(28, 4, 128, 128, None, False, True, id="d128-page128"),
+    pytest.param(28, 4, 128, 128, None, False, False, id="d128-page128-pointers"),
+    pytest.param(28, 4, 128, 64, None, False, True, id="d128-page64"),
+    pytest.param(28, 4, 64, 128, None, False, True, id="d64-page128"),
+    pytest.param(64, 8, 64, 64, 128, True, True, id="d64-page64-window-sinks"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,h_kv,d,page,window,sinks,tma", GPU_CASES)
+def test_bf16_realistic_shapes_on_gpu(monkeypatch, h, h_kv, d, page, window, sinks, tma):
+    if not tma:
+        tiles = T.choose_tiles(d, page, torch.bfloat16)
+        monkeypatch.setattr(T, "choose_tiles", lambda *a: dataclasses.replace(tiles, tma=False))
+    c, kv_len = 4096, 16384
+    pb = make_problem(1, h, h_kv, c, kv_len, d, page, dtype=torch.bfloat16, device="cuda", sinks=sinks)
+    kw = dict(scale=d**-0.5, sliding_window=window)
+    s32 = pb.sinks.float() if sinks else None
+    q32, k32, v32 = pb.q.float(), pb.k_pool.float(), pb.v_pool.float()
+
+    out, lse = T.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, sinks=pb.sinks, **kw)
+    ref_out, ref_lse = R.paged_attention_forward(q32, k32, v32, pb.page_table, kv_len, sinks=s32, **kw)
+    assert out.dtype == torch.bfloat16
+    assert_close_rel(out.float(), ref_out, TOL["gpu_bf16"], "out")
+    assert_close_rel(lse, ref_lse, TOL["gpu_lse"], "lse")
+
+    d_out = torch.randn_like(pb.q)
+    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    ref_dk, ref_dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    dq, d_sinks = T.paged_attention_backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table,
+                                             kv_len, sinks=pb.sinks, **kw)
+    ref_dq, ref_d_sinks = R.paged_attention_backward(d_out.float(), q32, ref_out, ref_lse, k32, v32, ref_dk, ref_dv,
+                                                     pb.page_table, kv_len, sinks=s32, **kw)
+    assert_close_rel(dq.float(), ref_dq, TOL["gpu_bf16"], "dq")
+    assert_close_rel(dk, ref_dk, TOL["gpu_bf16"], "dk")
+    assert_close_rel(dv, ref_dv, TOL["gpu_bf16"], "dv")
+    if sinks:
+        assert_close_rel(d_sinks, ref_d_sinks, TOL["gpu_bf16"], "d_sinks")
+
+    # bf16 gradient pools (the store's usual grad dtype) get the same sums, rounded once.
+    dk16, dv16 = torch.zeros_like(pb.k_pool), torch.zeros_like(pb.v_pool)
+    T.paged_attention_backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk16, dv16, pb.page_table, kv_len,
+                               sinks=pb.sinks, **kw)
+    assert_close_rel(dk16.float(), ref_dk, TOL["gpu_bf16"], "bf16 dk pool")
+    assert_close_rel(dv16.float(), ref_dv, TOL["gpu_bf16"], "bf16 dv pool")
