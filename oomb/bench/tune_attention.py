@@ -24,16 +24,14 @@ from oomb.kernels import triton_attention as T
 # (name, overrides of the default Tiles). The default is measured first.
 CANDIDATES = [
     ("default", {}),
-    ("fwd-no-tma", {"tma": False}),
-    ("fwd-4-stages", {"fwd_stages": 4}),
-    ("fwd-m64-4warps", {"fwd_m": 64, "fwd_warps": 4}),
-    ("bwd-dkdv-m64", {"dkdv_m": 64}),
-    ("bwd-dkdv-m16", {"dkdv_m": 16}),
-    ("bwd-2-stages", {"bwd_stages": 2}),
-    ("bwd-4-warps", {"bwd_warps": 4}),
-    ("bwd-dq-n128", {"dq_n": 128}),
-    ("bwd-dq-m64", {"dq_m": 64}),
-    ("bwd-dkdv-n64", {"dkdv_n": 64}),
+    ("dq-n64", {"dq_n": 64}),
+    ("no-tma", {"tma": False}),
+    ("bwd-4-stages", {"bwd_stages": 4}),
+    ("dq-m64", {"dq_m": 64, "dq_n": 128}),
+    ("dkdv-m64-4st", {"dkdv_m": 64, "bwd_stages": 4}),
+    ("fwd-n64", {"fwd_n": 64}),
+    ("fwd-2-stages", {"fwd_stages": 2}),
+    ("fwd-m256", {"fwd_m": 256}),
 ]
 
 

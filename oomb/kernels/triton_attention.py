@@ -570,7 +570,9 @@ def choose_tiles(head_dim: int, page_size: int, dtype: torch.dtype) -> Tiles:
     # Key blocks of the forward/dQ loops stay inside one page when pages are large enough (one page id
     # per block, TMA); small or odd pages get 128-key blocks with a page id per key instead.
     fwd_n = min(128, page_size) if page_size >= 64 and page_size & (page_size - 1) == 0 else 128
-    dq_n = 64
+    # dQ loop over 128-key blocks where a page holds them: bwd 296 vs 278 TFLOP/s with 64 (H200, kv 64K,
+    # page 128, results/h200/2026-12-02-tune-attention-64k.json); 64 elsewhere (not measured).
+    dq_n = 128 if page_size % 128 == 0 else 64
     # d=128, bf16/fp16, measured on the H200 for a non-paged kernel (see FACTS.md): forward 128/128,
     # 8 warps, 3 stages; backward 32/128/128/64, 8 warps, 3 stages. d=64 uses the same (4 warps spill).
     return Tiles(128, fwd_n, 8, 3, 32, 128, 128, dq_n, 8, 3, tma=True)
