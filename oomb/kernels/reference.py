@@ -51,6 +51,21 @@ def _first_visible_page(kv_len: int, q_len: int, page_size: int, sliding_window:
     return earliest_key // page_size
 
 
+def _key_blocks(kv_len: int, q_len: int, page_size: int, sliding_window: int | None, step: int):
+    """(first page, end page, needs a mask) of each key block to visit.
+
+    Pages wholly before the first query position are visible to every query (unless a
+    sliding window cuts them), so those blocks skip the mask; the rest are masked.
+    """
+    n_pages = -(-kv_len // page_size)
+    boundary = (kv_len - q_len) // page_size  # pages [0, boundary) hold only keys < every query position
+    p0 = _first_visible_page(kv_len, q_len, page_size, sliding_window)
+    while p0 < n_pages:
+        p1 = min(p0 + step, n_pages, boundary) if p0 < boundary else min(p0 + step, n_pages)
+        yield p0, p1, p0 >= boundary or sliding_window is not None
+        p0 = p1
+
+
 @contextlib.contextmanager
 def _tf32_for(dtype: torch.dtype, device: torch.device):
     """Let fp32 matmuls use TF32 on CUDA when the inputs are bf16/fp16.
@@ -131,18 +146,16 @@ def paged_attention_forward(
         l = torch.zeros((b, h_kv, rows), device=q.device, dtype=acc_dtype)
     acc = torch.zeros((b, h_kv, rows, d), device=q.device, dtype=acc_dtype)
 
-    n_pages = -(-kv_len // page_size)
     step = _block_pages(q, page_size, block_tokens)
     with _tf32_for(q.dtype, q.device):
-        for p0 in range(_first_visible_page(kv_len, c, page_size, sliding_window), n_pages, step):
-            p1 = min(p0 + step, n_pages)
+        for p0, p1, masked in _key_blocks(kv_len, c, page_size, sliding_window, step):
             ids = page_table[:, p0:p1]
             k = _gather_block(k_pool, ids, acc_dtype)
             v = _gather_block(v_pool, ids, acc_dtype)
-            k_pos = torch.arange(p0 * page_size, p1 * page_size, device=q.device)
-            visible = _block_mask(q_pos_rows, k_pos, kv_len, sliding_window)
             s = (qg @ k.transpose(-1, -2)) * scale
-            s = s.masked_fill(~visible, -math.inf)
+            if masked:
+                k_pos = torch.arange(p0 * page_size, p1 * page_size, device=q.device)
+                s = s.masked_fill(~_block_mask(q_pos_rows, k_pos, kv_len, sliding_window), -math.inf)
             m_new = torch.maximum(m, s.amax(dim=-1))
             # Rows that have seen no visible key yet keep m = -inf; shift by 0 there to avoid inf - inf.
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -188,18 +201,17 @@ def paged_attention_backward(
     delta = (dog * _group(out, h_kv).to(acc_dtype)).sum(dim=-1)  # [B, H_kv, G*C] = rowsum(dO * O)
     dq = torch.zeros_like(qg)
 
-    n_pages = -(-kv_len // page_size)
     step = _block_pages(q, page_size, block_tokens)
     with _tf32_for(q.dtype, q.device):
-        for p0 in range(_first_visible_page(kv_len, c, page_size, sliding_window), n_pages, step):
-            p1 = min(p0 + step, n_pages)
+        for p0, p1, masked in _key_blocks(kv_len, c, page_size, sliding_window, step):
             ids = page_table[:, p0:p1]
             k = _gather_block(k_pool, ids, acc_dtype)
             v = _gather_block(v_pool, ids, acc_dtype)
-            k_pos = torch.arange(p0 * page_size, p1 * page_size, device=q.device)
-            visible = _block_mask(q_pos_rows, k_pos, kv_len, sliding_window)
             s = (qg @ k.transpose(-1, -2)) * scale
-            p = torch.exp(s - lse_g.unsqueeze(-1)).masked_fill(~visible, 0.0)
+            p = torch.exp(s - lse_g.unsqueeze(-1))
+            if masked:
+                k_pos = torch.arange(p0 * page_size, p1 * page_size, device=q.device)
+                p = p.masked_fill(~_block_mask(q_pos_rows, k_pos, kv_len, sliding_window), 0.0)
             dv = p.transpose(-1, -2) @ dog  # [B, H_kv, T, D], summed over the group's heads
             ds = p * (dog @ v.transpose(-1, -2) - delta.unsqueeze(-1))
             dq += (ds @ k) * scale
