@@ -7,6 +7,8 @@ import sys
 
 from rich.console import Console
 
+_BENCHES = {"core": "oomb.bench.core", "attention": "oomb.bench.attention", "tune": "oomb.bench.tune_attention"}
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="oomb", description="Long-context training on one GPU.")
@@ -20,16 +22,18 @@ def main(argv: list[str] | None = None) -> int:
                          help="an optional YAML config file first, then dotted overrides like train.steps=100")
     train_p.add_argument("--list-keys", action="store_true", help="print every config key with its default")
     train_p.add_argument("--list-presets", action="store_true", help="print the built-in model presets")
-    bench_p = sub.add_parser("bench", help="measured benchmarks (GPU): memory and time of a chunked step")
-    bench_p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench_p = sub.add_parser("bench", help="measured benchmarks on a GPU: core (a training step against "
+                             "context), attention (kernels against SDPA), tune (kernel tile sweep)")
+    bench_p.add_argument("name", choices=sorted(_BENCHES), help="which benchmark")
+    bench_p.add_argument("bench_args", nargs=argparse.REMAINDER, help="its options (see oomb bench NAME --help)")
 
     args = parser.parse_args(argv)
     console = Console(stderr=False)
     if args.command == "train":
         return _train(args, console)
-    from oomb.bench.core import main as bench_main
+    import importlib
 
-    return bench_main(args.bench_args)
+    return importlib.import_module(_BENCHES[args.name]).main(args.bench_args)
 
 
 def _train(args, console: Console) -> int:

@@ -31,6 +31,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from oomb.bench.common import int_list, run_benchmark
+
 H, H_KV, D, C = 28, 4, 128, 4096
 
 
@@ -198,26 +200,12 @@ def _print_table(report: dict) -> None:
               f"{1e3 * r['fwd_bwd_s']:>9.2f}{r['fwd_bwd_tflops']:>10.1f}{pct}")
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="oomb bench attention", description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", type=_ints, default=[16384, 65536, 131072], help="kv_len values")
+    p.add_argument("--contexts", type=int_list, default=[16384, 65536, 131072], help="kv_len values")
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--out", default=None, help="write the JSON report here")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("oomb bench attention needs a CUDA GPU", file=sys.stderr)
-        return 2
-    report = run(args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-    _print_table(report)
-    return 0
-
+    return run_benchmark("attention", p.parse_args(argv), run, _print_table)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,6 +23,7 @@ import sys
 import torch
 
 import oomb
+from oomb.bench.common import int_list, run_benchmark
 from oomb.engine import linear_cross_entropy_sum, store_for_model
 from oomb.train.presets import build_model
 
@@ -183,33 +184,19 @@ def _print_table(report: dict) -> None:
               f"peak minus store: {', '.join(f'{k}: {v:.2f}' for k, v in g['peak_minus_store_gib'].items())} GiB")
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="oomb bench core", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen2.5-7b")
-    p.add_argument("--lengths", type=_ints, default=[16384, 32768, 65536])
-    p.add_argument("--ckpt-lengths", type=_ints, default=[],
+    p.add_argument("--lengths", type=int_list, default=[16384, 32768, 65536])
+    p.add_argument("--ckpt-lengths", type=int_list, default=[],
                    help="also time oomb with per-layer checkpointing inside chunks at these lengths")
-    p.add_argument("--hf-lengths", type=_ints, default=[], help="also time transformers at these lengths")
+    p.add_argument("--hf-lengths", type=int_list, default=[], help="also time transformers at these lengths")
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--page", type=int, default=128)
     p.add_argument("--backend", default="auto")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", default=None, help="write the JSON report here")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("oomb bench core needs a CUDA GPU", file=sys.stderr)
-        return 2
-    report = run(args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-    _print_table(report)
-    return 0
-
+    return run_benchmark("core", p.parse_args(argv), run, _print_table)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,6 +19,7 @@ import sys
 import torch
 
 from oomb.bench.attention import H_KV, C, H, _paged_inputs, attention_flops
+from oomb.bench.common import run_benchmark
 from oomb.kernels import triton_attention as T
 
 # (name, overrides of the default Tiles). The default is measured first.
@@ -35,14 +36,9 @@ CANDIDATES = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(args) -> dict:
     import triton.testing
 
-    p = argparse.ArgumentParser(prog="python -m oomb.bench.tune_attention")
-    p.add_argument("--kv-len", type=int, default=65536)
-    p.add_argument("--page-size", type=int, default=128)
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
     dev = torch.device("cuda")
     q, _, _, k_pool, v_pool, page_table = _paged_inputs(args.kv_len, args.page_size, dev)
     d_out = torch.randn_like(q)
@@ -80,13 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     T.choose_tiles = original
-    report = {"bench": "tune_attention", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "gpu": torch.cuda.get_device_name(), "kv_len": args.kv_len, "q_len": C, "heads": [H, H_KV],
-              "page_size": args.page_size, "command": "python -m oomb.bench.tune_attention " + " ".join(sys.argv[1:]),
-              "results": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    return {"bench": "tune_attention", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "kv_len": args.kv_len, "q_len": C, "heads": [H, H_KV],
+            "page_size": args.page_size, "command": "python -m oomb.bench.tune_attention " + " ".join(sys.argv[1:]),
+            "results": rows}
+
+
+def _print_table(report: dict) -> None:
+    rows = report["results"]
     print(f"\n{'name':<18}{'fwd ms':>8}{'fwd TF/s':>10}{'bwd ms':>8}{'bwd TF/s':>10}{'f+b TF/s':>10}{'diff':>10}")
     for r in rows:
         if "error" in r:
@@ -94,7 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{r['name']:<18}{r['fwd_ms']:>8.2f}{r['fwd_tflops']:>10.1f}{r['bwd_ms']:>8.2f}"
                   f"{r['bwd_tflops']:>10.1f}{r['fwd_bwd_tflops']:>10.1f}{r['max_rel_diff_vs_default']:>10.1e}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="oomb bench tune", description=__doc__.splitlines()[0])
+    p.add_argument("--kv-len", type=int, default=65536)
+    p.add_argument("--page-size", type=int, default=128)
+    p.add_argument("--out", default=None, help="write the JSON report here")
+    return run_benchmark("tune", p.parse_args(argv), run, _print_table)
 
 
 if __name__ == "__main__":

@@ -105,3 +105,11 @@ def test_train_refuses_bad_settings_before_work(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
     assert main(["train", "model.preset=nope"]) == 2
     assert "unknown model preset 'nope'" in capsys.readouterr().out
+
+
+def test_bench_refuses_without_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    for name in ("core", "attention", "tune"):
+        assert main(["bench", name]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err

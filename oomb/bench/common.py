@@ -1,0 +1,27 @@
+"""What every benchmark entry point shares: list arguments, the CUDA check, the report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+
+import torch
+
+
+def int_list(text: str) -> list[int]:
+    """'16384,65536' -> [16384, 65536] (an argparse type)."""
+    return [int(x) for x in text.split(",") if x]
+
+
+def run_benchmark(name: str, args, run: Callable[[object], dict], print_table: Callable[[dict], None]) -> int:
+    """Refuse without CUDA, run, write the JSON report to ``args.out`` (if given), print the table."""
+    if not torch.cuda.is_available():
+        print(f"oomb bench {name} needs a CUDA GPU", file=sys.stderr)
+        return 2
+    report = run(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    print_table(report)
+    return 0
