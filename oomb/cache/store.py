@@ -132,7 +132,10 @@ class PagedKVStore:
             raise ValueError(f"batch_size and num_tokens must be positive, got {batch_size}, {num_tokens}")
         needed = self.pages_for(batch_size, num_tokens)
         if needed > self.capacity_pages:
-            self._layers = []  # drop the old pools first: peak memory = the new pools only
+            # Drop the old pools first (peak memory = the new pools only); if the allocation
+            # fails the store is left empty and consistent (capacity 0), not half-sized.
+            self._allocate_pools(0)
+            self._allocator.reset(0)
             self._allocate_pools(needed)
             self._allocator.reset(needed)
         max_pages = -(-num_tokens // self.spec.page_size)

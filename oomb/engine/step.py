@@ -44,7 +44,7 @@ def chunked_backward(
             -100 marks positions without a target. None = next-token prediction on ``input_ids``.
         chunk_size: tokens per chunk (a multiple of ``page_size``).
         page_size: tokens per page of the K/V store.
-        backend: attention backend: "auto" or "torch".
+        backend: attention kernels: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
         grad_dtype: dtype of the gradient pages (default: the model's dtype).
         loss_impl: fused linear cross-entropy: "auto", "liger" or "torch".
 

@@ -156,3 +156,23 @@ def test_release_frees_the_pools():
     assert store.capacity_pages == 0 and store.nbytes() == 0 and store.num_used_pages == 0
     store.reserve(1, 8)  # still usable
     store.append_chunk(8)
+
+
+def test_failed_growth_leaves_an_empty_consistent_store(monkeypatch):
+    store = PagedKVStore(_spec())
+    store.reserve(1, 16)
+
+    def fail(num_pages):
+        if num_pages:
+            raise torch.OutOfMemoryError("simulated")
+        original(num_pages)
+
+    original = store._allocate_pools
+    monkeypatch.setattr(store, "_allocate_pools", fail)
+    with pytest.raises(torch.OutOfMemoryError):
+        store.reserve(1, 1024)
+    assert store.capacity_pages == 0 and store.nbytes() == 0
+    monkeypatch.undo()
+    store.reserve(1, 16)  # usable again
+    store.append_chunk(16)
+    assert store.num_used_pages == 4
