@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args, console: Console) -> int:
-    from oomb.train.config import ConfigError, describe_keys, load_config
+    from oomb.train.config import ConfigError, describe_keys
     from oomb.train.presets import preset_names
-    from oomb.train.trainer import train
+    from oomb.train.trainer import load_run_config, train
 
     if args.list_keys:
         for key, default, doc in describe_keys():
@@ -53,10 +53,10 @@ def _train(args, console: Console) -> int:
     if overrides and "=" not in overrides[0]:
         config_path = overrides.pop(0)
     try:
-        cfg = load_config(config_path, overrides)
+        cfg = load_run_config(config_path, overrides)
         train(cfg, console)
     except ConfigError as e:
-        console.print(f"[red]config error:[/] {e}", highlight=False)
+        console.print(f"[red]config error:[/] {e}", highlight=False, soft_wrap=True)
         return 2
     return 0
 

@@ -68,6 +68,10 @@ class TrainConfig:
     """Seed for model init and data."""
     device: str = "auto"
     """auto (cuda if available), cuda, cuda:N or cpu."""
+    save_every: int = 0
+    """Write a checkpoint every N steps (0 = only after the last step)."""
+    export: bool = True
+    """After the last step, write <out_dir>/export, a folder transformers' from_pretrained loads."""
 
 
 @dataclass
@@ -76,7 +80,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     out_dir: str | None = None
-    """Where metrics.jsonl goes; null = runs/<date-time>. An existing non-empty folder is refused."""
+    """Run folder (metrics, checkpoints, export); null = runs/<date-time>. A used folder is refused."""
+    resume: str | None = None
+    """Continue a run: its folder (latest checkpoint) or a checkpoint folder; its config.json is the base."""
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

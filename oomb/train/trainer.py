@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 import oomb
-from oomb.train.config import Config, ConfigError, config_to_dict
+from oomb.train.checkpoint import CheckpointError, export_model, find_checkpoint, load_checkpoint, save_checkpoint
+from oomb.train.config import Config, ConfigError, config_to_dict, load_config
 from oomb.train.data import PasskeyTask
 from oomb.train.presets import build_model, preset_names
 
@@ -54,6 +55,8 @@ def check_config(cfg: Config) -> None:
             raise ConfigError(f"{name} must be positive, got {value}")
     if t.chunk_size % t.page_size:
         raise ConfigError(f"train.chunk_size={t.chunk_size} must be a multiple of train.page_size={t.page_size}")
+    if t.save_every < 0:
+        raise ConfigError(f"train.save_every must be >= 0, got {t.save_every}")
     if t.lr <= 0 or t.warmup_steps < 0 or t.grad_clip < 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError("train.lr must be > 0, train.warmup_steps and train.grad_clip >= 0, "
                           "train.min_lr_ratio in [0, 1]")
@@ -65,7 +68,29 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"unknown model preset {cfg.model.preset!r}; built-in presets: {', '.join(preset_names())}")
 
 
+def load_run_config(config_path: str | None, overrides: list[str]) -> Config:
+    """The run's config; with resume=... and no config file, the resumed run's config.json is the base."""
+    cfg = load_config(config_path, overrides)
+    if cfg.resume is not None and config_path is None:
+        run_dir = run_dir_of(_resume_checkpoint(cfg))
+        cfg = load_config(run_dir / "config.json", overrides)
+    return cfg
+
+
+def run_dir_of(ckpt: Path) -> Path:
+    return ckpt.parent.parent  # <run>/checkpoints/step-N
+
+
+def _resume_checkpoint(cfg: Config) -> Path:
+    try:
+        return find_checkpoint(Path(cfg.resume))
+    except CheckpointError as e:
+        raise ConfigError(f"resume={cfg.resume!r}: {e}") from e
+
+
 def prepare_out_dir(cfg: Config) -> Path:
+    if cfg.resume is not None:
+        return run_dir_of(_resume_checkpoint(cfg))
     if cfg.out_dir is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         out = Path("runs") / stamp
@@ -115,11 +140,22 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     if vocab < task.vocab_size:
         raise ConfigError(f"the model's vocabulary ({vocab}) is smaller than the passkey task's ({task.vocab_size})")
     out = prepare_out_dir(cfg)
-    (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    start = 0
+    if cfg.resume is not None:
+        ckpt = _resume_checkpoint(cfg)
+        try:
+            start = load_checkpoint(ckpt, model, optimizer, scheduler)
+        except CheckpointError as e:
+            raise ConfigError(f"cannot resume from {ckpt}: {e}") from e
+        _roll_back_metrics(out / "metrics.jsonl", start)
+        console.print(f"resuming {out} after step {start} from {ckpt}")
+    else:
+        cfg.out_dir = str(out)
+        (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
     n_params = sum(p.numel() for p in params)
     console.print(
         f"[bold]oomb train[/]: {cfg.model.path or cfg.model.preset} ({n_params / 1e6:.2f}M params, {dtype}) on "
@@ -134,8 +170,9 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     ]
     started = time.perf_counter()
     with open(out / "metrics.jsonl", "a") as metrics, Progress(*columns, console=console) as progress:
-        bar = progress.add_task("train", total=cfg.train.steps, loss=float("nan"), tps=0.0)
-        for step in range(cfg.train.steps):
+        bar = progress.add_task("train", total=cfg.train.steps, completed=start, loss=float("nan"), tps=0.0)
+        loss_value = float("nan")
+        for step in range(start, cfg.train.steps):
             batch = task.batch(step, cfg.train.batch_size)
             t0 = time.perf_counter()
             loss = oomb.chunked_backward(
@@ -166,6 +203,27 @@ def train(cfg: Config, console: Console | None = None) -> Path:
             progress.update(bar, advance=1, loss=loss_value, tps=record["tokens_per_s"])
             if not console.is_terminal and (step + 1) % 10 == 0:
                 console.print(f"step {step + 1}: loss {loss_value:.4f}, {record['tokens_per_s']:,.0f} tok/s")
+            last = step + 1 == cfg.train.steps
+            if last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+                save_checkpoint(out, step + 1, model, optimizer, scheduler)
+    if cfg.train.export:
+        export_model(model, out)
     console.print(f"done: {cfg.train.steps} steps in {time.perf_counter() - started:.1f} s; "
-                  f"final loss {loss_value:.4f}; metrics in {out}/metrics.jsonl")
+                  f"final loss {loss_value:.4f}; metrics, checkpoints{' and export' if cfg.train.export else ''} "
+                  f"in {out}")
     return out
+
+
+def _roll_back_metrics(path: Path, step: int) -> None:
+    """Keep the metrics of steps <= ``step``; lines of steps that will run again move to a side file."""
+    if not path.is_file():
+        return
+    keep, redo = [], []
+    for line in path.read_text().splitlines():
+        (keep if json.loads(line)["step"] <= step else redo).append(line)
+    if redo:
+        with open(path.with_name("metrics.rolled-back.jsonl"), "a") as f:
+            f.write("\n".join(redo) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
