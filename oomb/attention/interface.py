@@ -19,6 +19,7 @@ from oomb.attention.function import paged_attention
 
 ATTENTION_NAME = "oomb"
 
+
 def oomb_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [B, H, C, D]
