@@ -49,8 +49,10 @@ def chunked_backward(
         loss_impl: fused linear cross-entropy: "auto", "liger" or "torch".
 
     Accumulates d(loss)/d(param) into ``.grad`` like ``loss.backward()`` and returns the
-    mean loss over target tokens as a detached scalar.
+    mean loss over target tokens as a detached scalar. A peft model (LoRA) is accepted:
+    its adapters live inside the wrapped transformers model, which is what runs here.
     """
+    model = _unwrap_peft(model)
     targets = _validate(model, input_ids, labels, chunk_size, page_size)
     n_targets = int((targets != IGNORE_INDEX).sum())  # host sync, once per step
     if n_targets == 0:
@@ -108,16 +110,23 @@ def chunked_backward(
     return total
 
 
+def _unwrap_peft(model: torch.nn.Module) -> torch.nn.Module:
+    """A peft PeftModel -> the transformers model it wraps (with the adapter layers injected)."""
+    if not isinstance(model, PreTrainedModel) and callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
+    return model
+
+
 def release_memory(model: torch.nn.Module) -> None:
     """Free the paged store's memory kept for ``model`` (its pools are otherwise reused by the next step)."""
-    store = _STORES.pop(model, None)
+    store = _STORES.pop(_unwrap_peft(model), None)
     if store is not None:
         store.release()  # frees the pools even if something else still references the store
 
 
 def store_for_model(model: torch.nn.Module) -> PagedKVStore | None:
     """The store oomb keeps for ``model`` between steps, if any (for memory accounting)."""
-    return _STORES.get(model)
+    return _STORES.get(_unwrap_peft(model))
 
 
 def _store_for(

@@ -182,12 +182,20 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.O
     return json.loads((ckpt / "state.json").read_text())["step"]
 
 
-def export_model(model, out_dir: Path) -> Path:
-    """Write the model as a transformers folder (``from_pretrained`` loads it), atomically."""
+def export_model(model, out_dir: Path, *, merge_lora: bool = True) -> Path:
+    """Write the model as a transformers folder (``from_pretrained`` loads it), atomically.
+
+    A LoRA (peft) model is exported with its adapters merged into a copy of the weights,
+    or, with ``merge_lora=False``, as the adapter folder peft loads on top of the base.
+    """
     final = out_dir / "export"
     tmp = out_dir / "export.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
+    if merge_lora and callable(getattr(model, "merge_and_unload", None)):
+        import copy
+
+        model = copy.deepcopy(model).merge_and_unload()  # the training model keeps its adapters
     model.save_pretrained(tmp, safe_serialization=True)
     if final.exists():
         shutil.rmtree(final)

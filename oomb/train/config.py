@@ -31,6 +31,18 @@ class ModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    r: int = 0
+    """LoRA rank; 0 = full fine-tuning (every parameter trains)."""
+    alpha: float = 16.0
+    """LoRA scaling numerator (the update is scaled by alpha / r)."""
+    targets: str = "q_proj,k_proj,v_proj,o_proj"
+    """Comma-separated names of the linear layers that get adapters."""
+    merge_on_export: bool = True
+    """Export the base model with the adapters merged in (else the adapter folder alone)."""
+
+
+@dataclass
 class DataConfig:
     task: str = "passkey"
     """Training data: the built-in passkey retrieval task."""
@@ -77,6 +89,7 @@ class TrainConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     out_dir: str | None = None

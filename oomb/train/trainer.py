@@ -121,10 +121,30 @@ def build(cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.nn.Mod
     if cfg.model.path is not None:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             cfg.model.path, dtype=dtype, local_files_only=True, trust_remote_code=False
         ).to(device)
-    return build_model(cfg.model.preset, dtype=dtype, device=device)
+    else:
+        model = build_model(cfg.model.preset, dtype=dtype, device=device)
+    if cfg.lora.r > 0:
+        model = _add_lora(model, cfg)
+    return model
+
+
+def _add_lora(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+    """Wrap with peft LoRA adapters: only the adapters train (no dropout: chunks are recomputed)."""
+    try:
+        import peft
+    except ImportError as e:
+        raise ConfigError("lora.r > 0 needs the peft package: pip install peft") from e
+    targets = [t.strip() for t in cfg.lora.targets.split(",") if t.strip()]
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    unknown = [t for t in targets if t not in names]
+    if not targets or unknown:
+        raise ConfigError(f"lora.targets names no layer of this model: {unknown or targets}; "
+                          "e.g. q_proj,k_proj,v_proj,o_proj")
+    lora = peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0, target_modules=targets)
+    return peft.get_peft_model(model, lora)
 
 
 def train(cfg: Config, console: Console | None = None) -> Path:
@@ -207,7 +227,7 @@ def train(cfg: Config, console: Console | None = None) -> Path:
             if last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
                 save_checkpoint(out, step + 1, model, optimizer, scheduler)
     if cfg.train.export:
-        export_model(model, out)
+        export_model(model, out, merge_lora=cfg.lora.merge_on_export)
     console.print(f"done: {cfg.train.steps} steps in {time.perf_counter() - started:.1f} s; "
                   f"final loss {loss_value:.4f}; metrics, checkpoints{' and export' if cfg.train.export else ''} "
                   f"in {out}")

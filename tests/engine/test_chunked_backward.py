@@ -116,3 +116,21 @@ def test_triton_backend_equals_full_sequence(family):
     model = tiny_model(family)
     ids = torch.randint(0, VOCAB, (2, 83))  # ragged last chunk and page; qwen2/gpt_oss have a window
     _assert_same_training(model, ids, chunk_size=32, page_size=16, backend="triton")
+
+
+def test_lora_through_peft_equals_full_sequence():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        tiny_model("qwen3"),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                        init_lora_weights=False),  # nonzero B, so every adapter gets a gradient
+    )
+    ids = torch.randint(0, VOCAB, (1, 100))
+    ref_loss, ref_grads = _full_sequence_grads(model, ids, ids)
+    assert ref_grads and all("lora_" in n for n in ref_grads)  # only adapters train
+    model.zero_grad(set_to_none=True)
+    loss = oomb.chunked_backward(model, ids, chunk_size=32, page_size=16)
+    assert rel_err(loss, ref_loss) <= TOL
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref_grads.keys()
+    assert max(rel_err(grads[n], ref_grads[n]) for n in grads) <= TOL

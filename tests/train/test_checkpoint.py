@@ -131,3 +131,37 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
 def test_resume_without_checkpoint_is_refused(tmp_path, capsys):
     assert main(["train", f"resume={tmp_path}"]) == 2
     assert "holds no checkpoint" in capsys.readouterr().out
+
+
+def test_lora_trains_only_adapters_and_exports_merged(tmp_path):
+    pytest.importorskip("peft")
+    run = tmp_path / "lora"
+    assert main(["train", f"out_dir={run}", "train.steps=3", "lora.r=4", "lora.targets=q_proj,v_proj",
+                 *SMALL_RUN]) == 0
+    saved = load_file(find_checkpoint(run) / "model.safetensors")
+    assert saved and all("lora_" in name for name in saved)  # the checkpoint holds the adapters only
+    assert any(float(t.abs().max()) > 0 for n, t in saved.items() if "lora_B" in n)  # and they moved
+
+    # Rebuild: the run's seed gives the same base weights; the merged export must equal base + adapters.
+    import peft
+
+    torch.manual_seed(0)  # train.seed
+    base = build_model("tiny", dtype=torch.float32, device="cpu", attn_implementation="eager")
+    initial = {k: v.clone() for k, v in base.state_dict().items()}
+    adapted = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=16.0, target_modules=["q_proj", "v_proj"]))
+    missing, unexpected = adapted.load_state_dict(saved, strict=False)
+    assert not unexpected and not [k for k in missing if "lora_" in k]
+    merged = AutoModelForCausalLM.from_pretrained(run / "export", attn_implementation="eager")
+    ids = torch.randint(0, 64, (1, 200))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=1e-5, atol=1e-5)
+    exported = merged.state_dict()
+    for name, value in initial.items():  # frozen weights left as initialised, adapted ones merged
+        same = torch.equal(exported[name], value)
+        assert same != ("q_proj" in name or "v_proj" in name), name
+
+
+def test_lora_with_unknown_targets_is_refused(tmp_path, capsys):
+    pytest.importorskip("peft")
+    assert main(["train", f"out_dir={tmp_path / 'r'}", "lora.r=4", "lora.targets=qkv", *SMALL_RUN]) == 2
+    assert "lora.targets names no layer" in capsys.readouterr().out
