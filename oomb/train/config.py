@@ -76,6 +76,8 @@ class TrainConfig:
     """Tokens per chunk of the chunk-recurrent step (a multiple of page_size)."""
     page_size: int = 128
     """Tokens per page of the K/V store."""
+    layer_checkpointing: bool = False
+    """Recompute each layer inside a chunk during backward: far less activation memory, one more forward."""
     seed: int = 0
     """Seed for model init and data."""
     device: str = "auto"

@@ -161,6 +161,8 @@ def train(cfg: Config, console: Console | None = None) -> Path:
         raise ConfigError(f"the model's vocabulary ({vocab}) is smaller than the passkey task's ({task.vocab_size})")
     out = prepare_out_dir(cfg)
     model.train()
+    if cfg.train.layer_checkpointing:  # transformers' own; exact inside oomb's chunks (tested)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))

@@ -113,3 +113,12 @@ def test_bench_refuses_without_cuda(capsys):
     for name in ("core", "attention", "tune"):
         assert main(["bench", name]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_layer_checkpointing_gives_the_same_run(tmp_path):
+    common = ["train.steps=3", "data.seq_len=512", "train.chunk_size=256", "train.page_size=64", "train.export=false"]
+    assert main(["train", f"out_dir={tmp_path / 'a'}", *common]) == 0
+    assert main(["train", f"out_dir={tmp_path / 'b'}", "train.layer_checkpointing=true", *common]) == 0
+    la = [json.loads(x)["loss"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert la == pytest.approx(lb, rel=1e-6)
