@@ -134,8 +134,7 @@ class PagedKVStore:
         if needed > self.capacity_pages:
             # Drop the old pools first (peak memory = the new pools only); if the allocation
             # fails the store is left empty and consistent (capacity 0), not half-sized.
-            self._allocate_pools(0)
-            self._allocator.reset(0)
+            self.release()
             self._allocate_pools(needed)
             self._allocator.reset(needed)
         max_pages = -(-num_tokens // self.spec.page_size)
