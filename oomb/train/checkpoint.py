@@ -81,17 +81,37 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters that train (all of them for full fine-tuning), as contiguous CPU tensors.
-
-    Tied parameters (e.g. embeddings shared with the LM head) are stored once.
-    """
+def _trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Parameters that train (all of them for full fine-tuning); tied ones (shared embeddings) once."""
     out, seen = {}, set()
     for name, p in model.named_parameters():
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
-            out[name] = p.detach().to("cpu").contiguous()
+            out[name] = p
     return out
+
+
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters as contiguous CPU tensors (what a checkpoint stores)."""
+    return {name: p.detach().to("cpu").contiguous() for name, p in _trainable_parameters(model).items()}
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` through a fsynced temporary file and a rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    _fsync_file(tmp)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _publish_dir(tmp: Path, final: Path) -> None:
+    """Move a fully written folder into place (replacing an older one of the same name)."""
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
 
 
 def save_checkpoint(
@@ -115,15 +135,8 @@ def save_checkpoint(
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     for name in (*_FILES, "manifest.json"):
         _fsync_file(tmp / name)
-    _fsync_dir(tmp)
-    if final.exists():  # the same step saved again (e.g. after a resume): replace it whole
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    latest_tmp = out_dir / CHECKPOINTS / (LATEST + ".tmp")
-    latest_tmp.write_text(final.name)
-    _fsync_file(latest_tmp)
-    os.replace(latest_tmp, out_dir / CHECKPOINTS / LATEST)
-    _fsync_dir(out_dir / CHECKPOINTS)
+    _publish_dir(tmp, final)  # the same step saved again (after a resume) is replaced whole
+    write_text_atomic(out_dir / CHECKPOINTS / LATEST, final.name)
     return final
 
 
@@ -161,13 +174,12 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.O
     """Restore model, optimizer, scheduler and RNG from ``ckpt``; returns the step it was taken at."""
     verify_checkpoint(ckpt)
     weights = load_file(ckpt / "model.safetensors")
-    expected = trainable_state_dict(model)
-    if weights.keys() != expected.keys():
-        missing, extra = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
+    params = _trainable_parameters(model)
+    if weights.keys() != params.keys():
+        missing, extra = sorted(params.keys() - weights.keys()), sorted(weights.keys() - params.keys())
         raise CheckpointError(
             f"checkpoint {ckpt} does not fit this model: missing {missing[:5]}, unexpected {extra[:5]}"
         )
-    params = dict(model.named_parameters())
     with torch.no_grad():
         for name, tensor in weights.items():
             if params[name].shape != tensor.shape:
@@ -197,7 +209,5 @@ def export_model(model, out_dir: Path, *, merge_lora: bool = True) -> Path:
 
         model = copy.deepcopy(model).merge_and_unload()  # the training model keeps its adapters
     model.save_pretrained(tmp, safe_serialization=True)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    _publish_dir(tmp, final)
     return final

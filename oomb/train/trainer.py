@@ -17,7 +17,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 import oomb
-from oomb.train.checkpoint import CheckpointError, export_model, find_checkpoint, load_checkpoint, save_checkpoint
+from oomb.train.checkpoint import (
+    CheckpointError,
+    export_model,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    write_text_atomic,
+)
 from oomb.train.config import Config, ConfigError, config_to_dict, load_config
 from oomb.train.data import PasskeyTask
 from oomb.train.presets import build_model, preset_names
@@ -246,6 +253,4 @@ def _roll_back_metrics(path: Path, step: int) -> None:
     if redo:
         with open(path.with_name("metrics.rolled-back.jsonl"), "a") as f:
             f.write("\n".join(redo) + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)
+    write_text_atomic(path, "".join(line + "\n" for line in keep))
