@@ -104,6 +104,19 @@ def _block_mask(
     return visible
 
 
+def _block_scores(qg, k_pool, v_pool, page_table, p0, p1, masked, q_pos_rows, kv_len, scale, sliding_window):
+    """Keys and values of pages [p0, p1) in qg's dtype, and the scaled scores with invisible keys at -inf."""
+    ids = page_table[:, p0:p1]
+    k = _gather_block(k_pool, ids, qg.dtype)
+    v = _gather_block(v_pool, ids, qg.dtype)
+    s = (qg @ k.transpose(-1, -2)) * scale
+    if masked:
+        page_size = k_pool.shape[2]
+        k_pos = torch.arange(p0 * page_size, p1 * page_size, device=qg.device)
+        s = s.masked_fill(~_block_mask(q_pos_rows, k_pos, kv_len, sliding_window), -math.inf)
+    return k, v, s
+
+
 def _group(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[B, H, C, ...] -> [B, H_kv, G*C, ...]: the G query heads of a KV head as one row block."""
     b, h, c = x.shape[:3]
@@ -149,13 +162,8 @@ def paged_attention_forward(
     step = _block_pages(q, page_size, block_tokens)
     with _tf32_for(q.dtype, q.device):
         for p0, p1, masked in _key_blocks(kv_len, c, page_size, sliding_window, step):
-            ids = page_table[:, p0:p1]
-            k = _gather_block(k_pool, ids, acc_dtype)
-            v = _gather_block(v_pool, ids, acc_dtype)
-            s = (qg @ k.transpose(-1, -2)) * scale
-            if masked:
-                k_pos = torch.arange(p0 * page_size, p1 * page_size, device=q.device)
-                s = s.masked_fill(~_block_mask(q_pos_rows, k_pos, kv_len, sliding_window), -math.inf)
+            k, v, s = _block_scores(qg, k_pool, v_pool, page_table, p0, p1, masked, q_pos_rows, kv_len,
+                                    scale, sliding_window)
             m_new = torch.maximum(m, s.amax(dim=-1))
             # Rows that have seen no visible key yet keep m = -inf; shift by 0 there to avoid inf - inf.
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -204,14 +212,10 @@ def paged_attention_backward(
     step = _block_pages(q, page_size, block_tokens)
     with _tf32_for(q.dtype, q.device):
         for p0, p1, masked in _key_blocks(kv_len, c, page_size, sliding_window, step):
+            k, v, s = _block_scores(qg, k_pool, v_pool, page_table, p0, p1, masked, q_pos_rows, kv_len,
+                                    scale, sliding_window)
+            p = torch.exp(s - lse_g.unsqueeze(-1))  # masked keys: exp(-inf) = 0
             ids = page_table[:, p0:p1]
-            k = _gather_block(k_pool, ids, acc_dtype)
-            v = _gather_block(v_pool, ids, acc_dtype)
-            s = (qg @ k.transpose(-1, -2)) * scale
-            p = torch.exp(s - lse_g.unsqueeze(-1))
-            if masked:
-                k_pos = torch.arange(p0 * page_size, p1 * page_size, device=q.device)
-                p = p.masked_fill(~_block_mask(q_pos_rows, k_pos, kv_len, sliding_window), 0.0)
             dv = p.transpose(-1, -2) @ dog  # [B, H_kv, T, D], summed over the group's heads
             ds = p * (dog @ v.transpose(-1, -2) - delta.unsqueeze(-1))
             dq += (ds @ k) * scale
