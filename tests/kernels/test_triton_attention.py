@@ -333,3 +333,45 @@ def test_bf16_realistic_shapes_on_gpu(monkeypatch, h, h_kv, d, page, window, sin
                                sinks=pb.sinks, **kw)
     assert_close_rel(dk16.float(), ref_dk, TOL["gpu_bf16"], "bf16 dk pool")
     assert_close_rel(dv16.float(), ref_dv, TOL["gpu_bf16"], "bf16 dv pool")
+
+
+GPU_MASK_CASES = [
+    # d, page, docs, select (h_sel, select_block, k), sinks
+    pytest.param(128, 128, 6, None, False, id="docs-d128"),
+    pytest.param(128, 128, None, (1, 128, 64), False, id="select-shared-d128"),
+    pytest.param(128, 64, None, (4, 128, 64), False, id="select-per-head-page64"),
+    pytest.param(64, 128, 4, (4, 64, 32), True, id="select-docs-sinks-d64"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,page,docs,select,sinks", GPU_MASK_CASES)
+def test_bf16_documents_and_page_selection_on_gpu(d, page, docs, select, sinks):
+    from paged_inputs import random_doc_start, random_page_select
+
+    h, h_kv, c, kv_len = 28, 4, 4096, 32768
+    pb = make_problem(1, h, h_kv, c, kv_len, d, page, dtype=torch.bfloat16, device="cuda", sinks=sinks)
+    kw = dict(scale=d**-0.5)
+    if docs:
+        kw["doc_start"] = random_doc_start(1, c, kv_len, docs, device="cuda")
+    if select:
+        h_sel, block, k = select
+        kw["page_select"] = random_page_select(1, h_sel, c, kv_len, page, block, k, device="cuda")
+        kw["select_block"] = block
+    s32 = pb.sinks.float() if sinks else None
+    q32, k32, v32 = pb.q.float(), pb.k_pool.float(), pb.v_pool.float()
+    out, lse = T.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, sinks=pb.sinks, **kw)
+    ref_out, ref_lse = R.paged_attention_forward(q32, k32, v32, pb.page_table, kv_len, sinks=s32, **kw)
+    assert_close_rel(out.float(), ref_out, TOL["gpu_bf16"], "out")
+    assert_close_rel(lse, ref_lse, TOL["gpu_lse"], "lse")
+    d_out = torch.randn_like(pb.q)
+    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    ref_dk, ref_dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    dq, _ = T.paged_attention_backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len,
+                                       sinks=pb.sinks, **kw)
+    ref_dq, _ = R.paged_attention_backward(d_out.float(), q32, ref_out, ref_lse, k32, v32, ref_dk, ref_dv,
+                                           pb.page_table, kv_len, sinks=s32, **kw)
+    assert not torch.isnan(dq).any() and not torch.isnan(dk).any()
+    assert_close_rel(dq.float(), ref_dq, TOL["gpu_bf16"], "dq")
+    assert_close_rel(dk, ref_dk, TOL["gpu_bf16"], "dk")
+    assert_close_rel(dv, ref_dv, TOL["gpu_bf16"], "dv")
