@@ -70,14 +70,95 @@ def _kernel_rows(kv_len: int, args) -> list[dict]:
     return rows
 
 
+def _kernel_times(fn, repeats: int = 5) -> dict[str, float]:
+    """Mean CUDA milliseconds per call of each kernel fn launches (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for evt in prof.key_averages():
+        if evt.device_time_total > 0:
+            totals[evt.key[:80]] = evt.device_time_total / 1e3 / repeats
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:20])
+
+
+def _split_and_sweep(kv_len: int, args) -> list[dict]:
+    """Per-kernel times of sparse and dense fwd+bwd, then sparse fwd+bwd under tile variants."""
+    import dataclasses
+
+    from oomb.kernels import triton_attention as T
+
+    page = args.page
+    q, _, _, k_pool, v_pool, page_table = _paged_inputs(kv_len, page, torch.device("cuda"))
+    mean_k = k_pool.float().mean(dim=2)
+    n_past = (kv_len - C) // page
+    sel = select_pages(q, mean_k, page_table, n_past, page, PageSelection(page_budget=args.budget, block=args.block))
+    dk_pool, dv_pool = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
+    d_out = torch.randn_like(q)
+    rows = []
+    for mode, kw in (("dense", {}), ("sparse", {"page_select": sel, "select_block": args.block})):
+        def fwd_bwd(kw=kw):
+            out, lse = T.paged_attention_forward(q, k_pool, v_pool, page_table, kv_len, scale=D**-0.5, **kw)
+            T.paged_attention_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len,
+                                       scale=D**-0.5, **kw)
+
+        rows.append({"kind": "kernel_split", "mode": mode, "kv_len": kv_len, "ms_per_call": _kernel_times(fwd_bwd)})
+        print(json.dumps(rows[-1]), flush=True)
+    base = T.choose_tiles(D, page, torch.bfloat16)
+    variants = {
+        "default": base,
+        "dkdv_n64": dataclasses.replace(base, dkdv_n=64),
+        "dkdv_m64": dataclasses.replace(base, dkdv_m=64),
+        "dkdv_n64_m64": dataclasses.replace(base, dkdv_n=64, dkdv_m=64),
+        "dq_m64": dataclasses.replace(base, dq_m=64),
+        "bwd_warps4": dataclasses.replace(base, bwd_warps=4),
+        "bwd_stages2": dataclasses.replace(base, bwd_stages=2),
+    }
+    original = T.choose_tiles
+    kw = {"page_select": sel, "select_block": args.block}
+    try:
+        for name, tiles in variants.items():
+            T.choose_tiles = lambda *a, tiles=tiles: tiles  # noqa: E731
+
+            def fwd_bwd():
+                out, lse = T.paged_attention_forward(q, k_pool, v_pool, page_table, kv_len, scale=D**-0.5, **kw)
+                T.paged_attention_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table,
+                                           kv_len, scale=D**-0.5, **kw)
+            try:
+                rows.append({"kind": "sweep", "variant": name, "kv_len": kv_len, "tiles": dataclasses.asdict(tiles),
+                             "fwd_bwd_s": _bench(fwd_bwd)})
+            except Exception as e:  # a variant that does not compile (registers, shared memory) is skipped
+                rows.append({"kind": "sweep", "variant": name, "kv_len": kv_len, "error": str(e)[:200]})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        T.choose_tiles = original
+    return rows
+
+
+def _profile_step(model, n: int, args) -> dict:
+    ids = torch.randint(0, model.config.vocab_size, (1, n), device="cuda")
+    policy = PageSelection(page_budget=args.budget, block=args.block)
+    times = _kernel_times(lambda: oomb.chunked_backward(model, ids, chunk_size=args.chunk, page_size=args.page,
+                                                        selection=policy), repeats=1)
+    return {"kind": "step_profile", "mode": "sparse", "seq_len": n, "ms_per_step": times}
+
+
 def run(args) -> dict:
     results = []
     for kv_len in args.contexts:
         results += _kernel_rows(kv_len, args)
         torch.cuda.empty_cache()
+    for kv_len in args.split_contexts:
+        results += _split_and_sweep(kv_len, args)
+        torch.cuda.empty_cache()
 
     steps = [(n, m) for n in args.lengths for m in ("dense", "sparse")] + [(n, "sparse") for n in args.sparse_lengths]
-    if steps:
+    if steps or args.profile_step:
         from oomb.train.presets import build_model
 
         model = build_model(args.preset, dtype=torch.bfloat16, device=torch.device("cuda"))
@@ -85,10 +166,14 @@ def run(args) -> dict:
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         warmed = set()
+        if args.profile_step:
+            results.append(_profile_step(model, args.profile_step, args))
+            print(json.dumps(results[-1]), flush=True)
+            oomb.release_memory(model)
         for n, mode in steps:
             ids = torch.randint(0, model.config.vocab_size, (1, n), device="cuda")
             budget = args.budget if mode == "sparse" else None
-            policy = PageSelection(page_budget=args.budget, block=args.block)
+            policy = PageSelection(page_budget=args.budget, block=args.block) if mode == "sparse" else None
 
             def step(ids=ids, budget=budget, policy=policy):
                 oomb.chunked_backward(model, ids, chunk_size=args.chunk, page_size=args.page,
@@ -140,6 +225,8 @@ def _print_table(report: dict) -> None:
     print(f"\n{report['gpu']}  {report['date']}  budget {report['kernel_shape']['budget_pages']} pages, "
           f"block {report['kernel_shape']['select_block']}")
     for r in report["results"]:
+        if r["kind"] in ("kernel_split", "sweep", "step_profile"):
+            continue
         if r["kind"] == "kernel":
             extra = (f"  x{r['speedup_fwd_bwd']:.1f} (x{r['speedup_incl_selection']:.1f} with selection "
                      f"{1e3 * r['select_s']:.2f} ms)") if r["mode"] == "sparse" else ""
@@ -158,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int_list, default=[65536, 131072, 262144], help="kernel kv_len values")
     p.add_argument("--lengths", type=int_list, default=[65536, 131072], help="step lengths, dense and sparse")
     p.add_argument("--sparse-lengths", type=int_list, default=[], help="step lengths, sparse only")
+    p.add_argument("--split-contexts", type=int_list, default=[],
+                   help="kv_len values at which to time each kernel and sweep backward tiles (sparse)")
+    p.add_argument("--profile-step", type=int, default=0, help="profile the kernels of one sparse step this long")
     p.add_argument("--preset", default="qwen2.5-7b")
     p.add_argument("--budget", type=int, default=64, help="pages per query block")
     p.add_argument("--block", type=int, default=128, help="queries per selection block")
