@@ -172,6 +172,17 @@ def verify_checkpoint(ckpt: Path) -> None:
 
 def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> int:
     """Restore model, optimizer, scheduler and RNG from ``ckpt``; returns the step it was taken at."""
+    load_weights(ckpt, model)
+    # weights_only: plain tensors and containers only, never arbitrary pickled objects.
+    opt = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(opt["optimizer"])
+    scheduler.load_state_dict(opt["scheduler"])
+    set_rng_state(torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=True))
+    return json.loads((ckpt / "state.json").read_text())["step"]
+
+
+def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
+    """Verify ``ckpt`` and copy its weights into ``model`` (built as the run built it); no optimizer state."""
     verify_checkpoint(ckpt)
     weights = load_file(ckpt / "model.safetensors")
     params = _trainable_parameters(model)
@@ -186,12 +197,6 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.O
                 raise CheckpointError(f"checkpoint {ckpt}: {name} has shape {tuple(tensor.shape)}, "
                                       f"the model {tuple(params[name].shape)}")
             params[name].copy_(tensor)
-    # weights_only: plain tensors and containers only, never arbitrary pickled objects.
-    opt = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(opt["optimizer"])
-    scheduler.load_state_dict(opt["scheduler"])
-    set_rng_state(torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=True))
-    return json.loads((ckpt / "state.json").read_text())["step"]
 
 
 def export_model(model, out_dir: Path, *, merge_lora: bool = True) -> Path:
