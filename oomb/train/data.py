@@ -63,7 +63,7 @@ class PasskeyTask:
         ]
 
     def _filler(self, n: int, gen: torch.Generator) -> torch.Tensor:
-        out, total = [], 0
+        out, total = [torch.empty(0, dtype=torch.int64)], 0  # depth 0 or 1: no filler on one side
         while total < n:
             word = self.lexicon[int(torch.randint(len(self.lexicon), (1,), generator=gen))]
             out.append(word)
