@@ -23,9 +23,12 @@ def _reference(model, input_ids, labels):
     return nll, correct
 
 
-@pytest.mark.parametrize("family,attn", [("llama", "eager"), ("qwen2", "sdpa"), ("qwen2", "eager")])
+@pytest.mark.parametrize(
+    "family,attn", [("llama", "eager"), ("qwen2", "sdpa"), ("qwen2", "eager"), ("gpt_oss", "eager")]
+)
 def test_equals_full_sequence_forward(family, attn):
-    # qwen2: one sliding-window layer (window 37) over 5 chunks; 150 tokens = ragged last chunk and page.
+    # qwen2: one sliding-window layer (window 37) over 5 chunks; gpt_oss: sinks and a window;
+    # 150 tokens = ragged last chunk and page.
     model = tiny_model(family, attn_implementation=attn)
     ids = torch.randint(0, VOCAB, (2, 150))
     labels = ids.clone()
