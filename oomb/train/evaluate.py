@@ -30,7 +30,7 @@ from oomb.engine import chunked_eval
 from oomb.engine.loss import IGNORE_INDEX
 from oomb.train.checkpoint import CheckpointError, find_checkpoint, load_weights, write_text_atomic
 from oomb.train.config import Config, ConfigError, load_config
-from oomb.train.data import PasskeyTask
+from oomb.train.data import NeedleTask, PasskeyTask
 from oomb.train.presets import build_model, preset_names
 
 # Retrieval samples are sequences number HELD_OUT_STEP * samples + i of the task: a training
@@ -127,7 +127,8 @@ def _from_checkpoint(spec: str, ckpt: Path, device: torch.device, dtype_name: st
         load_weights(ckpt, model)
     except (ConfigError, CheckpointError) as e:
         raise EvalError(f"cannot load checkpoint {ckpt}: {e}") from e
-    tokenizer_dir = Path(cfg.model.path) if cfg.model.path is not None else None
+    tokenizer = cfg.data.tokenizer or cfg.model.path  # what the run tokenized with
+    tokenizer_dir = Path(tokenizer) if tokenizer is not None else None
     return LoadedModel(model, "checkpoint", spec, tokenizer_dir, cfg)
 
 
@@ -307,7 +308,11 @@ def _passkey(seq_len: int, depth: float, seed: int, digits: int) -> PasskeyTask:
     return PasskeyTask(seq_len, digits=digits, depth=depth, seed=seed)
 
 
-RETRIEVAL_TASKS: dict[str, RetrievalTaskFactory] = {"passkey": _passkey}
+def _needle(seq_len: int, depth: float, seed: int, digits: int) -> NeedleTask:
+    return NeedleTask(seq_len, digits=digits, depth=depth, seed=seed)
+
+
+RETRIEVAL_TASKS: dict[str, RetrievalTaskFactory] = {"passkey": _passkey, "needle": _needle}
 
 
 def answer_labels(input_ids: torch.Tensor, answer_positions: torch.Tensor) -> torch.Tensor:
@@ -436,13 +441,14 @@ def add_arguments(parser) -> None:
     g.add_argument("--text-field", default="text", metavar="NAME",
                    help="the text field of .jsonl/.parquet/dataset documents (default text)")
     g.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="tokenizer folder (default: the model folder's, or the model.path of a checkpoint's run; "
-                        "the byte-level tokenizer when there is none)")
+                   help="tokenizer folder (default: the model folder's, or a checkpoint's run data.tokenizer or "
+                        "model.path; the byte-level tokenizer when there is none)")
     g = parser.add_argument_group("retrieval accuracy")
     g.add_argument("--retrieval", action="store_true",
                    help="run the retrieval evaluation over the grid of --lengths x --depths")
-    g.add_argument("--task", default="passkey", choices=sorted(RETRIEVAL_TASKS),
-                   help="the built-in synthetic retrieval task (default passkey)")
+    g.add_argument("--task", default=None, choices=sorted(RETRIEVAL_TASKS),
+                   help="the built-in synthetic retrieval task (default: a checkpoint's run task when it is one "
+                        "of these, else passkey)")
     g.add_argument("--lengths", default="1k,2k,4k", metavar="L1,L2,...",
                    help="sequence lengths in tokens, k = 1024, M = 1024^2 (default 1k,2k,4k)")
     g.add_argument("--depths", default="0,0.25,0.5,0.75,1", metavar="D1,D2,...",
@@ -505,14 +511,15 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
         check_positions(model_config, n, "retrieval length")
     if ppl_on:
         check_positions(model_config, args.ppl_length, "--ppl-length")
-    make_task = RETRIEVAL_TASKS[args.task]
+    task_name = args.task or (run.data.task if run is not None and run.data.task in RETRIEVAL_TASKS else "passkey")
+    make_task = RETRIEVAL_TASKS[task_name]
     if retrieval_on:
         try:
             task_vocab = max(make_task(n, d, seed, digits).vocab_size for n in lengths for d in depths)
         except ValueError as e:
-            raise EvalError(f"--task {args.task}: {e}") from e
+            raise EvalError(f"--task {task_name}: {e}") from e
         if task_vocab > vocab:
-            raise EvalError(f"the {args.task} task needs {task_vocab} token ids but the model's vocabulary has "
+            raise EvalError(f"the {task_name} task needs {task_vocab} token ids but the model's vocabulary has "
                             f"{vocab}")
     tokenizer = None
     if ppl_on:
@@ -555,11 +562,11 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
                        tokenizer=type(tokenizer).__name__, seconds=time.perf_counter() - t0)
             results["perplexity"] = ppl
         if retrieval_on:
-            bar = progress.add_task(f"retrieval ({args.task})", total=len(lengths) * len(depths))
+            bar = progress.add_task(f"retrieval ({task_name})", total=len(lengths) * len(depths))
             t0 = time.perf_counter()
             grid = retrieval_grid(model, make_task, lengths=lengths, depths=depths, samples=args.samples,
                                   seed=seed, digits=digits, on_cell=lambda: progress.advance(bar), **common)
-            results["retrieval"] = {"task": args.task, **grid, "seconds": time.perf_counter() - t0}
+            results["retrieval"] = {"task": task_name, **grid, "seconds": time.perf_counter() - t0}
 
     out.mkdir(parents=True, exist_ok=True)
     files = ["results.json"]
@@ -567,7 +574,7 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
         plot_perplexity(results["perplexity"], out / "perplexity.png", title)
         files.append("perplexity.png")
     if retrieval_on:
-        plot_retrieval(results["retrieval"], out / "retrieval.png", f"{title}: {args.task} accuracy")
+        plot_retrieval(results["retrieval"], out / "retrieval.png", f"{title}: {task_name} accuracy")
         files.append("retrieval.png")
     write_text_atomic(out / "results.json", json.dumps(_finite(results), indent=2, allow_nan=False) + "\n")
     _print_tables(results, console)

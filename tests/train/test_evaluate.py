@@ -9,7 +9,7 @@ from tiny_models import VOCAB, tiny_model
 
 from oomb.cli import main
 from oomb.engine import chunked_eval
-from oomb.train.data import PasskeyTask
+from oomb.train.data import NeedleTask, PasskeyTask
 from oomb.train.evaluate import (
     EvalError,
     PositionBuckets,
@@ -98,11 +98,11 @@ def test_perplexity_by_position_equals_the_full_forward():
 
 
 class _ArgmaxAnswers:
-    """A passkey task whose answer tokens are what ``model`` predicts (shift=0) or one id off (shift=1)."""
+    """A retrieval task whose answer tokens are what ``model`` predicts (shift=0) or one id off (shift=1)."""
 
-    def __init__(self, model, shift, seq_len, depth, seed, digits):
+    def __init__(self, task_cls, model, shift, seq_len, depth, seed, digits):
         self.model, self.shift = model, shift
-        self.task = PasskeyTask(seq_len, digits=digits, depth=depth, seed=seed)
+        self.task = task_cls(seq_len, digits=digits, depth=depth, seed=seed)
         self.vocab_size = self.task.vocab_size
 
     def batch(self, step, batch_size):
@@ -116,10 +116,11 @@ class _ArgmaxAnswers:
         return batch
 
 
+@pytest.mark.parametrize("task_cls", [PasskeyTask, NeedleTask])
 @pytest.mark.parametrize("shift,expected", [(0, 1.0), (1, 0.0)])
-def test_retrieval_accuracy_can_be_one_and_zero(shift, expected):
-    model = tiny_model("llama")  # vocabulary 101 >= the passkey task's 64
-    grid = retrieval_grid(model, lambda n, d, s, k: _ArgmaxAnswers(model, shift, n, d, s, k),
+def test_retrieval_accuracy_can_be_one_and_zero(task_cls, shift, expected):
+    model = tiny_model("llama")  # vocabulary 101 >= the tasks' 64
+    grid = retrieval_grid(model, lambda n, d, s, k: _ArgmaxAnswers(task_cls, model, shift, n, d, s, k),
                           lengths=[64, 100], depths=[0.0, 1.0], samples=3, digits=3, batch_size=2,
                           chunk_size=32, page_size=16)
     assert grid["accuracy"] == [[expected, expected], [expected, expected]]
@@ -186,7 +187,7 @@ def test_cli_writes_results_and_plots(tmp_path, hf_dir, capsys):
 def test_checkpoint_loads_the_trained_weights(tmp_path):
     run = tmp_path / "run"
     assert main(["train", f"out_dir={run}", "train.steps=2", "data.seq_len=256", "train.chunk_size=128",
-                 "train.page_size=64", "train.seed=5"]) == 0
+                 "train.page_size=64", "train.seed=5", "data.task=needle"]) == 0
     loaded = load_eval_model(str(run), torch.device("cpu"))
     exported = load_eval_model(str(run / "export"), torch.device("cpu"))
     assert loaded.source == "checkpoint" and loaded.run_config.train.seed == 5
@@ -202,7 +203,8 @@ def test_checkpoint_loads_the_trained_weights(tmp_path):
     assert main(["eval", str(run), "--retrieval", "--lengths", "256", "--depths", "0.5", "--samples", "1",
                  "--chunk-size", "128", "--page-size", "64", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert results["model"]["source"] == "checkpoint" and results["retrieval"]["seed"] == 5  # the run's seed
+    assert results["model"]["source"] == "checkpoint"
+    assert results["retrieval"]["seed"] == 5 and results["retrieval"]["task"] == "needle"  # the run's
 
 
 @pytest.mark.parametrize(
