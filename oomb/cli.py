@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 _BENCHES = {"core": "oomb.bench.core", "attention": "oomb.bench.attention", "tune": "oomb.bench.tune_attention"}
 
@@ -65,7 +66,7 @@ def _train(args, console: Console) -> int:
         cfg = load_run_config(config_path, overrides)
         train(cfg, console)
     except ConfigError as e:
-        console.print(f"[red]config error:[/] {e}", highlight=False, soft_wrap=True)
+        console.print(f"[red]config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return 2
     return 0
 

@@ -180,7 +180,8 @@ def _coerce(value, hint, name: str, source: str):
             return float(value)
         if t is not type(None) and type(value) is t:
             return value
-    expected = " or ".join(str(t) if typing.get_origin(t) else t.__name__ for t in allowed)
+    expected = " or ".join(f"a list of {typing.get_args(t)[0].__name__}" if typing.get_origin(t) else t.__name__
+                           for t in allowed)
     raise ConfigError(f"{name} ({source}) must be {expected}, got {value!r} ({type(value).__name__})")
 
 

@@ -111,25 +111,31 @@ def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs:
         raise ConfigError("data.document_mask=true needs data.task=text (the built-in tasks hold one document)")
     check_positions(cfg, config)
     vocab = config.vocab_size
-    tokenizer = wanted_tokenizer(cfg)
-    if tokenizer is not None:
-        source = d.tokenizer or f"the tokenizer of {cfg.model.path or 'the byte-level fallback'}"
-        try:
-            check_tokenizer_fits(tokenizer, vocab, where=f"the tokenizer ({source})")
-        except DataError as e:
-            raise ConfigError(str(e)) from e
     if d.task == "text":
         if not d.paths:
             raise ConfigError("data.task=text needs data.paths: files, folders or glob patterns of text")
         try:
-            find_sources(d.paths)
+            find_sources(d.paths)  # missing files are named before anything else is loaded
+        except DataError as e:
+            raise ConfigError(f"data.paths: {e}") from e
+    elif d.paths:
+        raise ConfigError(f"data.paths is set but data.task={d.task!r} is a built-in task; set data.task=text")
+    tokenizer = wanted_tokenizer(cfg)
+    if tokenizer is not None:
+        where = (f"the tokenizer in {d.tokenizer}" if d.tokenizer is not None
+                 else f"the tokenizer of {cfg.model.path}" if cfg.model.path and has_tokenizer(cfg.model.path)
+                 else "the byte-level tokenizer")
+        try:
+            check_tokenizer_fits(tokenizer, vocab, where=where)
+        except DataError as e:
+            raise ConfigError(str(e)) from e
+    if d.task == "text":
+        try:
             corpus = PackedCorpus(d.paths, tokenizer, d.seq_len, text_field=d.text_field, seed=t.seed,
                                   document_mask=d.document_mask)
         except DataError as e:
             raise ConfigError(f"data.paths: {e}") from e
         return TextInputs(corpus, t.batch_size, t.grad_accum, tokenizer)
-    if d.paths:
-        raise ConfigError(f"data.paths is set but data.task={d.task!r} is a built-in task; set data.task=text")
     kind = NeedleTask if d.task == "needle" else PasskeyTask
     try:
         task = kind(d.seq_len, digits=d.passkey_digits, depth=d.depth, loss_on=d.loss_on, seed=t.seed)

@@ -171,9 +171,9 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     device = resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     check_optimizer(cfg.train.optimizer, device)
+    inputs = build_inputs(cfg, model_config(cfg))  # data, tokenizer, positions: checked before the model
     if cfg.data.document_mask:
         check_document_mask_support()
-    inputs = build_inputs(cfg, model_config(cfg))  # data, tokenizer, positions: checked before the model
     model = build(cfg, device, dtype)
     out = prepare_out_dir(cfg)
     model.train()
