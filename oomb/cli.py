@@ -77,7 +77,7 @@ def _eval(args, argv: list[str], console: Console) -> int:
     try:
         run_eval(args, argv, console)
     except EvalError as e:
-        console.print(f"[red]eval error:[/] {e}", highlight=False, soft_wrap=True)
+        console.print(f"[red]eval error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return 2
     return 0
 
