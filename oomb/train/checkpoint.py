@@ -10,7 +10,7 @@ Layout of a run folder::
           model.safetensors    trainable weights (safetensors: no pickled code)
           optimizer.pt         optimizer + scheduler state (tensors and plain data only)
           rng.pt               RNG states (Python, torch, CUDA)
-          state.json           the step it was taken after
+          state.json           the step it was taken after, and the data position
           manifest.json        size and sha256 of every file above
         latest                 the name of the newest complete checkpoint
       export/                  the final model, loadable by transformers
@@ -120,8 +120,12 @@ def save_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler,
+    data_state: dict | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` atomically and point ``latest`` at it."""
+    """Write checkpoint ``step`` atomically and point ``latest`` at it.
+
+    ``data_state`` (plain JSON data: where the data stream stands) goes into state.json.
+    """
     final = checkpoint_dir(out_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():  # debris of an earlier crash while writing this very step
@@ -130,7 +134,10 @@ def save_checkpoint(
     save_file(trainable_state_dict(model), tmp / "model.safetensors")
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, "torch": torch.__version__}))
+    state = {"step": step, "torch": torch.__version__}
+    if data_state is not None:
+        state["data"] = data_state
+    (tmp / "state.json").write_text(json.dumps(state))
     manifest = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in _FILES}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     for name in (*_FILES, "manifest.json"):
@@ -172,6 +179,17 @@ def verify_checkpoint(ckpt: Path) -> None:
 
 def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> int:
     """Restore model, optimizer, scheduler and RNG from ``ckpt``; returns the step it was taken at."""
+    load_weights(ckpt, model)
+    # weights_only: plain tensors and containers only, never arbitrary pickled objects.
+    opt = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(opt["optimizer"])
+    scheduler.load_state_dict(opt["scheduler"])
+    set_rng_state(torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=True))
+    return json.loads((ckpt / "state.json").read_text())["step"]
+
+
+def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
+    """Verify ``ckpt`` and copy its weights into ``model`` (built as the run built it); no optimizer state."""
     verify_checkpoint(ckpt)
     weights = load_file(ckpt / "model.safetensors")
     params = _trainable_parameters(model)
@@ -186,16 +204,18 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.O
                 raise CheckpointError(f"checkpoint {ckpt}: {name} has shape {tuple(tensor.shape)}, "
                                       f"the model {tuple(params[name].shape)}")
             params[name].copy_(tensor)
-    # weights_only: plain tensors and containers only, never arbitrary pickled objects.
-    opt = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(opt["optimizer"])
-    scheduler.load_state_dict(opt["scheduler"])
-    set_rng_state(torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=True))
-    return json.loads((ckpt / "state.json").read_text())["step"]
 
 
-def export_model(model, out_dir: Path, *, merge_lora: bool = True) -> Path:
+def checkpoint_state(ckpt: Path) -> dict:
+    """state.json of a checkpoint: ``step`` and, when the run had one, ``data`` (the data position)."""
+    return json.loads((Path(ckpt) / "state.json").read_text())
+
+
+def export_model(model, out_dir: Path, *, merge_lora: bool = True, tokenizer=None) -> Path:
     """Write the model as a transformers folder (``from_pretrained`` loads it), atomically.
+
+    ``tokenizer`` (a transformers tokenizer) is saved into the same folder, so
+    ``AutoTokenizer.from_pretrained`` loads it from there too.
 
     A LoRA (peft) model is exported with its adapters merged into a copy of the weights,
     or, with ``merge_lora=False``, as the adapter folder peft loads on top of the base.
@@ -209,5 +229,7 @@ def export_model(model, out_dir: Path, *, merge_lora: bool = True) -> Path:
 
         model = copy.deepcopy(model).merge_and_unload()  # the training model keeps its adapters
     model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
     _publish_dir(tmp, final)
     return final

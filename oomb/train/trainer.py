@@ -1,12 +1,14 @@
 """The training loop behind `oomb train`: build, check, train, log.
 
-    check config  ->  build model, data, optimizer  ->  for each step:
-        chunked_backward -> clip -> AdamW step -> metrics.jsonl + progress
+    check config, data, optimizer  ->  build model  ->  for each step:
+        chunked_backward x grad_accum -> clip -> optimizer step -> metrics.jsonl (+ TensorBoard), progress
+    -> checkpoint, export (with the tokenizer), training.png
 """
 
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import math
 import time
@@ -19,6 +21,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 import oomb
 from oomb.train.checkpoint import (
     CheckpointError,
+    checkpoint_state,
     export_model,
     find_checkpoint,
     load_checkpoint,
@@ -26,7 +29,9 @@ from oomb.train.checkpoint import (
     write_text_atomic,
 )
 from oomb.train.config import Config, ConfigError, config_to_dict, load_config
-from oomb.train.data import PasskeyTask
+from oomb.train.inputs import build_inputs, model_config
+from oomb.train.monitor import TensorBoardLog, memory_fields, plot_run
+from oomb.train.optim import build_optimizer, check_optimizer
 from oomb.train.presets import build_model, preset_names
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -56,8 +61,8 @@ def check_config(cfg: Config) -> None:
     """Everything that can be checked before a model is built."""
     t, d = cfg.train, cfg.data
     for name, value in (("train.steps", t.steps), ("train.batch_size", t.batch_size),
-                        ("train.chunk_size", t.chunk_size), ("train.page_size", t.page_size),
-                        ("data.seq_len", d.seq_len)):
+                        ("train.grad_accum", t.grad_accum), ("train.chunk_size", t.chunk_size),
+                        ("train.page_size", t.page_size), ("data.seq_len", d.seq_len)):
         if value <= 0:
             raise ConfigError(f"{name} must be positive, got {value}")
     if t.chunk_size % t.page_size:
@@ -67,12 +72,17 @@ def check_config(cfg: Config) -> None:
     if t.lr <= 0 or t.warmup_steps < 0 or t.grad_clip < 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError("train.lr must be > 0, train.warmup_steps and train.grad_clip >= 0, "
                           "train.min_lr_ratio in [0, 1]")
-    if d.task != "passkey":
-        raise ConfigError(f"data.task={d.task!r}: the built-in task is 'passkey'")
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
         raise ConfigError(f"model.path={cfg.model.path!r} is not a directory")
     if cfg.model.path is None and cfg.model.preset not in preset_names():
         raise ConfigError(f"unknown model preset {cfg.model.preset!r}; built-in presets: {', '.join(preset_names())}")
+
+
+def check_document_mask_support() -> None:
+    """data.document_mask needs the engine's doc_ids argument (attention kept inside each document)."""
+    if "doc_ids" not in inspect.signature(oomb.chunked_backward).parameters:
+        raise ConfigError("data.document_mask=true needs oomb.chunked_backward(doc_ids=...), which this oomb "
+                          "lacks; set data.document_mask=false (documents then attend to earlier ones)")
 
 
 def load_run_config(config_path: str | None, overrides: list[str]) -> Config:
@@ -160,24 +170,24 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     check_config(cfg)
     device = resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
-    task = PasskeyTask(cfg.data.seq_len, digits=cfg.data.passkey_digits, depth=cfg.data.depth,
-                       loss_on=cfg.data.loss_on, seed=cfg.train.seed)
+    check_optimizer(cfg.train.optimizer, device)
+    inputs = build_inputs(cfg, model_config(cfg))  # data, tokenizer, positions: checked before the model
+    if cfg.data.document_mask:
+        check_document_mask_support()
     model = build(cfg, device, dtype)
-    vocab = model.get_input_embeddings().weight.shape[0]
-    if vocab < task.vocab_size:
-        raise ConfigError(f"the model's vocabulary ({vocab}) is smaller than the passkey task's ({task.vocab_size})")
     out = prepare_out_dir(cfg)
     model.train()
     if cfg.train.layer_checkpointing:  # transformers' own; exact inside oomb's chunks (tested)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    optimizer = build_optimizer(cfg.train.optimizer, params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     start = 0
     if cfg.resume is not None:
         ckpt = _resume_checkpoint(cfg)
         try:
             start = load_checkpoint(ckpt, model, optimizer, scheduler)
+            inputs.load_state_dict(checkpoint_state(ckpt).get("data", {}))
         except CheckpointError as e:
             raise ConfigError(f"cannot resume from {ckpt}: {e}") from e
         _roll_back_metrics(out / "metrics.jsonl", start)
@@ -188,26 +198,26 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     n_params = sum(p.numel() for p in params)
     console.print(
         f"[bold]oomb train[/]: {cfg.model.path or cfg.model.preset} ({n_params / 1e6:.2f}M params, {dtype}) on "
-        f"{device}; {cfg.train.steps} steps x {cfg.train.batch_size} x {cfg.data.seq_len} tokens, "
+        f"{device}; {cfg.train.steps} steps x {cfg.train.grad_accum * cfg.train.batch_size} x {cfg.data.seq_len} "
+        f"tokens ({cfg.data.task}), {cfg.train.optimizer}, "
         f"chunk {cfg.train.chunk_size}, page {cfg.train.page_size}; writing {out}/metrics.jsonl"
     )
-    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    tokens_per_step = cfg.train.grad_accum * cfg.train.batch_size * cfg.data.seq_len
     columns = [
         TextColumn("step {task.completed}/{task.total}"), BarColumn(),
         TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
-        TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+        TextColumn("{task.fields[memory]}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
     ]
+    tensorboard = TensorBoardLog(out) if cfg.train.tensorboard else None
     started = time.perf_counter()
     with open(out / "metrics.jsonl", "a") as metrics, Progress(*columns, console=console) as progress:
-        bar = progress.add_task("train", total=cfg.train.steps, completed=start, loss=float("nan"), tps=0.0)
+        bar = progress.add_task("train", total=cfg.train.steps, completed=start, loss=float("nan"), tps=0.0,
+                                memory="")
         loss_value = float("nan")
         for step in range(start, cfg.train.steps):
-            batch = task.batch(step, cfg.train.batch_size)
+            batches = inputs.batches(step)
             t0 = time.perf_counter()
-            loss = oomb.chunked_backward(
-                model, batch.input_ids.to(device), batch.labels.to(device),
-                chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size,
-            )
+            loss = accumulate_gradients(model, params, batches, device, cfg)
             grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
                          if cfg.train.grad_clip > 0 else None)
             optimizer.step()
@@ -225,22 +235,60 @@ def train(cfg: Config, console: Console | None = None) -> Path:
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
             }
-            if device.type == "cuda":
-                record["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            record.update(memory_fields(device))
+            record["eta_s"] = (record["elapsed"] / (step + 1 - start)) * (cfg.train.steps - step - 1)
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
-            progress.update(bar, advance=1, loss=loss_value, tps=record["tokens_per_s"])
+            if tensorboard is not None:
+                tensorboard.log(record)
+            memory = f"host {record['host_rss_gib']:.2f} GiB"
+            if "peak_gpu_gib" in record:
+                memory = f"GPU {record['peak_gpu_gib']:.2f} GiB, " + memory
+            progress.update(bar, advance=1, loss=loss_value, tps=record["tokens_per_s"], memory=memory)
             if not console.is_terminal and (step + 1) % 10 == 0:
                 console.print(f"step {step + 1}: loss {loss_value:.4f}, {record['tokens_per_s']:,.0f} tok/s")
             last = step + 1 == cfg.train.steps
             if last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
-                save_checkpoint(out, step + 1, model, optimizer, scheduler)
+                save_checkpoint(out, step + 1, model, optimizer, scheduler, data_state=inputs.state_dict())
+    if tensorboard is not None:
+        tensorboard.close()
+    plot_run(out)
     if cfg.train.export:
-        export_model(model, out, merge_lora=cfg.lora.merge_on_export)
+        export_model(model, out, merge_lora=cfg.lora.merge_on_export, tokenizer=inputs.tokenizer)
     console.print(f"done: {cfg.train.steps} steps in {time.perf_counter() - started:.1f} s; "
                   f"final loss {loss_value:.4f}; metrics, checkpoints{' and export' if cfg.train.export else ''} "
                   f"in {out}")
     return out
+
+
+def accumulate_gradients(model, params, batches, device: torch.device, cfg: Config) -> torch.Tensor:
+    """Gradients of the mean loss over every target token of ``batches`` (run one after another).
+
+    chunked_backward adds the gradient of each batch's own mean loss. With n_m targets in
+    batch m and T in all, the wanted gradient is sum_m (n_m / T) g_m: the running sum is kept
+    as sum_{i<=m} (n_i / n_m) g_i (rescaled only when n_m changes) and scaled by n_last / T
+    at the end, so equal batches cost no extra pass over the gradients until the last.
+    """
+    counts = [int((b.labels[:, 1:] != -100).sum()) for b in batches]  # the shifted targets
+    total = sum(counts)
+    loss = torch.zeros((), dtype=torch.float32, device=device)
+    for m, batch in enumerate(batches):
+        if m and counts[m] != counts[m - 1]:
+            _scale_gradients(params, counts[m - 1] / counts[m])
+        extra = {"doc_ids": batch.doc_ids.to(device)} if cfg.data.document_mask else {}
+        loss += counts[m] / total * oomb.chunked_backward(
+            model, batch.input_ids.to(device), batch.labels.to(device),
+            chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, **extra,
+        )
+    if counts[-1] != total:
+        _scale_gradients(params, counts[-1] / total)
+    return loss
+
+
+def _scale_gradients(params, factor: float) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
 
 
 def _roll_back_metrics(path: Path, step: int) -> None:
