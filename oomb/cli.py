@@ -8,7 +8,8 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-_BENCHES = {"core": "oomb.bench.core", "attention": "oomb.bench.attention", "tune": "oomb.bench.tune_attention"}
+_BENCHES = {"core": "oomb.bench.core", "attention": "oomb.bench.attention", "tune": "oomb.bench.tune_attention",
+            "sparse": "oomb.bench.sparse"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     train_p.add_argument("--list-keys", action="store_true", help="print every config key with its default")
     train_p.add_argument("--list-presets", action="store_true", help="print the built-in model presets")
     bench_p = sub.add_parser("bench", help="measured benchmarks on a GPU: core (a training step against "
-                             "context), attention (kernels against SDPA), tune (kernel tile sweep)")
+                             "context), attention (kernels against SDPA), tune (kernel tile sweep), "
+                             "sparse (page-sparse against dense attention)")
     bench_p.add_argument("name", choices=sorted(_BENCHES), help="which benchmark")
     bench_p.add_argument("bench_args", nargs=argparse.REMAINDER, help="its options (see oomb bench NAME --help)")
 
