@@ -98,7 +98,7 @@ def test_grad_accum_run_equals_the_larger_batch_run(tmp_path):
 def test_text_run_resumes_exactly_and_exports_the_tokenizer(tmp_path, model_dir, text_dir):
     run = tmp_path / "run"
     assert main(["train", f"out_dir={run}", f"model.path={model_dir}", "data.task=text", f"data.paths=[{text_dir}]",
-                 "train.steps=4", "train.save_every=2", "train.tensorboard=true", *FAST]) == 0
+                 "data.document_mask=true", "train.steps=4", "train.save_every=2", *FAST]) == 0
     state = json.loads((find_checkpoint(run) / "state.json").read_text())
     assert state["data"]["corpus"]["epoch"] >= 1  # 4 x 256 tokens is more than the corpus: it wrapped
 
