@@ -260,7 +260,7 @@ def check_tokenizer_fits(tokenizer, model_vocab: int, where: str = "the tokenize
     n = tokenizer_vocab_size(tokenizer)
     if n > model_vocab:
         byte = getattr(tokenizer, "eos_token", None) == BYTE_EOS and n == 257
-        hint = ("the byte-level tokenizer (used because the model folder has no tokenizer) needs 257 ids; "
-                "use a model with a larger vocabulary or give a tokenizer with data.tokenizer=PATH"
+        hint = ("it is oomb's byte-level tokenizer, used when the model comes without tokenizer files (a preset, "
+                "or a folder without them); give a tokenizer with data.tokenizer=PATH or use a model with >= 257 ids"
                 if byte else "use the tokenizer the model was trained with (data.tokenizer=PATH)")
         raise DataError(f"{where} has {n} ids but the model's embedding has only {model_vocab} rows: {hint}")

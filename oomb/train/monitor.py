@@ -34,12 +34,14 @@ def memory_fields(device: torch.device) -> dict[str, float]:
 class TensorBoardLog:
     """Metrics records as TensorBoard scalars (``torch.utils.tensorboard``), x-axis = optimizer step."""
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, resumed_after: int | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # torch's writer needs the tensorboard package
             raise RuntimeError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from e
-        self.writer = SummaryWriter(log_dir=str(out_dir / TENSORBOARD))
+        # A resumed run drops the events of steps after its checkpoint, as metrics.jsonl does.
+        purge = resumed_after + 1 if resumed_after is not None else None
+        self.writer = SummaryWriter(log_dir=str(out_dir / TENSORBOARD), purge_step=purge)
 
     def log(self, record: dict) -> None:
         for name in _SCALARS:

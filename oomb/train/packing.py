@@ -99,7 +99,8 @@ class PackedCorpus:
         key = (self.epoch, self.source, self.document)
         if self._tokens is None or self._tokens[0] != key:
             text = docs[int(order[self.document])]
-            ids = self.tokenizer.encode(text, add_special_tokens=False) if text.strip() else []
+            # verbose=False: documents longer than the tokenizer's model_max_length are expected here.
+            ids = self.tokenizer.encode(text, add_special_tokens=False, verbose=False) if text.strip() else []
             self._tokens = (key, [*ids, self.eos] if ids else [])
         return self._tokens[1]
 

@@ -208,7 +208,8 @@ def train(cfg: Config, console: Console | None = None) -> Path:
         TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
         TextColumn("{task.fields[memory]}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
     ]
-    tensorboard = TensorBoardLog(out) if cfg.train.tensorboard else None
+    tensorboard = (TensorBoardLog(out, resumed_after=start if cfg.resume is not None else None)
+                   if cfg.train.tensorboard else None)
     started = time.perf_counter()
     with open(out / "metrics.jsonl", "a") as metrics, Progress(*columns, console=console) as progress:
         bar = progress.add_task("train", total=cfg.train.steps, completed=start, loss=float("nan"), tps=0.0,
@@ -270,6 +271,9 @@ def accumulate_gradients(model, params, batches, device: torch.device, cfg: Conf
     at the end, so equal batches cost no extra pass over the gradients until the last.
     """
     counts = [int((b.labels[:, 1:] != -100).sum()) for b in batches]  # the shifted targets
+    batches, counts = [b for b, n in zip(batches, counts, strict=True) if n], [n for n in counts if n]
+    if not batches:
+        raise ValueError("no sequence of this step has a target token (every label is -100)")
     total = sum(counts)
     loss = torch.zeros((), dtype=torch.float32, device=device)
     for m, batch in enumerate(batches):

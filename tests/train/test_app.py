@@ -55,6 +55,14 @@ def _tensors(obj) -> list[torch.Tensor]:
     return [t for item in items for t in _tensors(item)]
 
 
+def _tensorboard_scalars(run: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
 def _resume_from_step(run: Path, copy: Path, step: int) -> Path:
     """Copy a finished run and resume the copy from its checkpoint ``step`` (what a crash after it leaves)."""
     shutil.copytree(run, copy)
@@ -98,7 +106,8 @@ def test_grad_accum_run_equals_the_larger_batch_run(tmp_path):
 def test_text_run_resumes_exactly_and_exports_the_tokenizer(tmp_path, model_dir, text_dir):
     run = tmp_path / "run"
     assert main(["train", f"out_dir={run}", f"model.path={model_dir}", "data.task=text", f"data.paths=[{text_dir}]",
-                 "train.steps=4", "train.save_every=2", "train.tensorboard=true", *FAST]) == 0
+                 "data.document_mask=true", "train.steps=4", "train.save_every=2", "train.tensorboard=true",
+                 *FAST]) == 0
     state = json.loads((find_checkpoint(run) / "state.json").read_text())
     assert state["data"]["corpus"]["epoch"] >= 1  # 4 x 256 tokens is more than the corpus: it wrapped
 
@@ -106,6 +115,8 @@ def test_text_run_resumes_exactly_and_exports_the_tokenizer(tmp_path, model_dir,
     assert [r["loss"] for r in _metrics(resumed)] == [r["loss"] for r in _metrics(run)]
     final = "checkpoints/step-00000004/model.safetensors"
     assert (resumed / final).read_bytes() == (run / final).read_bytes()  # same data, same weights
+    # TensorBoard drops the events of the steps that ran again, like metrics.jsonl.
+    assert _tensorboard_scalars(resumed, "train/loss") == _tensorboard_scalars(run, "train/loss")
 
     exported = AutoTokenizer.from_pretrained(run / "export")
     assert exported.encode("héllo") == list("héllo".encode()) and exported.eos_token_id == 256
@@ -122,13 +133,9 @@ def test_monitoring_files_hold_the_logged_values(tmp_path):
     png = (run / "training.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run / "tensorboard"))
-    events.Reload()
-    logged = {e.step: e.value for e in events.Scalars("train/loss")}
+    logged = dict(_tensorboard_scalars(run, "train/loss"))
     assert logged == pytest.approx({r["step"]: r["loss"] for r in records}, rel=1e-6)
-    rss = [e.value for e in events.Scalars("train/host_rss_gib")]
+    rss = [v for _, v in _tensorboard_scalars(run, "train/host_rss_gib")]
     assert rss == pytest.approx([r["host_rss_gib"] for r in records], rel=1e-6)
 
 
