@@ -243,6 +243,23 @@ class PagedKVStore:
     def layer(self, layer_idx: int) -> LayerPools:
         return self._layers[layer_idx]
 
+    # The working-set protocol the attention function goes through. Everything lives on the
+    # device here, so it is trivial; the offloaded store (oomb.offload) moves pages instead.
+    def fetch(self, layer_idx: int, past_pages: torch.Tensor | None, *, grads: bool) -> tuple[LayerPools, torch.Tensor]:
+        """Pools and block table through which a kernel reads ``past_pages`` (sequence page indices
+        before the newest chunk; None = all of them) and the newest chunk of one layer."""
+        return self._layers[layer_idx], self.page_table
+
+    def prefetch(self, layer_idx: int, past_pages: torch.Tensor | None, *, grads: bool) -> None:
+        """Start bringing what ``fetch`` will ask for next (nothing to do when all pages are here)."""
+
+    def writeback(self, layer_idx: int, *, grads: bool) -> None:
+        """The kernels of this layer are queued: new K/V (or updated gradients) may go home."""
+
+    def mean_keys(self, layer_idx: int) -> torch.Tensor:
+        """[num_pages, H_kv, D] float32 per-page mean keys, indexed through ``page_table``."""
+        return self._layers[layer_idx].mean_k
+
     def _chunk_page_ids(self, record: ChunkRecord) -> torch.Tensor:
         return self.page_table[:, record.first_page : record.first_page + record.num_pages].long()
 

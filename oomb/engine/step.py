@@ -20,10 +20,11 @@ from oomb.attention import STEP_KWARG, StepContext, check_attention_support, oom
 from oomb.cache import PagedKVStore, StoreSpec
 from oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy_sum
 from oomb.kernels import get_backend
+from oomb.offload import OffloadedKVStore
 from oomb.sparse import PageSelection
 
 # One store per model, reused across steps so the pools are allocated once.
-_STORES: weakref.WeakKeyDictionary[torch.nn.Module, PagedKVStore] = weakref.WeakKeyDictionary()
+_STORES: weakref.WeakKeyDictionary[torch.nn.Module, PagedKVStore | OffloadedKVStore] = weakref.WeakKeyDictionary()
 
 
 def chunked_backward(
@@ -39,6 +40,7 @@ def chunked_backward(
     doc_ids: torch.Tensor | None = None,
     page_budget: int | None = None,
     selection: PageSelection | None = None,
+    offload: bool = False,
 ) -> torch.Tensor:
     """Exact loss and parameter gradients of a long sequence, one chunk of activations at a time.
 
@@ -61,6 +63,8 @@ def chunked_backward(
             chunk's past (plus the chunk itself); None = dense (exact). See oomb.sparse.
         selection: how pages are chosen (block size, sink/local pages, per-head lists);
             ``page_budget`` overrides its budget when both are given.
+        offload: keep K, V and their gradient pages in (pinned) host memory, with only the layer
+            being computed and the next one on the device (oomb.offload). Same gradients.
 
     Accumulates d(loss)/d(param) into ``.grad`` like ``loss.backward()`` and returns the
     mean loss over target tokens as a detached scalar. A peft model (LoRA) is accepted:
@@ -75,7 +79,7 @@ def chunked_backward(
         raise ValueError("no position has a target: every label is -100 (or the sequence has one token)")
 
     batch, seq_len = input_ids.shape
-    store = _store_for(model, input_ids.device, page_size, grad_dtype)
+    store = _store_for(model, input_ids.device, page_size, grad_dtype, offload)
     store.reserve(batch, seq_len)
     step = StepContext(store=store, backend=get_backend(backend, input_ids.device.type), doc_start=doc_start,
                        selection=selection)
@@ -180,8 +184,9 @@ def store_for_model(model: torch.nn.Module) -> PagedKVStore | None:
 
 
 def _store_for(
-    model: PreTrainedModel, device: torch.device, page_size: int, grad_dtype: torch.dtype | None
-) -> PagedKVStore:
+    model: PreTrainedModel, device: torch.device, page_size: int, grad_dtype: torch.dtype | None,
+    offload: bool = False,
+) -> PagedKVStore | OffloadedKVStore:
     cfg = model.config
     dtype = model.get_input_embeddings().weight.dtype
     spec = StoreSpec(
@@ -193,10 +198,11 @@ def _store_for(
         grad_dtype=grad_dtype or dtype,
         device=torch.device(device),
     )
+    kind = OffloadedKVStore if offload else PagedKVStore
     store = _STORES.get(model)
-    if store is None or store.spec != spec:
+    if store is None or store.spec != spec or type(store) is not kind:
         release_memory(model)  # free the old pools before allocating new ones
-        store = PagedKVStore(spec)
+        store = kind(spec)
         _STORES[model] = store
     return store
 
