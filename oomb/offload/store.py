@@ -6,7 +6,7 @@ layers, in sequence order::
 
     host k, v, dk, dv : [num_layers, B, max_pages, H_kv, page_size, D]     (page p of row b
                                                                           at [layer, b, p])
-    mean_k (device)   : [num_layers, B * max_pages, H_kv, D] float32      (page selection)
+    mean_k (device)   : [num_layers, B * max_pages, H_kv, D] (K's dtype)  (page selection)
     page_table        : [B, max_pages] int32 = b * max_pages + p          (for mean_k only)
 
 The device holds ``num_slots`` working slots (default 2: the layer being computed and the
@@ -113,7 +113,7 @@ class OffloadedKVStore:
                 dtype = s.dtype if kind in ("k", "v") else s.grad_dtype
                 self._host[kind] = torch.zeros(shape, dtype=dtype, pin_memory=self._cuda)
             self._mean_k = torch.zeros((s.num_layers, batch_size * max_pages, s.num_kv_heads, s.head_dim),
-                                       dtype=torch.float32, device=s.device)
+                                       dtype=s.dtype, device=s.device)
             self._max_pages = max_pages
         self.batch_size = batch_size
         rows = torch.arange(batch_size, device=s.device, dtype=torch.int32).view(-1, 1) * self._max_pages
@@ -267,7 +267,8 @@ class OffloadedKVStore:
         valid = torch.full((n,), float(s.page_size), device=k.device)
         valid[-1] = (record.end - record.start) - (n - 1) * s.page_size
         ids = torch.tensor(record.page_ids, device=k.device, dtype=torch.long)
-        self._mean_k[layer_idx][ids] = kt.float().sum(dim=2) / valid.repeat(self.batch_size).view(-1, 1, 1)
+        mean = kt.float().sum(dim=2) / valid.repeat(self.batch_size).view(-1, 1, 1)
+        self._mean_k[layer_idx][ids] = mean.to(s.dtype)  # as the device store keeps it
 
     def read_grad(self, layer_idx: int, record: ChunkRecord) -> tuple[torch.Tensor, torch.Tensor]:
         """The newest chunk's gradient pages as [B, H_kv, T, D], from its slot (after its backward)."""
