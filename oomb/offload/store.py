@@ -78,6 +78,7 @@ class OffloadedKVStore:
         self.num_tokens = 0
         self.page_table = torch.zeros((0, 0), dtype=torch.int32, device=spec.device)
         self._chunks: list[ChunkRecord] = []
+        self._chunk_ids = torch.empty(0, dtype=torch.long)
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -157,6 +158,8 @@ class OffloadedKVStore:
         record = ChunkRecord(start=self.num_tokens, end=self.num_tokens + num_tokens, first_page=first_page,
                              num_pages=n_pages, page_ids=ids)
         self._chunks.append(record)
+        # On the device once per chunk: built from a Python list, a copy per layer would stall the host.
+        self._chunk_ids = torch.tensor(ids, dtype=torch.long).to(self.spec.device)
         self.num_tokens = record.end
         for slot in self._slots:
             slot.key = None  # a slot's layout includes the newest chunk
@@ -170,6 +173,9 @@ class OffloadedKVStore:
     def free_last_chunk(self) -> None:
         record = self.last_chunk()
         self._chunks.pop()
+        if self._chunks:
+            prev = self._chunks[-1]
+            self._chunk_ids = torch.tensor(prev.page_ids, dtype=torch.long).to(self.spec.device)
         self.num_tokens = record.start
         for slot in self._slots:
             slot.key = None
@@ -266,7 +272,7 @@ class OffloadedKVStore:
             view[:, slot.num_past : slot.num_past + n] = tiles.view(self.batch_size, n, *tiles.shape[1:])
         valid = torch.full((n,), float(s.page_size), device=k.device)
         valid[-1] = (record.end - record.start) - (n - 1) * s.page_size
-        ids = torch.tensor(record.page_ids, device=k.device, dtype=torch.long)
+        ids = self._chunk_ids
         mean = kt.float().sum(dim=2) / valid.repeat(self.batch_size).view(-1, 1, 1)
         self._mean_k[layer_idx][ids] = mean.to(s.dtype)  # as the device store keeps it
 
@@ -309,14 +315,16 @@ class OffloadedKVStore:
                 if event is not None:
                     event.synchronize()
         self._ensure_capacity(slot, b * rows, num_past if past_cpu is not None else 0)
-        # The slot's table: page p of row b -> b * rows + its index in the slot.
-        table = torch.zeros((b, self._max_pages), dtype=torch.int32)
-        base = (torch.arange(b, dtype=torch.int32) * rows).view(-1, 1)
-        past_idx = torch.arange(num_past) if past_cpu is None else past_cpu
-        table[:, past_idx] = base + torch.arange(num_past, dtype=torch.int32)
-        chunk_idx = torch.arange(record.first_page, record.first_page + record.num_pages)
-        table[:, chunk_idx] = base + num_past + torch.arange(record.num_pages, dtype=torch.int32)
-        slot.table = table.to(s.device, non_blocking=self._cuda)
+        # The slot's table: page p of row b -> b * rows + its index in the slot. Built on the device:
+        # a host-built table would be a pageable copy, which waits for the queued kernels.
+        dev = s.device
+        table = torch.zeros((b, self._max_pages), dtype=torch.int32, device=dev)
+        base = (torch.arange(b, dtype=torch.int32, device=dev) * rows).view(-1, 1)
+        past_idx = torch.arange(num_past, device=dev) if past_pages is None else past_pages.to(dev, torch.long)
+        table[:, past_idx] = base + torch.arange(num_past, dtype=torch.int32, device=dev)
+        table[:, record.first_page : record.first_page + record.num_pages] = (
+            base + num_past + torch.arange(record.num_pages, dtype=torch.int32, device=dev))
+        slot.table = table
         slot.key, slot.past, slot.num_past, slot.rows = key, past_cpu, num_past, rows
 
         kinds = _KINDS if grads else ("k", "v")
