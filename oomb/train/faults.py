@@ -191,8 +191,10 @@ def measure_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     return use
 
 
-def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.3f} GiB"
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def memory_report(use: MemoryUse, cfg, *, estimate: dict[str, int] | None = None) -> str:
@@ -220,9 +222,9 @@ def memory_report(use: MemoryUse, cfg, *, estimate: dict[str, int] | None = None
     head = f"  {'what':<{width}}  {'measured':>13}" + (f"  {'planned':>13}" if estimate is not None else "")
     lines = [head]
     for label, key, value in rows:
-        line = f"  {label:<{width}}  {_gib(value):>13}"
+        line = f"  {label:<{width}}  {_size(value):>13}"
         if estimate is not None:
-            line += f"  {_gib(estimate.get(key)):>13}"
+            line += f"  {_size(estimate.get(key)):>13}"
         lines.append(line)
     return "\n".join(lines) + "\nTo need less memory:\n" + "\n".join(f"  - {a}" for a in memory_advice(use, cfg))
 
@@ -253,7 +255,7 @@ def memory_advice(use: MemoryUse, cfg) -> list[str]:
             and use.cuda_reserved - use.cuda_allocated > 2**30:
         advice.append((use.cuda_reserved - use.cuda_allocated,
                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching allocator holds "
-                       f"{_gib(use.cuda_reserved - use.cuda_allocated)} it cannot reuse (fragmentation)"))
+                       f"{_size(use.cuda_reserved - use.cuda_allocated)} it cannot reuse (fragmentation)"))
     advice.sort(key=lambda item: -item[0])
     return [text for _, text in advice]
 
