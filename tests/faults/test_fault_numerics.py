@@ -76,4 +76,8 @@ def test_diagnosis_finds_the_first_layer_or_reports_a_finite_forward():
         model.model.embed_tokens.weight[63] = float("inf")
     ids[0, 150] = 63
     site = locate_nonfinite(model, ids, chunk_size=128, page_size=64)
+    # The tiny preset ties the LM head to the embedding: chunk 0 never reads token 63, but its logits are inf.
+    assert (site.chunk, site.layer, site.module) == (0, None, "loss (LM head and cross-entropy)")
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone().nan_to_num(posinf=0.0))
+    site = locate_nonfinite(model, ids, chunk_size=128, page_size=64)
     assert (site.chunk, site.layer, site.module) == (1, None, "model.embed_tokens")
