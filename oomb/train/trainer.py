@@ -370,7 +370,7 @@ def train(cfg: Config, console: Console | None = None) -> Path:
         export_model(model, out, merge_lora=cfg.lora.merge_on_export)
     console.print(f"done: {cfg.train.steps} steps in {time.perf_counter() - started:.1f} s; "
                   f"final loss {loss_value:.4f}; "
-                  f"{f'{skipped} steps skipped (non-finite); ' if skipped else ''}metrics, "
+                  f"{f'non-finite steps skipped: {skipped}; ' if skipped else ''}metrics, "
                   f"checkpoints{' and export' if cfg.train.export else ''} in {out}")
     return out
 
@@ -424,7 +424,7 @@ class _Run:
         ckpt = find_checkpoint(self.out) if self.saved_step == done else self.save(done)
         what = f"step {dropped} was in progress and is dropped; " if dropped is not None else ""
         raise RunStopped(
-            f"stopped by {stop.name} after step {done} of {self.cfg.train.steps} ({what}checkpoint {ckpt}).\n"
+            f"interrupted by {stop.name} after step {done} of {self.cfg.train.steps} ({what}checkpoint {ckpt}).\n"
             f"Continue with:\n  {resume_command(self.out)}", EXIT_INTERRUPTED)
 
     def stop_out_of_memory(self, step: int, where: str, error: str, use, *, model_intact: bool = True):

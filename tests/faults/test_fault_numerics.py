@@ -37,7 +37,7 @@ def test_nonfinite_skip_makes_no_update_and_logs_it(tmp_path, straight):
                        fault_step=4)
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     assert "step skipped (no update)" in " ".join(proc.stderr.split())
-    assert "1 steps skipped (non-finite)" in " ".join(proc.stdout.split())
+    assert "non-finite steps skipped: 1;" in " ".join(proc.stdout.split())
     records = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     assert records[4]["skipped"] == "non-finite" and records[4]["loss"] is None and records[4]["skipped_steps"] == 1
     assert WHERE.removeprefix("first non-finite value: ") == records[4]["nonfinite_at"]

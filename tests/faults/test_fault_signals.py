@@ -20,7 +20,7 @@ def test_sigterm_between_or_during_steps_checkpoints_and_resumes(tmp_path, strai
     assert proc.returncode == EXIT_INTERRUPTED, (out, err)
     ckpt = find_checkpoint(run)
     done = step_of(ckpt)
-    assert f"stopped by SIGTERM after step {done} of 6" in out
+    assert f"interrupted by SIGTERM after step {done} of 6" in out
     assert f"oomb train resume={run}" in out
     assert sorted(losses(run)) == list(range(1, done + 1))  # no half step logged
     assert_resumes_exactly(run, straight)
@@ -34,7 +34,7 @@ def test_sigint_mid_step_drops_the_step_and_resumes(tmp_path, straight):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_INTERRUPTED, (out, err)
     assert "SIGINT received: dropping the step in progress" in err
-    assert "stopped by SIGINT after step 2 of 6 (step 3 was in progress and is dropped" in out
+    assert "interrupted by SIGINT after step 2 of 6 (step 3 was in progress and is dropped" in out
     assert step_of(find_checkpoint(run)) == 2
     assert sorted(losses(run)) == [1, 2]
     assert_resumes_exactly(run, straight)
