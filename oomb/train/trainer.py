@@ -459,7 +459,10 @@ class _Run:
         parameter = first_nonfinite_grad(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         t = self.cfg.train
-        site = locate_nonfinite(self.model, input_ids, labels, chunk_size=t.chunk_size, page_size=t.page_size)
+        try:
+            site = locate_nonfinite(self.model, input_ids, labels, chunk_size=t.chunk_size, page_size=t.page_size)
+        except StepAbandoned:  # a signal during the diagnosis: report without it, then stop as asked
+            site = "not located (interrupted)"
         where = (f"first non-finite value: {site}" if site is not None else
                  "the forward pass is finite in every chunk: the first non-finite value arose in the backward pass")
         text = (f"non-finite {'loss' if not bool(torch.isfinite(loss)) else 'gradient'} in step {step + 1} "
@@ -480,7 +483,11 @@ def _roll_back_metrics(path: Path, step: int) -> None:
         return
     keep, redo = [], []
     for line in path.read_text().splitlines():
-        (keep if json.loads(line)["step"] <= step else redo).append(line)
+        try:
+            done = json.loads(line)["step"] <= step
+        except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill: kept aside
+            done = False
+        (keep if done else redo).append(line)
     if redo:
         with open(path.with_name("metrics.rolled-back.jsonl"), "a") as f:
             f.write("\n".join(redo) + "\n")
