@@ -443,7 +443,7 @@ class _Run:
             try:
                 kept = (f"The model and optimizer are as after step {step} and were saved to "
                         f"{self.save(step)}.")
-            except (RunStopped, MemoryError, torch.OutOfMemoryError) as e:
+            except Exception as e:  # noqa: BLE001 - still out of memory, or a CUDA error: report, keep the old one
                 kept = f"Saving step {step} failed too ({str(e).splitlines()[0]}); {self._newest_checkpoint()}."
         t = self.cfg.train
         smaller = t.chunk_size // 2 // t.page_size * t.page_size
