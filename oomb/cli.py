@@ -1,4 +1,4 @@
-"""`oomb` command line: `oomb train [CONFIG.yaml] [key=value ...]`, `oomb bench ...`."""
+"""`oomb` command line: `oomb train [CONFIG.yaml] [key=value ...]`, `oomb eval MODEL ...`, `oomb bench ...`."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import argparse
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
-_BENCHES = {"core": "oomb.bench.core", "attention": "oomb.bench.attention", "tune": "oomb.bench.tune_attention"}
+_BENCHES = {"core": "oomb.bench.core", "attention": "oomb.bench.attention", "tune": "oomb.bench.tune_attention",
+            "sparse": "oomb.bench.sparse"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,8 +24,16 @@ def main(argv: list[str] | None = None) -> int:
                          help="an optional YAML config file first, then dotted overrides like train.steps=100")
     train_p.add_argument("--list-keys", action="store_true", help="print every config key with its default")
     train_p.add_argument("--list-presets", action="store_true", help="print the built-in model presets")
+    eval_p = sub.add_parser("eval", help="perplexity by position and retrieval accuracy of a model or checkpoint",
+                            description="Evaluate a model: perplexity by position on held-out documents "
+                            "(--perplexity) and retrieval accuracy over lengths x depths (--retrieval). "
+                            "Writes results.json, perplexity.png and retrieval.png to --out. See docs/eval.md.")
+    from oomb.train.evaluate import add_arguments
+
+    add_arguments(eval_p)
     bench_p = sub.add_parser("bench", help="measured benchmarks on a GPU: core (a training step against "
-                             "context), attention (kernels against SDPA), tune (kernel tile sweep)")
+                             "context), attention (kernels against SDPA), tune (kernel tile sweep), "
+                             "sparse (page-sparse against dense attention)")
     bench_p.add_argument("name", choices=sorted(_BENCHES), help="which benchmark")
     bench_p.add_argument("bench_args", nargs=argparse.REMAINDER, help="its options (see oomb bench NAME --help)")
 
@@ -31,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=False)
     if args.command == "train":
         return _train(args, console)
+    if args.command == "eval":
+        return _eval(args, sys.argv[1:] if argv is None else argv, console)
     import importlib
 
     return importlib.import_module(_BENCHES[args.name]).main(args.bench_args)
@@ -59,11 +71,22 @@ def _train(args, console: Console) -> int:
         cfg = load_run_config(config_path, overrides)
         train(cfg, console)
     except ConfigError as e:
-        console.print(f"[red]config error:[/] {e}", highlight=False, soft_wrap=True)
+        console.print(f"[red]config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return EXIT_CONFIG
     except RunStopped as e:  # a failure the trainer handled: the message says what is on disk and what to do
         console.print(Text.assemble(("stopped: ", "red"), str(e)), highlight=False, soft_wrap=True)
         return e.exit_code
+    return 0
+
+
+def _eval(args, argv: list[str], console: Console) -> int:
+    from oomb.train.evaluate import EvalError, run_eval
+
+    try:
+        run_eval(args, argv, console)
+    except EvalError as e:
+        console.print(f"[red]eval error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        return 2
     return 0
 
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from oomb.cache import PagedKVStore
 from oomb.kernels import AttentionBackend
+from oomb.sparse import PageSelection
 
 STEP_KWARG = "oomb_step"
 
@@ -26,3 +29,15 @@ class StepContext:
     # Layer indices whose attention ran during the current chunk's forward; the engine
     # checks it against the model's layers to catch attention that bypasses oomb.
     layers_seen: set[int] = field(default_factory=set)
+    # Packed documents: [B, N] int32 position of the first token of each token's document
+    # (tokens of different documents never attend to each other); None = one document per row.
+    doc_start: torch.Tensor | None = None
+    # Page-sparse attention policy (None = dense), and the page lists chosen so far, keyed by
+    # (layer index, first token of the chunk): chosen in stage 1, reused in stage 2.
+    selection: PageSelection | None = None
+    page_lists: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
+
+    def drop_page_lists(self, chunk_start: int) -> None:
+        """Forget the page lists of the chunk that starts at ``chunk_start`` (after its backward)."""
+        for key in [key for key in self.page_lists if key[1] == chunk_start]:
+            del self.page_lists[key]

@@ -12,6 +12,33 @@ from __future__ import annotations
 import torch
 
 from oomb.attention.context import StepContext
+from oomb.sparse import select_pages
+
+
+def visibility(step: StepContext, layer_idx: int, q: torch.Tensor, sliding_window: int | None) -> dict:
+    """Keyword arguments for the kernels: the chunk's document starts and its page lists.
+
+    A layer's page list for a chunk is chosen the first time the chunk runs (stage 1, or
+    stage 2 for the last chunk) and reused afterwards, so every pass attends the same pages.
+    Sliding-window layers stay dense: they read only the pages inside their window anyway.
+    """
+    store = step.store
+    kv_len, c = store.num_tokens, q.shape[2]
+    q0 = kv_len - c
+    doc_start = None if step.doc_start is None else step.doc_start[:, q0:kv_len]
+    kwargs = {"doc_start": doc_start}
+    policy = step.selection
+    if policy is not None and sliding_window is None:
+        key = (layer_idx, q0)
+        if key not in step.page_lists:
+            step.page_lists[key] = select_pages(
+                q, store.layer(layer_idx).mean_k, store.page_table, q0 // store.spec.page_size,
+                store.spec.page_size, policy, doc_start,
+            )
+        page_select = step.page_lists[key]
+        if page_select is not None:
+            kwargs.update(page_select=page_select, select_block=policy.block)
+    return kwargs
 
 
 class PagedAttention(torch.autograd.Function):
@@ -20,10 +47,12 @@ class PagedAttention(torch.autograd.Function):
         store = step.store
         store.write(layer_idx, k, v)
         pools = store.layer(layer_idx)
+        vis = visibility(step, layer_idx, q, sliding_window)
         out, lse = step.backend.forward(
             q, pools.k, pools.v, store.page_table, store.num_tokens,
-            scale=scale, sliding_window=sliding_window, sinks=sinks,
+            scale=scale, sliding_window=sliding_window, sinks=sinks, **vis,
         )
+        ctx.vis = vis
         ctx.save_for_backward(q, out, lse, sinks)
         ctx.step, ctx.layer_idx, ctx.scale, ctx.sliding_window = step, layer_idx, scale, sliding_window
         ctx.record = store.last_chunk()
@@ -40,7 +69,7 @@ class PagedAttention(torch.autograd.Function):
         dq, d_sinks = ctx.step.backend.backward(
             d_out.contiguous(), q, out, lse, pools.k, pools.v, pools.dk, pools.dv,
             store.page_table, ctx.kv_len,
-            scale=ctx.scale, sliding_window=ctx.sliding_window, sinks=sinks,
+            scale=ctx.scale, sliding_window=ctx.sliding_window, sinks=sinks, **ctx.vis,
         )
         dk, dv = store.read_grad(ctx.layer_idx, ctx.record)
         if d_sinks is not None:
@@ -68,6 +97,7 @@ def paged_attention(
         out, _ = step.backend.forward(
             q, pools.k, pools.v, store.page_table, store.num_tokens,
             scale=scale, sliding_window=sliding_window, sinks=sinks,
+            **visibility(step, layer_idx, q, sliding_window),
         )
         return out
     return PagedAttention.apply(q, k, v, sinks, step, layer_idx, scale, sliding_window)

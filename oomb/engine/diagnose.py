@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from oomb.attention import STEP_KWARG, StepContext, oomb_attention
+from oomb.attention import StepContext, oomb_attention
 from oomb.engine.loss import linear_cross_entropy_sum
-from oomb.engine.step import _store_for, _unwrap_peft, _validate
+from oomb.engine.step import _store_for, _unwrap_peft, _validate, document_starts, run_chunk
 from oomb.kernels import get_backend
 
 
@@ -58,6 +58,7 @@ def locate_nonfinite(
     backend: str = "auto",
     grad_dtype: torch.dtype | None = None,
     loss_impl: str = "auto",
+    doc_ids: torch.Tensor | None = None,
 ) -> NonFiniteSite | None:
     """The first module output (chunk by chunk, layer by layer) or chunk loss that is not finite.
 
@@ -69,7 +70,9 @@ def locate_nonfinite(
     batch, seq_len = input_ids.shape
     store = _store_for(model, input_ids.device, page_size, grad_dtype)
     store.reserve(batch, seq_len)
-    step = StepContext(store=store, backend=get_backend(backend, input_ids.device.type), stage="fill")
+    doc_start = document_starts(doc_ids, input_ids) if doc_ids is not None else None
+    step = StepContext(store=store, backend=get_backend(backend, input_ids.device.type), stage="fill",
+                       doc_start=doc_start)
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     names = {id(m): n for n, m in model.named_modules()}
     layers = list(getattr(decoder, "layers", []))
@@ -90,9 +93,7 @@ def locate_nonfinite(
         with oomb_attention(model):
             for k, (start, end) in enumerate(bounds):
                 store.append_chunk(end - start)
-                positions = torch.arange(start, end, device=input_ids.device).expand(batch, -1)
-                hidden = decoder(input_ids=input_ids[:, start:end], position_ids=positions, use_cache=False,
-                                 **{STEP_KWARG: step}).last_hidden_state
+                hidden = run_chunk(model, step, input_ids, start, end)
                 site = dict(chunk=k, num_chunks=len(bounds), start=start, end=end)
                 if found:
                     module = found[0]

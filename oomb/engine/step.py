@@ -10,6 +10,7 @@ the sequence is the store (K, V and their gradient pages).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -19,6 +20,7 @@ from oomb.attention import STEP_KWARG, StepContext, check_attention_support, oom
 from oomb.cache import PagedKVStore, StoreSpec
 from oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy_sum
 from oomb.kernels import get_backend
+from oomb.sparse import PageSelection
 
 # One store per model, reused across steps so the pools are allocated once.
 _STORES: weakref.WeakKeyDictionary[torch.nn.Module, PagedKVStore] = weakref.WeakKeyDictionary()
@@ -34,6 +36,9 @@ def chunked_backward(
     backend: str = "auto",
     grad_dtype: torch.dtype | None = None,
     loss_impl: str = "auto",
+    doc_ids: torch.Tensor | None = None,
+    page_budget: int | None = None,
+    selection: PageSelection | None = None,
 ) -> torch.Tensor:
     """Exact loss and parameter gradients of a long sequence, one chunk of activations at a time.
 
@@ -47,6 +52,15 @@ def chunked_backward(
         backend: attention kernels: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
         grad_dtype: dtype of the gradient pages (default: the model's dtype).
         loss_impl: fused linear cross-entropy: "auto", "liger" or "torch".
+        doc_ids: [B, N] document id of each token, non-decreasing along N (packed documents):
+            tokens of different documents never attend to each other. Positions stay those of
+            the packed sequence (RoPE is relative, so a document sees the same attention as alone).
+            Labels are not changed: mark the first token of each document -100 in ``labels`` if
+            the previous document's last token should not predict it.
+        page_budget: page-sparse attention: each block of queries attends this many pages of the
+            chunk's past (plus the chunk itself); None = dense (exact). See oomb.sparse.
+        selection: how pages are chosen (block size, sink/local pages, per-head lists);
+            ``page_budget`` overrides its budget when both are given.
 
     Accumulates d(loss)/d(param) into ``.grad`` like ``loss.backward()`` and returns the
     mean loss over target tokens as a detached scalar. A peft model (LoRA) is accepted:
@@ -54,6 +68,8 @@ def chunked_backward(
     """
     model = _unwrap_peft(model)
     targets = _validate(model, input_ids, labels, chunk_size, page_size)
+    doc_start = document_starts(doc_ids, input_ids) if doc_ids is not None else None
+    selection = selection_policy(page_budget, selection)
     n_targets = int((targets != IGNORE_INDEX).sum())  # host sync, once per step
     if n_targets == 0:
         raise ValueError("no position has a target: every label is -100 (or the sequence has one token)")
@@ -61,24 +77,13 @@ def chunked_backward(
     batch, seq_len = input_ids.shape
     store = _store_for(model, input_ids.device, page_size, grad_dtype)
     store.reserve(batch, seq_len)
-    step = StepContext(store=store, backend=get_backend(backend, input_ids.device.type))
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    step = StepContext(store=store, backend=get_backend(backend, input_ids.device.type), doc_start=doc_start,
+                       selection=selection)
+    head = model.get_output_embeddings()
     bounds = [(s, min(s + chunk_size, seq_len)) for s in range(0, seq_len, chunk_size)]
-    expected_layers = set(range(model.config.num_hidden_layers))
 
     def run_decoder(start: int, end: int) -> torch.Tensor:
-        step.layers_seen.clear()
-        positions = torch.arange(start, end, device=input_ids.device).expand(batch, -1)
-        hidden = decoder(
-            input_ids=input_ids[:, start:end], position_ids=positions, use_cache=False, **{STEP_KWARG: step}
-        ).last_hidden_state
-        if step.layers_seen != expected_layers:
-            missing = sorted(expected_layers - step.layers_seen)
-            raise RuntimeError(
-                f"attention layers {missing[:8]} did not go through oomb's attention: this model computes "
-                "attention outside transformers' AttentionInterface and cannot be trained with oomb"
-            )
-        return hidden
+        return run_chunk(model, step, input_ids, start, end)
 
     total = torch.zeros((), dtype=torch.float32, device=input_ids.device)
     try:
@@ -104,10 +109,55 @@ def chunked_backward(
                 ) / n_targets
                 loss.backward()
                 total += loss.detach()
+                step.drop_page_lists(start)
                 store.free_last_chunk()
     finally:
         store.clear()  # pool usage returns to zero, also after an error mid-step
     return total
+
+
+def run_chunk(model: PreTrainedModel, step: StepContext, input_ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """The decoder's hidden states [B, end - start, hidden] of tokens [start, end), attention through oomb.
+
+    The store must already hold the chunk's pages (append_chunk). Raises if a layer's attention
+    bypassed oomb (a model computing attention outside transformers' AttentionInterface).
+    """
+    step.layers_seen.clear()
+    positions = torch.arange(start, end, device=input_ids.device).expand(input_ids.shape[0], -1)
+    hidden = model.get_decoder()(
+        input_ids=input_ids[:, start:end], position_ids=positions, use_cache=False, **{STEP_KWARG: step}
+    ).last_hidden_state
+    expected = set(range(model.config.num_hidden_layers))
+    if step.layers_seen != expected:
+        missing = sorted(expected - step.layers_seen)
+        raise RuntimeError(
+            f"attention layers {missing[:8]} did not go through oomb's attention: this model computes "
+            "attention outside transformers' AttentionInterface and cannot be run by oomb"
+        )
+    return hidden
+
+
+def selection_policy(page_budget: int | None, selection: PageSelection | None) -> PageSelection | None:
+    """The page-selection policy of a step: ``page_budget`` overrides the budget of ``selection``."""
+    if page_budget is not None:
+        return dataclasses.replace(selection or PageSelection(), page_budget=page_budget)
+    return selection
+
+
+def document_starts(doc_ids: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, N] int32 position of the first token of each token's document, from document ids."""
+    if not isinstance(doc_ids, torch.Tensor) or tuple(doc_ids.shape) != tuple(input_ids.shape):
+        raise ValueError(f"doc_ids must have the shape of input_ids {tuple(input_ids.shape)}, got {_describe(doc_ids)}")
+    if doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool:
+        raise TypeError(f"doc_ids must be an integer tensor, got {doc_ids.dtype}")
+    doc_ids = doc_ids.to(input_ids.device)
+    if bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
+        raise ValueError("doc_ids must be non-decreasing along each sequence (documents packed one after another)")
+    batch, seq_len = doc_ids.shape
+    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    positions = torch.arange(seq_len, device=doc_ids.device).expand(batch, -1)
+    return torch.where(is_start, positions, 0).cummax(dim=1).values.to(torch.int32)
 
 
 def _unwrap_peft(model: torch.nn.Module) -> torch.nn.Module:

@@ -13,6 +13,14 @@ signatures. Conventions (the same for every backend):
   ``sliding_window`` W, when i - j < W (transformers' convention).
 - ``sinks`` [H] (GPT-OSS): a per-head logit that joins the softmax denominator and
   contributes no value.
+- ``doc_start`` [B, C] (packed documents): the position of the first token of each
+  query's document; keys before it are invisible (tokens of different documents never
+  attend to each other). Non-decreasing along C.
+- ``page_select`` [B, H_sel, ceil(C / select_block), K] int32 (page-sparse attention):
+  for each block of ``select_block`` queries, the K past pages (sequence page indices,
+  all < (kv_len - C) / page_size) it attends; other past pages are invisible to it. The
+  chunk's own pages are always attended. H_sel is 1 (one selection for every head) or
+  H_kv (per KV head). Needs the chunk to start on a page.
 - Arithmetic in float32 (float64 for float64 inputs, the tests' oracle).
 - ``lse`` [B, H, C] float32: natural-log sum of exp over the visible keys (and the sink).
 
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -43,26 +52,32 @@ def _block_pages(q: torch.Tensor, page_size: int, block_tokens: int | None) -> i
     return max(1, block_tokens // page_size)
 
 
-def _first_visible_page(kv_len: int, q_len: int, page_size: int, sliding_window: int | None) -> int:
-    """Pages before this one hold no key that any query of the chunk can see."""
-    if sliding_window is None:
-        return 0
-    earliest_key = max(0, kv_len - q_len - sliding_window + 1)
-    return earliest_key // page_size
+def _first_visible_page(
+    kv_len: int, q_len: int, page_size: int, sliding_window: int | None, first_doc_start: int = 0
+) -> int:
+    """Pages before this one hold no key that any query of the chunk can see.
+
+    ``first_doc_start``: the smallest document start of any query (0 without documents).
+    """
+    earliest_key = first_doc_start
+    if sliding_window is not None:
+        earliest_key = max(earliest_key, kv_len - q_len - sliding_window + 1)
+    return max(0, earliest_key) // page_size
 
 
-def _key_blocks(kv_len: int, q_len: int, page_size: int, sliding_window: int | None, step: int):
-    """(first page, end page, needs a mask) of each key block to visit.
+def _key_blocks(kv_len: int, q_len: int, page_size: int, first_page: int, always_mask: bool, step: int):
+    """(first page, end page, needs a mask) of each key block to visit, from ``first_page`` on.
 
     Pages wholly before the first query position are visible to every query (unless a
-    sliding window cuts them), so those blocks skip the mask; the rest are masked.
+    window, a document start or a page selection cuts them: ``always_mask``), so those
+    blocks skip the mask; the rest are masked.
     """
     n_pages = -(-kv_len // page_size)
     boundary = (kv_len - q_len) // page_size  # pages [0, boundary) hold only keys < every query position
-    p0 = _first_visible_page(kv_len, q_len, page_size, sliding_window)
+    p0 = first_page
     while p0 < n_pages:
         p1 = min(p0 + step, n_pages, boundary) if p0 < boundary else min(p0 + step, n_pages)
-        yield p0, p1, p0 >= boundary or sliding_window is not None
+        yield p0, p1, p0 >= boundary or always_mask
         p0 = p1
 
 
@@ -94,26 +109,82 @@ def _gather_block(pool: torch.Tensor, page_ids: torch.Tensor, dtype: torch.dtype
     return tiles_to_tokens(pool[page_ids.long()]).to(dtype)
 
 
-def _block_mask(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, kv_len: int, sliding_window: int | None
-) -> torch.Tensor:
-    """[C, T] bool: which keys each query position sees."""
-    visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_len)
-    if sliding_window is not None:
-        visible &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
-    return visible
+@dataclass
+class _Visibility:
+    """Which keys each row of the grouped layout (row r = g * C + c) sees, beyond causality."""
+
+    q_pos_rows: torch.Tensor  # [G*C] absolute position of each row
+    kv_len: int
+    sliding_window: int | None
+    doc_start_rows: torch.Tensor | None  # [B, 1, G*C] first key of each row's document
+    selected: torch.Tensor | None  # [B, H_sel, G*C, n_past_pages] bool: past pages each row attends
+    first_page: int  # pages before it are invisible to every row
+
+    def mask(self, p0: int, p1: int, page_size: int) -> torch.Tensor:
+        """[rows, T] or [B, H_sel|1, rows, T] bool for the keys of pages [p0, p1)."""
+        k_pos = torch.arange(p0 * page_size, p1 * page_size, device=self.q_pos_rows.device)
+        q_pos = self.q_pos_rows
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < self.kv_len)
+        if self.sliding_window is not None:
+            visible &= (q_pos[:, None] - k_pos[None, :]) < self.sliding_window
+        if self.doc_start_rows is not None:
+            visible = visible & (k_pos >= self.doc_start_rows[..., None])
+        if self.selected is not None:
+            n_past = self.selected.shape[-1]
+            if p0 < n_past:  # blocks never straddle the chunk's first page (_key_blocks splits there)
+                rows_pages = self.selected[..., p0:p1].repeat_interleave(page_size, dim=-1)
+                visible = visible & rows_pages
+        return visible
 
 
-def _block_scores(qg, k_pool, v_pool, page_table, p0, p1, masked, q_pos_rows, kv_len, scale, sliding_window):
+def _visibility(q, kv_heads, kv_len, page_size, sliding_window, doc_start, page_select, select_block) -> _Visibility:
+    b, h, c, _ = q.shape
+    g = h // kv_heads
+    q_pos_rows = torch.arange(kv_len - c, kv_len, device=q.device).repeat(g)  # row g*C + i -> position i
+    doc_rows = None
+    first_doc = 0
+    if doc_start is not None:
+        doc_rows = doc_start.to(q.device, torch.int64).repeat(1, g).unsqueeze(1)  # [B, 1, G*C]
+        first_doc = int(doc_start[:, 0].min())  # non-decreasing: the first query has the smallest
+    selected = None
+    if page_select is not None:
+        n_past = (kv_len - c) // page_size
+        bitmap = torch.zeros(*page_select.shape[:3], max(n_past, 1), dtype=torch.bool, device=q.device)
+        bitmap.scatter_(-1, page_select.to(q.device, torch.int64), True)
+        qb_of_c = torch.arange(c, device=q.device) // select_block
+        selected = bitmap[:, :, qb_of_c, :n_past].repeat(1, 1, g, 1)  # [B, H_sel, G*C, n_past]
+    first_page = _first_visible_page(kv_len, c, page_size, sliding_window, first_doc)
+    return _Visibility(q_pos_rows, kv_len, sliding_window, doc_rows, selected, first_page)
+
+
+def check_visibility_args(q, kv_heads, kv_len, page_size, doc_start, page_select, select_block) -> None:
+    """Shapes and ranges of doc_start / page_select (shared by every backend)."""
+    b, h, c, _ = q.shape
+    if doc_start is not None:
+        if doc_start.shape != (b, c) or doc_start.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"doc_start must be an integer [B, C]={b, c} tensor, got "
+                             f"{doc_start.dtype} {tuple(doc_start.shape)}")
+    if page_select is not None:
+        if select_block is None or select_block <= 0:
+            raise ValueError("page_select needs select_block > 0 (queries per selection block)")
+        if (kv_len - c) % page_size:
+            raise ValueError(f"page_select needs the chunk to start on a page (kv_len - C = {kv_len - c}, "
+                             f"page_size = {page_size})")
+        n_qb = -(-c // select_block)
+        if (page_select.dim() != 4 or page_select.shape[0] != b or page_select.shape[1] not in (1, kv_heads)
+                or page_select.shape[2] != n_qb or page_select.dtype != torch.int32):
+            raise ValueError(f"page_select must be int32 [B, 1 or H_kv, ceil(C / select_block), K] = "
+                             f"[{b}, 1|{kv_heads}, {n_qb}, K], got {page_select.dtype} {tuple(page_select.shape)}")
+
+
+def _block_scores(qg, k_pool, v_pool, page_table, p0, p1, masked, vis: _Visibility, scale):
     """Keys and values of pages [p0, p1) in qg's dtype, and the scaled scores with invisible keys at -inf."""
     ids = page_table[:, p0:p1]
     k = _gather_block(k_pool, ids, qg.dtype)
     v = _gather_block(v_pool, ids, qg.dtype)
     s = (qg @ k.transpose(-1, -2)) * scale
     if masked:
-        page_size = k_pool.shape[2]
-        k_pos = torch.arange(p0 * page_size, p1 * page_size, device=qg.device)
-        s = s.masked_fill(~_block_mask(q_pos_rows, k_pos, kv_len, sliding_window), -math.inf)
+        s = s.masked_fill(~vis.mask(p0, p1, k_pool.shape[2]), -math.inf)
     return k, v, s
 
 
@@ -140,13 +211,16 @@ def paged_attention_forward(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [H]
+    doc_start: torch.Tensor | None = None,  # [B, C]
+    page_select: torch.Tensor | None = None,  # [B, H_sel, ceil(C / select_block), K] int32
+    select_block: int | None = None,
     block_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out [B, H, C, D] in q.dtype, lse [B, H, C] float32)."""
     b, h, c, d = q.shape
     h_kv, page_size = k_pool.shape[1], k_pool.shape[2]
-    q_pos = torch.arange(kv_len - c, kv_len, device=q.device)
-    q_pos_rows = q_pos.repeat(h // h_kv)  # row r = g*C + i has position q_pos[i]
+    check_visibility_args(q, h_kv, kv_len, page_size, doc_start, page_select, select_block)
+    vis = _visibility(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block)
     acc_dtype = _acc_dtype(q.dtype)
     qg = _group(q, h_kv).to(acc_dtype)
     rows = qg.shape[2]
@@ -160,10 +234,10 @@ def paged_attention_forward(
     acc = torch.zeros((b, h_kv, rows, d), device=q.device, dtype=acc_dtype)
 
     step = _block_pages(q, page_size, block_tokens)
+    always_mask = sliding_window is not None or doc_start is not None or page_select is not None
     with _tf32_for(q.dtype, q.device):
-        for p0, p1, masked in _key_blocks(kv_len, c, page_size, sliding_window, step):
-            k, v, s = _block_scores(qg, k_pool, v_pool, page_table, p0, p1, masked, q_pos_rows, kv_len,
-                                    scale, sliding_window)
+        for p0, p1, masked in _key_blocks(kv_len, c, page_size, vis.first_page, always_mask, step):
+            k, v, s = _block_scores(qg, k_pool, v_pool, page_table, p0, p1, masked, vis, scale)
             m_new = torch.maximum(m, s.amax(dim=-1))
             # Rows that have seen no visible key yet keep m = -inf; shift by 0 there to avoid inf - inf.
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -193,6 +267,9 @@ def paged_attention_backward(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [H]
+    doc_start: torch.Tensor | None = None,  # [B, C]
+    page_select: torch.Tensor | None = None,  # [B, H_sel, ceil(C / select_block), K] int32
+    select_block: int | None = None,
     block_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Adds dK/dV of every visible page into dk_pool/dv_pool.
@@ -201,7 +278,8 @@ def paged_attention_backward(
     """
     b, h, c, d = q.shape
     h_kv, page_size = k_pool.shape[1], k_pool.shape[2]
-    q_pos_rows = torch.arange(kv_len - c, kv_len, device=q.device).repeat(h // h_kv)
+    check_visibility_args(q, h_kv, kv_len, page_size, doc_start, page_select, select_block)
+    vis = _visibility(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block)
     acc_dtype = _acc_dtype(q.dtype)
     qg = _group(q, h_kv).to(acc_dtype)
     dog = _group(d_out, h_kv).to(acc_dtype)
@@ -210,10 +288,10 @@ def paged_attention_backward(
     dq = torch.zeros_like(qg)
 
     step = _block_pages(q, page_size, block_tokens)
+    always_mask = sliding_window is not None or doc_start is not None or page_select is not None
     with _tf32_for(q.dtype, q.device):
-        for p0, p1, masked in _key_blocks(kv_len, c, page_size, sliding_window, step):
-            k, v, s = _block_scores(qg, k_pool, v_pool, page_table, p0, p1, masked, q_pos_rows, kv_len,
-                                    scale, sliding_window)
+        for p0, p1, masked in _key_blocks(kv_len, c, page_size, vis.first_page, always_mask, step):
+            k, v, s = _block_scores(qg, k_pool, v_pool, page_table, p0, p1, masked, vis, scale)
             p = torch.exp(s - lse_g.unsqueeze(-1))  # masked keys: exp(-inf) = 0
             ids = page_table[:, p0:p1]
             dv = p.transpose(-1, -2) @ dog  # [B, H_kv, T, D], summed over the group's heads

@@ -51,7 +51,7 @@ try:
 except ImportError:  # older triton: pointer loads only
     TensorDescriptor = None
 
-from oomb.kernels.reference import _first_visible_page
+from oomb.kernels.reference import _first_visible_page, check_visibility_args
 
 LOG2E = 1.4426950408889634
 
@@ -88,32 +88,39 @@ def _kv_offsets(
 
 
 @triton.jit
-def _key_block_ranges(p_lo, p_hi, lo_key, window, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def _key_block_ranges(p_lo, p_hi, lo_key, window, doc_lo, doc_hi,
+                      BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
     """Key blocks seen by query positions [p_lo, p_hi], split into masked | full | masked runs.
 
     Block j holds keys lo_key + j * BLOCK_N ...; returns (a, b, c, d): blocks [a, b) hold keys
-    some row is too far from (window edge), [b, c) are visible to every row (no mask),
-    [c, d) cross the causal diagonal. Blocks >= d are above the diagonal for every row.
+    some row is too far from (window edge) or that precede some row's document (doc_lo / doc_hi:
+    the smallest / largest document start of the rows), [b, c) are visible to every row (no
+    mask), [c, d) cross the causal diagonal. Blocks >= d are above the diagonal for every row.
     """
     d = (p_hi - lo_key) // BLOCK_N + 1
     full_end = (p_lo + 1 - lo_key) // BLOCK_N  # blocks whose last key <= p_lo
+    a = 0
+    full_start = 0
     if HAS_WINDOW:
         a = tl.maximum(p_lo - window + 1 - lo_key, 0) // BLOCK_N
         full_start = tl.cdiv(tl.maximum(p_hi - window + 1 - lo_key, 0), BLOCK_N)  # first key >= p_hi - W + 1
-    else:
-        a = 0
-        full_start = 0
+    if HAS_DOCS:
+        a = tl.maximum(a, tl.maximum(doc_lo - lo_key, 0) // BLOCK_N)
+        full_start = tl.maximum(full_start, tl.cdiv(tl.maximum(doc_hi - lo_key, 0), BLOCK_N))
     b = tl.maximum(a, tl.minimum(full_start, full_end))
     c = tl.maximum(b, full_end)
     return a, b, c, d
 
 
 @triton.jit
-def _row_block_ranges(n0, n1, q0, C, window, G: tl.constexpr, BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def _row_block_ranges(n0, n1, q0, C, window, c_end, c_full,
+                      G: tl.constexpr, BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
     """Row blocks that see keys [n0, n1] (n1 < kv_len), split into masked | full | masked runs.
 
-    Row r = c * G + g has position q0 + c. Returns (a, b, c, d): row blocks [a, b) cross the
-    causal diagonal, [b, c) see every key of the block, [c, d) reach the window edge.
+    Row r = c * G + g has position q0 + c. With documents, only rows c < c_end have a document
+    that starts at or before n1, and rows c < c_full one that starts at or before n0. Returns
+    (a, b, c, d): row blocks [a, b) cross the causal diagonal, [b, c) see every key of the
+    block, [c, d) reach the window edge or a document start.
     """
     a = (tl.maximum(n0 - q0, 0) * G) // BLOCK_M
     full_start = tl.cdiv(tl.maximum(n1 - q0, 0) * G, BLOCK_M)  # first row with position >= n1
@@ -123,23 +130,54 @@ def _row_block_ranges(n0, n1, q0, C, window, G: tl.constexpr, BLOCK_M: tl.conste
     else:
         d = tl.cdiv(C * G, BLOCK_M)
         full_end = d
+    if HAS_DOCS:
+        d = tl.minimum(d, tl.cdiv(c_end * G, BLOCK_M))
+        full_end = tl.minimum(full_end, (c_full * G) // BLOCK_M)
     b = tl.maximum(a, tl.minimum(full_start, full_end))
     c = tl.minimum(tl.maximum(b, full_end), d)
     return a, b, c, d
 
 
 @triton.jit
-def _rows(m0, q0, n_rows, G: tl.constexpr, BLOCK_M: tl.constexpr):
+def _rows(m0, q0, row_end, G: tl.constexpr, BLOCK_M: tl.constexpr):
     """Rows m0 .. m0 + BLOCK_M - 1 of the (position, group head) axis: (ok, c, g, position)."""
     r = m0 + tl.arange(0, BLOCK_M)
     c = r // G
     g = r - c * G
-    return r < n_rows, c, g, q0 + c
+    return r < row_end, c, g, q0 + c
 
 
-# --------------------------------------------------------------------------------------
-# Forward
-# --------------------------------------------------------------------------------------
+@triton.jit
+def _row_tile(pid, C, sel_block, tiles_per_block, G: tl.constexpr, BLOCK_M: tl.constexpr, SPARSE: tl.constexpr):
+    """(query block, first row, end row) of a row-major program.
+
+    Dense: row tiles of the whole chunk. Sparse: every selection block of ``sel_block``
+    queries gets its own ``tiles_per_block`` tiles, so no tile mixes two page lists.
+    """
+    if SPARSE:
+        qb = pid // tiles_per_block
+        m0 = qb * sel_block * G + (pid % tiles_per_block) * BLOCK_M
+        row_end = tl.minimum((qb + 1) * sel_block, C) * G
+    else:
+        qb = pid * 0
+        m0 = pid * BLOCK_M
+        row_end = C * G
+    return qb, m0, row_end
+
+
+@triton.jit
+def _count_le(row_ptr, n, x, N_ITER: tl.constexpr):
+    """Number of entries <= x in the non-decreasing int32 array row_ptr[0:n] (binary search)."""
+    lo = n * 0
+    hi = n + 0
+    for _ in tl.static_range(N_ITER):
+        mid = (lo + hi) // 2
+        val = tl.load(row_ptr + tl.minimum(mid, n - 1))
+        go = lo < hi
+        le = val <= x
+        lo = tl.where(go & le, mid + 1, lo)
+        hi = tl.where(go & (val > x), mid, hi)
+    return lo
 
 
 @triton.jit
@@ -177,46 +215,111 @@ def _load_kv(POOL, DESC, coord, n_ok, MASK: tl.constexpr, USE_TMA: tl.constexpr)
 
 
 @triton.jit
-def _fwd_blocks(
+def _visible(n_pos, q_pos, doc, window, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """[BM, BN] bool: key n visible to row m (causal, window, document)."""
+    vis = n_pos[None, :] <= q_pos[:, None]
+    if HAS_WINDOW:
+        vis = vis & ((q_pos[:, None] - n_pos[None, :]) < window)
+    if HAS_DOCS:
+        vis = vis & (n_pos[None, :] >= doc[:, None])
+    return vis
+
+
+@triton.jit
+def _row_masks(DOC_ROW, m0, q0, row_end, G: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """Per-row position and document start [BM] for masked blocks (recomputed rather than kept live)."""
+    row_ok, c, _, q_pos = _rows(m0, q0, row_end, G, BLOCK_M)
+    if HAS_DOCS:
+        doc = tl.load(DOC_ROW + c, mask=row_ok, other=0)
+    else:
+        doc = q_pos
+    return q_pos, doc
+
+
+# --------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_step(
     acc, l_i, m_i, q,  # running state [BM, D], [BM], [BM] fp32 (log2 units); q tile [BM, D]
-    K_POOL,  # [num_pages, H_kv, PAGE_SIZE, D]
-    V_POOL,  # [num_pages, H_kv, PAGE_SIZE, D], same strides as K_POOL
-    K_DESC,  # TMA descriptor of K_POOL as [num_pages * H_kv * PAGE_SIZE, D] (USE_TMA only)
-    V_DESC,  # same for V_POOL
-    table_row,  # [>= n_pages] int32
+    K_POOL, V_POOL, K_DESC, V_DESC, table_row,
     h_kv, s_page, s_head, s_slot,
-    j_lo, j_hi, lo_key, m0, q0, kv_len, n_pages, window, qk_scale,
+    n0, q_pos, doc, kv_len, n_pages, window, qk_scale,
+    H_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Online-softmax update of one row tile with the key block n0 .. n0 + BLOCK_N - 1."""
+    n_pos = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n_pos < kv_len
+    coord = _kv_coord(table_row, n0, n_pages, h_kv, s_page, s_head, s_slot, H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+                      USE_TMA)
+    k = _load_kv(K_POOL, K_DESC, coord, n_ok, MASK, USE_TMA)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BM, BN]
+    if MASK:
+        vis = _visible(n_pos, q_pos, doc, window, HAS_WINDOW, HAS_DOCS)
+        s = tl.where(vis, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # one FMA per score
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    v = _load_kv(V_POOL, V_DESC, coord, n_ok, MASK, USE_TMA)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_blocks(
+    acc, l_i, m_i, q,
+    K_POOL, V_POOL, K_DESC, V_DESC, table_row, DOC_ROW,
+    h_kv, s_page, s_head, s_slot,
+    j_lo, j_hi, lo_key, m0, q0, row_end, kv_len, n_pages, window, qk_scale,
     G: tl.constexpr, H_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
+    """Key blocks j_lo .. j_hi - 1 (keys lo_key + j * BLOCK_N ...)."""
+    q_pos = 0
+    doc = 0
     if MASK:
-        # Row positions are recomputed here rather than kept live through the unmasked loop (registers).
-        q_pos = q0 + (m0 + tl.arange(0, BLOCK_M)) // G
+        q_pos, doc = _row_masks(DOC_ROW, m0, q0, row_end, G, BLOCK_M, HAS_DOCS)
     for j in range(j_lo, j_hi):
-        n0 = lo_key + j * BLOCK_N
-        n_pos = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n_pos < kv_len
-        coord = _kv_coord(table_row, n0, n_pages, h_kv, s_page, s_head, s_slot,
-                          H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_N, USE_TMA)
-        k = _load_kv(K_POOL, K_DESC, coord, n_ok, MASK, USE_TMA)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BM, BN]
-        if MASK:
-            vis = n_pos[None, :] <= q_pos[:, None]
-            if HAS_WINDOW:
-                vis = vis & ((q_pos[:, None] - n_pos[None, :]) < window)
-            s = tl.where(vis, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # one FMA per score
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = _load_kv(V_POOL, V_DESC, coord, n_ok, MASK, USE_TMA)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
-        m_i = m_new
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K_POOL, V_POOL, K_DESC, V_DESC, table_row,
+                                  h_kv, s_page, s_head, s_slot, lo_key + j * BLOCK_N, q_pos, doc, kv_len, n_pages,
+                                  window, qk_scale, H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+                                  MASK, HAS_WINDOW, HAS_DOCS, USE_TMA, DOT_PREC)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_pages(
+    acc, l_i, m_i, q,
+    K_POOL, V_POOL, K_DESC, V_DESC, table_row, DOC_ROW, sel_row,  # sel_row: the block's K page indices
+    n_sel, h_kv, s_page, s_head, s_slot,
+    m0, q0, row_end, kv_len, n_pages, qk_scale,
+    G: tl.constexpr, H_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DOCS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """The selected past pages of a query block: wholly before every query, so only documents mask."""
+    q_pos = 0
+    doc = 0
+    if HAS_DOCS:
+        q_pos, doc = _row_masks(DOC_ROW, m0, q0, row_end, G, BLOCK_M, HAS_DOCS)
+    for i in range(n_sel):
+        page = tl.load(sel_row + i)
+        for jj in tl.static_range(PAGE_SIZE // BLOCK_N):
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K_POOL, V_POOL, K_DESC, V_DESC, table_row,
+                                      h_kv, s_page, s_head, s_slot, page * PAGE_SIZE + jj * BLOCK_N, q_pos, doc,
+                                      kv_len, n_pages, 0, qk_scale, H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+                                      HAS_DOCS, False, HAS_DOCS, USE_TMA, DOT_PREC)
     return acc, l_i, m_i
 
 
@@ -229,6 +332,8 @@ def _fwd_kernel(
     V_DESC,  # same for V_POOL
     TABLE,  # [B, >= n_pages] int32
     SINKS,  # [H] float (read only when HAS_SINKS)
+    DOC,  # [B, C] int32 document start of each query, contiguous (HAS_DOCS)
+    SEL,  # [B, H_sel, n_qb, n_sel] int32 selected past pages (SPARSE)
     OUT,  # [B, H, C, D] in Q's dtype
     LSE,  # [B, H, C] float32
     sq_b, sq_h, sq_c,
@@ -236,24 +341,27 @@ def _fwd_kernel(
     st_b,
     so_b, so_h, so_c,
     sl_b, sl_h,
+    ss_b, ss_h, ss_q,
     C, kv_len, n_pages, lo_key, window, qk_scale,
+    sel_block, tiles_per_block, n_sel,
     H_KV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_DOCS: tl.constexpr, SPARSE: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)  # tl.dot minimum
     tl.static_assert(not USE_TMA or PAGE_SIZE % BLOCK_N == 0)  # a TMA box must not cross pages
+    tl.static_assert(not SPARSE or (PAGE_SIZE % BLOCK_N == 0 and not HAS_WINDOW))
     # Rows near the end of the chunk see the most keys: launch them first.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H_KV).to(tl.int64)
     kv_head = pid_bh % H_KV
     h_kv = kv_head.to(tl.int64)
     q0 = kv_len - C
-    n_rows = C * G
-    m0 = pid_m * BLOCK_M
+    qb, m0, row_end = _row_tile(pid, C, sel_block, tiles_per_block, G, BLOCK_M, SPARSE)
 
-    row_ok, c, g, _ = _rows(m0, q0, n_rows, G, BLOCK_M)
+    row_ok, c, g, _ = _rows(m0, q0, row_end, G, BLOCK_M)
     head = h_kv * G + g  # int64 [BM]
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + (b * sq_b + head * sq_h + c.to(tl.int64) * sq_c)[:, None] + offs_d[None, :],
@@ -269,29 +377,42 @@ def _fwd_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    p_lo = q0 + m0 // G
-    p_hi = q0 + (tl.minimum(m0 + BLOCK_M, n_rows) - 1) // G
-    j0, j1, j2, j3 = _key_block_ranges(p_lo, p_hi, lo_key, window, BLOCK_N, HAS_WINDOW)
+    c_lo = tl.minimum(m0 // G, C - 1)
+    c_hi = tl.minimum((tl.minimum(m0 + BLOCK_M, row_end) - 1) // G, C - 1)
+    p_lo = q0 + c_lo
+    p_hi = q0 + c_hi
+    doc_row = DOC + b * C
+    doc_lo = 0
+    doc_hi = 0
+    if HAS_DOCS:
+        doc_lo = tl.load(doc_row + c_lo)  # starts are non-decreasing along the chunk
+        doc_hi = tl.load(doc_row + c_hi)
     table_row = TABLE + b * st_b
-    if HAS_WINDOW:
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K_POOL, V_POOL, K_DESC, V_DESC, table_row,
-                                    kv_head, s_page, s_head, s_slot, j0, j1, lo_key, m0, q0, kv_len, n_pages,
-                                    window, qk_scale, G, H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N,
-                                    True, HAS_WINDOW, USE_TMA, DOT_PREC)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K_POOL, V_POOL, K_DESC, V_DESC, table_row,
-                                kv_head, s_page, s_head, s_slot, j1, j2, lo_key, m0, q0, kv_len, n_pages,
-                                window, qk_scale, G, H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N,
-                                False, HAS_WINDOW, USE_TMA, DOT_PREC)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K_POOL, V_POOL, K_DESC, V_DESC, table_row,
-                                kv_head, s_page, s_head, s_slot, j2, j3, lo_key, m0, q0, kv_len, n_pages,
-                                window, qk_scale, G, H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N,
-                                True, HAS_WINDOW, USE_TMA, DOT_PREC)
+    if SPARSE:
+        acc, l_i, m_i = _fwd_pages(acc, l_i, m_i, q, K_POOL, V_POOL, K_DESC, V_DESC, table_row, doc_row,
+                                   SEL + b * ss_b + h_kv * ss_h + qb * ss_q, n_sel,
+                                   kv_head, s_page, s_head, s_slot, m0, q0, row_end, kv_len, n_pages, qk_scale,
+                                   G, H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, HAS_DOCS, USE_TMA, DOT_PREC)
+    j0, j1, j2, j3 = _key_block_ranges(p_lo, p_hi, lo_key, window, doc_lo, doc_hi, BLOCK_N, HAS_WINDOW, HAS_DOCS)
+    if HAS_WINDOW or HAS_DOCS:
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K_POOL, V_POOL, K_DESC, V_DESC, table_row, doc_row,
+                                    kv_head, s_page, s_head, s_slot, j0, j1, lo_key, m0, q0, row_end, kv_len,
+                                    n_pages, window, qk_scale, G, H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N,
+                                    True, HAS_WINDOW, HAS_DOCS, USE_TMA, DOT_PREC)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K_POOL, V_POOL, K_DESC, V_DESC, table_row, doc_row,
+                                kv_head, s_page, s_head, s_slot, j1, j2, lo_key, m0, q0, row_end, kv_len,
+                                n_pages, window, qk_scale, G, H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N,
+                                False, HAS_WINDOW, HAS_DOCS, USE_TMA, DOT_PREC)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K_POOL, V_POOL, K_DESC, V_DESC, table_row, doc_row,
+                                kv_head, s_page, s_head, s_slot, j2, j3, lo_key, m0, q0, row_end, kv_len,
+                                n_pages, window, qk_scale, G, H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N,
+                                True, HAS_WINDOW, HAS_DOCS, USE_TMA, DOT_PREC)
 
     # Every query sees at least its own key, so l_i > 0 on real rows.
     out = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # natural log
     # Row addresses recomputed after the loops, not held in registers through them.
-    row_ok, c, g, _ = _rows(m0, q0, n_rows, G, BLOCK_M)
+    row_ok, c, g, _ = _rows(m0, q0, row_end, G, BLOCK_M)
     head = h_kv * G + g
     o_rows = b * so_b + head * so_h + c.to(tl.int64) * so_c
     tl.store(OUT + o_rows[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
@@ -332,15 +453,16 @@ def _dkdv_blocks(
     do_base,  # DO + b * sdo_b
     lse_base,  # LSE + b * sl_b
     delta_base,  # DELTA + b * H * C
+    doc_row,  # DOC + b * C
     h_kv, sq_h, sq_c, sdo_h, sdo_c, sl_h,
-    i_lo, i_hi, n_pos, q0, C, window, qk_scale,
+    i_lo, i_hi, m_start, row_end, n_pos, q0, C, window, qk_scale,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
+    """Row tiles i_lo .. i_hi - 1 (rows m_start + i * BLOCK_M ..., below row_end) into dK, dV."""
     offs_d = tl.arange(0, HEAD_DIM)
-    n_rows = C * G
     for i in range(i_lo, i_hi):
-        row_ok, c, g, q_pos = _rows(i * BLOCK_M, q0, n_rows, G, BLOCK_M)
+        row_ok, c, g, q_pos = _rows(m_start + i * BLOCK_M, q0, row_end, G, BLOCK_M)
         head = h_kv * G + g
         c64 = c.to(tl.int64)
         # Rows past the chunk load q = dO = 0 (and lse = delta = 0): they add exactly 0.
@@ -349,9 +471,10 @@ def _dkdv_blocks(
         sT = tl.dot(k, qT, input_precision=DOT_PREC) * qk_scale  # [BN, BM], log2 units
         pT = tl.math.exp2(sT - lse2[None, :])
         if MASK:
-            vis = n_pos[:, None] <= q_pos[None, :]
-            if HAS_WINDOW:
-                vis = vis & ((q_pos[None, :] - n_pos[:, None]) < window)
+            doc = q_pos
+            if HAS_DOCS:
+                doc = tl.load(doc_row + c, mask=row_ok, other=0)
+            vis = tl.trans(_visible(n_pos, q_pos, doc, window, HAS_WINDOW, HAS_DOCS))
             pT = tl.where(vis, pT, 0.0)
         do = tl.load(do_base + (head * sdo_h + c64 * sdo_c)[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
@@ -360,6 +483,18 @@ def _dkdv_blocks(
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=DOT_PREC)
     return dk, dv
+
+
+@triton.jit
+def _add_into_grad_pages(DK_POOL, DV_POOL, dk, dv, table_row, n0, n_pages, h_kv, sg_page, sg_head, sg_slot, kv_ok,
+                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Read-modify-write of one key block's gradient slots (they hold other chunks' sums)."""
+    g_rows = _kv_offsets(table_row, n0, n_pages, h_kv * sg_head, sg_page, sg_slot, BLOCK_N, PAGE_SIZE)
+    g_ptrs = g_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    old_dk = tl.load(DK_POOL + g_ptrs, mask=kv_ok, other=0.0).to(tl.float32)
+    tl.store(DK_POOL + g_ptrs, (old_dk + dk).to(DK_POOL.dtype.element_ty), mask=kv_ok)
+    old_dv = tl.load(DV_POOL + g_ptrs, mask=kv_ok, other=0.0).to(tl.float32)
+    tl.store(DV_POOL + g_ptrs, (old_dv + dv).to(DV_POOL.dtype.element_ty), mask=kv_ok)
 
 
 @triton.jit
@@ -373,6 +508,7 @@ def _bwd_dkdv_kernel(
     DK_POOL,  # [num_pages, H_kv, PAGE_SIZE, D], accumulated into (read-modify-write)
     DV_POOL,  # [num_pages, H_kv, PAGE_SIZE, D], same strides as DK_POOL
     TABLE,  # [B, >= n_pages] int32
+    DOC,  # [B, C] int32 document starts, contiguous (HAS_DOCS)
     sq_b, sq_h, sq_c,
     sdo_b, sdo_h, sdo_c,
     sl_b, sl_h,
@@ -382,7 +518,7 @@ def _bwd_dkdv_kernel(
     C, kv_len, n_pages, lo_key, window, qk_scale, scale,
     H_KV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, LOG2_C: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)  # tl.dot minimum
     pid_n = tl.program_id(0)
@@ -403,63 +539,162 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
 
-    i0, i1, i2, i3 = _row_block_ranges(n0, n1, q0, C, window, G, BLOCK_M, HAS_WINDOW)
+    doc_row = DOC + b * C
+    c_end = C
+    c_full = C
+    if HAS_DOCS:
+        # Queries whose document starts at or before the block's last (first) key: a prefix of the chunk.
+        c_end = _count_le(doc_row, C, n1, LOG2_C)
+        c_full = _count_le(doc_row, C, n0, LOG2_C)
+    i0, i1, i2, i3 = _row_block_ranges(n0, n1, q0, C, window, c_end, c_full, G, BLOCK_M, HAS_WINDOW, HAS_DOCS)
     q_base = Q + b * sq_b
     do_base = DO + b * sdo_b
     lse_base = LSE + b * sl_b
     delta_base = DELTA + b * (H_KV * G) * C
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, h_kv, sq_h, sq_c, sdo_h, sdo_c,
-                          sl_h, i0, i1, n_pos, q0, C, window, qk_scale,
-                          G, HEAD_DIM, BLOCK_M, True, HAS_WINDOW, DOT_PREC)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, h_kv, sq_h, sq_c, sdo_h, sdo_c,
-                          sl_h, i1, i2, n_pos, q0, C, window, qk_scale,
-                          G, HEAD_DIM, BLOCK_M, False, HAS_WINDOW, DOT_PREC)
-    if HAS_WINDOW:
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, h_kv, sq_h, sq_c, sdo_h,
-                              sdo_c, sl_h, i2, i3, n_pos, q0, C, window, qk_scale,
-                              G, HEAD_DIM, BLOCK_M, True, HAS_WINDOW, DOT_PREC)
-    dk = dk * scale
-
+    row_end = C * G
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c, sdo_h,
+                          sdo_c, sl_h, i0, i1, 0, row_end, n_pos, q0, C, window, qk_scale,
+                          G, HEAD_DIM, BLOCK_M, True, HAS_WINDOW, HAS_DOCS, DOT_PREC)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c, sdo_h,
+                          sdo_c, sl_h, i1, i2, 0, row_end, n_pos, q0, C, window, qk_scale,
+                          G, HEAD_DIM, BLOCK_M, False, HAS_WINDOW, HAS_DOCS, DOT_PREC)
+    if HAS_WINDOW or HAS_DOCS:
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c,
+                              sdo_h, sdo_c, sl_h, i2, i3, 0, row_end, n_pos, q0, C, window, qk_scale,
+                              G, HEAD_DIM, BLOCK_M, True, HAS_WINDOW, HAS_DOCS, DOT_PREC)
     # Add into the gradient pages; slots past kv_len are left as they are.
-    g_rows = _kv_offsets(table_row, n0, n_pages, h_kv * sg_head, sg_page, sg_slot, BLOCK_N, PAGE_SIZE)
-    g_ptrs = g_rows[:, None] + offs_d[None, :]
-    old_dk = tl.load(DK_POOL + g_ptrs, mask=kv_ok, other=0.0).to(tl.float32)
-    tl.store(DK_POOL + g_ptrs, (old_dk + dk).to(DK_POOL.dtype.element_ty), mask=kv_ok)
-    old_dv = tl.load(DV_POOL + g_ptrs, mask=kv_ok, other=0.0).to(tl.float32)
-    tl.store(DV_POOL + g_ptrs, (old_dv + dv).to(DV_POOL.dtype.element_ty), mask=kv_ok)
+    _add_into_grad_pages(DK_POOL, DV_POOL, dk * scale, dv, table_row, n0, n_pages, h_kv, sg_page, sg_head, sg_slot,
+                         kv_ok, HEAD_DIM, BLOCK_N, PAGE_SIZE)
+
+
+@triton.jit
+def _bwd_dkdv_sparse_kernel(
+    Q, DO, LSE, DELTA, K_POOL, V_POOL, DK_POOL, DV_POOL, TABLE,  # as in _bwd_dkdv_kernel
+    DOC,  # [B, C] int32 document starts, contiguous (HAS_DOCS)
+    HITS,  # [B, H_sel, n_past, n_qb] int8: 1 where query block qb selected past page p
+    sq_b, sq_h, sq_c,
+    sdo_b, sdo_h, sdo_c,
+    sl_b, sl_h,
+    s_page, s_head, s_slot,
+    sg_page, sg_head, sg_slot,
+    st_b,
+    sh_b, sh_h, sh_p,
+    C, kv_len, n_pages, n_qb, sel_block, qk_scale, scale,
+    H_KV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """dK/dV of the past pages under page selection: a program owns one key block of one past page
+    and visits only the query blocks that selected the page. Pages nobody selected are not written."""
+    tl.static_assert(PAGE_SIZE % BLOCK_N == 0)
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H_KV).to(tl.int64)
+    h_kv = (pid_bh % H_KV).to(tl.int64)
+    q0 = kv_len - C
+    n0 = pid_n * BLOCK_N
+    n1 = n0 + BLOCK_N - 1
+    hits_row = HITS + b * sh_b + h_kv * sh_h + (n0 // PAGE_SIZE) * sh_p
+
+    table_row = TABLE + b * st_b
+    n_pos = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = _kv_offsets(table_row, n0, n_pages, h_kv * s_head, s_page, s_slot, BLOCK_N, PAGE_SIZE)
+    k = tl.load(K_POOL + rows[:, None] + offs_d[None, :])  # past pages are full: no mask
+    v = tl.load(V_POOL + rows[:, None] + offs_d[None, :])
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    q_base = Q + b * sq_b
+    do_base = DO + b * sdo_b
+    lse_base = LSE + b * sl_b
+    delta_base = DELTA + b * (H_KV * G) * C
+    doc_row = DOC + b * C
+    n_hit = n_qb * 0
+    for qb in range(n_qb):
+        c0 = qb * sel_block
+        hit = tl.load(hits_row + qb) != 0
+        if HAS_DOCS:
+            hit = hit & (tl.load(doc_row + c0) <= n1)  # the block's earliest document starts after these keys
+        if hit:
+            row_end = tl.minimum(c0 + sel_block, C) * G
+            n_tiles = tl.cdiv(row_end - c0 * G, BLOCK_M)
+            dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c,
+                                  sdo_h, sdo_c, sl_h, 0, n_tiles, c0 * G, row_end, n_pos, q0, C, 0, qk_scale,
+                                  G, HEAD_DIM, BLOCK_M, HAS_DOCS, False, HAS_DOCS, DOT_PREC)
+            n_hit += 1
+    if n_hit > 0:
+        kv_ok = (n_pos < kv_len)[:, None]
+        _add_into_grad_pages(DK_POOL, DV_POOL, dk * scale, dv, table_row, n0, n_pages, h_kv, sg_page, sg_head,
+                             sg_slot, kv_ok, HEAD_DIM, BLOCK_N, PAGE_SIZE)
+
+
+@triton.jit
+def _dq_step(
+    dq, q, do, lse2, delta,  # dQ accumulator [BM, D] fp32; q, dO [BM, D]; lse2 (log2 units), delta [BM] fp32
+    K_POOL, V_POOL, K_DESC, V_DESC, table_row,
+    h_kv, s_page, s_head, s_slot,
+    n0, q_pos, doc, kv_len, n_pages, window, qk_scale,
+    H_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    n_pos = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n_pos < kv_len
+    coord = _kv_coord(table_row, n0, n_pages, h_kv, s_page, s_head, s_slot, H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+                      USE_TMA)
+    k = _load_kv(K_POOL, K_DESC, coord, n_ok, MASK, USE_TMA)
+    v = _load_kv(V_POOL, V_DESC, coord, n_ok, MASK, USE_TMA)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BM, BN]
+    p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+    if MASK:
+        p = tl.where(_visible(n_pos, q_pos, doc, window, HAS_WINDOW, HAS_DOCS), p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
 
 
 @triton.jit
 def _dq_blocks(
-    dq, q, do, lse2, delta,  # dQ accumulator [BM, D] fp32; q, dO [BM, D]; lse2 (log2 units), delta [BM] fp32
-    K_POOL,  # [num_pages, H_kv, PAGE_SIZE, D]
-    V_POOL,  # [num_pages, H_kv, PAGE_SIZE, D], same strides as K_POOL
-    K_DESC,  # TMA descriptor of K_POOL as [num_pages * H_kv * PAGE_SIZE, D] (USE_TMA only)
-    V_DESC,  # same for V_POOL
-    table_row,  # [>= n_pages] int32
+    dq, q, do, lse2, delta,
+    K_POOL, V_POOL, K_DESC, V_DESC, table_row, DOC_ROW,
     h_kv, s_page, s_head, s_slot,
-    j_lo, j_hi, lo_key, q_pos, kv_len, n_pages, window, qk_scale,
-    H_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+    j_lo, j_hi, lo_key, m0, q0, row_end, kv_len, n_pages, window, qk_scale,
+    G: tl.constexpr, H_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
+    q_pos = 0
+    doc = 0
+    if MASK:
+        q_pos, doc = _row_masks(DOC_ROW, m0, q0, row_end, G, BLOCK_M, HAS_DOCS)
     for j in range(j_lo, j_hi):
-        n0 = lo_key + j * BLOCK_N
-        n_pos = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n_pos < kv_len
-        coord = _kv_coord(table_row, n0, n_pages, h_kv, s_page, s_head, s_slot,
-                          H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_N, USE_TMA)
-        k = _load_kv(K_POOL, K_DESC, coord, n_ok, MASK, USE_TMA)
-        v = _load_kv(V_POOL, V_DESC, coord, n_ok, MASK, USE_TMA)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BM, BN]
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-        if MASK:
-            vis = n_pos[None, :] <= q_pos[:, None]
-            if HAS_WINDOW:
-                vis = vis & ((q_pos[:, None] - n_pos[None, :]) < window)
-            p = tl.where(vis, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+        dq = _dq_step(dq, q, do, lse2, delta, K_POOL, V_POOL, K_DESC, V_DESC, table_row, h_kv, s_page, s_head,
+                      s_slot, lo_key + j * BLOCK_N, q_pos, doc, kv_len, n_pages, window, qk_scale,
+                      H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_N, MASK, HAS_WINDOW, HAS_DOCS, USE_TMA, DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _dq_pages(
+    dq, q, do, lse2, delta,
+    K_POOL, V_POOL, K_DESC, V_DESC, table_row, DOC_ROW, sel_row,
+    n_sel, h_kv, s_page, s_head, s_slot,
+    m0, q0, row_end, kv_len, n_pages, qk_scale,
+    G: tl.constexpr, H_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DOCS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    q_pos = 0
+    doc = 0
+    if HAS_DOCS:
+        q_pos, doc = _row_masks(DOC_ROW, m0, q0, row_end, G, BLOCK_M, HAS_DOCS)
+    for i in range(n_sel):
+        page = tl.load(sel_row + i)
+        for jj in tl.static_range(PAGE_SIZE // BLOCK_N):
+            dq = _dq_step(dq, q, do, lse2, delta, K_POOL, V_POOL, K_DESC, V_DESC, table_row, h_kv, s_page, s_head,
+                          s_slot, page * PAGE_SIZE + jj * BLOCK_N, q_pos, doc, kv_len, n_pages, 0, qk_scale,
+                          H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_N, HAS_DOCS, False, HAS_DOCS, USE_TMA, DOT_PREC)
     return dq
 
 
@@ -474,29 +709,34 @@ def _bwd_dq_kernel(
     K_DESC,  # TMA descriptor of K_POOL as [num_pages * H_kv * PAGE_SIZE, D], block [BLOCK_N, D] (USE_TMA)
     V_DESC,  # same for V_POOL
     TABLE,  # [B, >= n_pages] int32
+    DOC,  # [B, C] int32 document starts, contiguous (HAS_DOCS)
+    SEL,  # [B, H_sel, n_qb, n_sel] int32 selected past pages (SPARSE)
     DQ,  # [B, H, C, D] in Q's dtype, contiguous
     sq_b, sq_h, sq_c,
     sdo_b, sdo_h, sdo_c,
     sl_b, sl_h,
     s_page, s_head, s_slot,
     st_b,
+    ss_b, ss_h, ss_q,
     C, kv_len, n_pages, lo_key, window, qk_scale, scale,
+    sel_block, tiles_per_block, n_sel,
     H_KV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, SPARSE: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)  # tl.dot minimum
     tl.static_assert(not USE_TMA or PAGE_SIZE % BLOCK_N == 0)  # a TMA box must not cross pages
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest rows first
+    tl.static_assert(not SPARSE or (PAGE_SIZE % BLOCK_N == 0 and not HAS_WINDOW))
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest rows first
     pid_bh = tl.program_id(1)
     b = (pid_bh // H_KV).to(tl.int64)
     kv_head = pid_bh % H_KV
     h_kv = kv_head.to(tl.int64)
     q0 = kv_len - C
-    n_rows = C * G
-    m0 = pid_m * BLOCK_M
+    qb, m0, row_end = _row_tile(pid, C, sel_block, tiles_per_block, G, BLOCK_M, SPARSE)
 
-    row_ok, c, g, q_pos = _rows(m0, q0, n_rows, G, BLOCK_M)
+    row_ok, c, g, _ = _rows(m0, q0, row_end, G, BLOCK_M)
     head = h_kv * G + g
     c64 = c.to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -507,20 +747,36 @@ def _bwd_dq_kernel(
     delta = tl.load(DELTA + b * (H_KV * G) * C + head * C + c, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    p_lo = q0 + m0 // G
-    p_hi = q0 + (tl.minimum(m0 + BLOCK_M, n_rows) - 1) // G
-    j0, j1, j2, j3 = _key_block_ranges(p_lo, p_hi, lo_key, window, BLOCK_N, HAS_WINDOW)
+    c_lo = tl.minimum(m0 // G, C - 1)
+    c_hi = tl.minimum((tl.minimum(m0 + BLOCK_M, row_end) - 1) // G, C - 1)
+    p_lo = q0 + c_lo
+    p_hi = q0 + c_hi
+    doc_row = DOC + b * C
+    doc_lo = 0
+    doc_hi = 0
+    if HAS_DOCS:
+        doc_lo = tl.load(doc_row + c_lo)
+        doc_hi = tl.load(doc_row + c_hi)
     table_row = TABLE + b * st_b
-    if HAS_WINDOW:
-        dq = _dq_blocks(dq, q, do, lse2, delta, K_POOL, V_POOL, K_DESC, V_DESC, table_row,
-                        kv_head, s_page, s_head, s_slot, j0, j1, lo_key, q_pos, kv_len, n_pages, window, qk_scale,
-                        H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_N, True, HAS_WINDOW, USE_TMA, DOT_PREC)
-    dq = _dq_blocks(dq, q, do, lse2, delta, K_POOL, V_POOL, K_DESC, V_DESC, table_row,
-                    kv_head, s_page, s_head, s_slot, j1, j2, lo_key, q_pos, kv_len, n_pages, window, qk_scale,
-                    H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_N, False, HAS_WINDOW, USE_TMA, DOT_PREC)
-    dq = _dq_blocks(dq, q, do, lse2, delta, K_POOL, V_POOL, K_DESC, V_DESC, table_row,
-                    kv_head, s_page, s_head, s_slot, j2, j3, lo_key, q_pos, kv_len, n_pages, window, qk_scale,
-                    H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_N, True, HAS_WINDOW, USE_TMA, DOT_PREC)
+    if SPARSE:
+        dq = _dq_pages(dq, q, do, lse2, delta, K_POOL, V_POOL, K_DESC, V_DESC, table_row, doc_row,
+                       SEL + b * ss_b + h_kv * ss_h + qb * ss_q, n_sel, kv_head, s_page, s_head, s_slot,
+                       m0, q0, row_end, kv_len, n_pages, qk_scale,
+                       G, H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, HAS_DOCS, USE_TMA, DOT_PREC)
+    j0, j1, j2, j3 = _key_block_ranges(p_lo, p_hi, lo_key, window, doc_lo, doc_hi, BLOCK_N, HAS_WINDOW, HAS_DOCS)
+    if HAS_WINDOW or HAS_DOCS:
+        dq = _dq_blocks(dq, q, do, lse2, delta, K_POOL, V_POOL, K_DESC, V_DESC, table_row, doc_row,
+                        kv_head, s_page, s_head, s_slot, j0, j1, lo_key, m0, q0, row_end, kv_len, n_pages, window,
+                        qk_scale, G, H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N,
+                        True, HAS_WINDOW, HAS_DOCS, USE_TMA, DOT_PREC)
+    dq = _dq_blocks(dq, q, do, lse2, delta, K_POOL, V_POOL, K_DESC, V_DESC, table_row, doc_row,
+                    kv_head, s_page, s_head, s_slot, j1, j2, lo_key, m0, q0, row_end, kv_len, n_pages, window,
+                    qk_scale, G, H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N,
+                    False, HAS_WINDOW, HAS_DOCS, USE_TMA, DOT_PREC)
+    dq = _dq_blocks(dq, q, do, lse2, delta, K_POOL, V_POOL, K_DESC, V_DESC, table_row, doc_row,
+                    kv_head, s_page, s_head, s_slot, j2, j3, lo_key, m0, q0, row_end, kv_len, n_pages, window,
+                    qk_scale, G, H_KV, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N,
+                    True, HAS_WINDOW, HAS_DOCS, USE_TMA, DOT_PREC)
     dq = dq * scale
     dq_rows = b * (H_KV * G) * C * HEAD_DIM + (head * C + c64) * HEAD_DIM
     tl.store(DQ + dq_rows[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -651,6 +907,31 @@ def _kv_descriptors(k_pool, v_pool, tiles: Tiles, block_n: int):
     return k_desc, v_desc, True
 
 
+def _visibility_args(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block, tiles):
+    """Kernel arguments for documents and page selection (placeholders when absent)."""
+    b, h, c, _ = q.shape
+    check_visibility_args(q, h_kv, kv_len, page_size, doc_start, page_select, select_block)
+    docs = None if doc_start is None else doc_start.to(torch.int32).contiguous()
+    sel = None
+    if page_select is not None:
+        if sliding_window is not None:
+            raise ValueError("page selection does not combine with a sliding window: window layers read only the "
+                             "pages inside their window already")
+        if page_size < 16 or page_size & (page_size - 1):
+            raise ValueError(f"page-sparse attention needs a power-of-two page_size >= 16, got {page_size}")
+        sel = page_select.contiguous()
+    return docs, sel
+
+
+def _sparse_grid_args(sel, c, g, block_m, select_block):
+    """(sel strides, select_block, tiles per block, K) for the row-major kernels; dense: zeros."""
+    if sel is None:
+        return (0, 0, 0), 0, 0, 0
+    tiles_per_block = triton.cdiv(min(select_block, c) * g, block_m)
+    s_h = sel.stride(1) if sel.shape[1] > 1 else 0  # one selection shared by every KV head
+    return (sel.stride(0), s_h, sel.stride(2)), select_block, tiles_per_block, sel.shape[3]
+
+
 def paged_attention_forward(
     q: torch.Tensor,  # [B, H, C, D]
     k_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D]
@@ -661,6 +942,9 @@ def paged_attention_forward(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [H]
+    doc_start: torch.Tensor | None = None,  # [B, C]
+    page_select: torch.Tensor | None = None,  # [B, H_sel, ceil(C / select_block), K] int32
+    select_block: int | None = None,
     block_tokens: int | None = None,  # accepted for signature parity with the reference; unused
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out [B, H, C, D] in q.dtype, lse [B, H, C] float32)."""
@@ -668,25 +952,42 @@ def paged_attention_forward(
     g = h // h_kv
     q, page_table = _last_dim_contiguous(q), _last_dim_contiguous(page_table)
     sinks = sinks.contiguous() if sinks is not None else None
+    t = choose_tiles(d, page_size, q.dtype)
+    docs, sel = _visibility_args(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block, t)
     out = _empty((b, h, c, d), q.dtype, q.device)
     lse = _empty((b, h, c), torch.float32, q.device)
     lo_key, window = _window_args(kv_len, c, page_size, sliding_window)
-    t = choose_tiles(d, page_size, q.dtype)
-    k_desc, v_desc, use_tma = _kv_descriptors(k_pool, v_pool, t, t.fwd_n)
-    grid = (triton.cdiv(c * g, t.fwd_m), b * h_kv)
-    _fwd_kernel[grid](
-        q, k_pool, v_pool, k_desc, v_desc, page_table, sinks if sinks is not None else lse, out, lse,
+    block_n = t.fwd_n
+    if sel is not None:
+        lo_key, block_n = kv_len - c, min(block_n, page_size)  # the past comes from the page lists
+    k_desc, v_desc, use_tma = _kv_descriptors(k_pool, v_pool, t, block_n)
+    sel_strides, sel_block, tiles_per_block, n_sel = _sparse_grid_args(sel, c, g, t.fwd_m, select_block)
+    n_row_tiles = triton.cdiv(c, select_block) * tiles_per_block if sel is not None else triton.cdiv(c * g, t.fwd_m)
+    _fwd_kernel[(n_row_tiles, b * h_kv)](
+        q, k_pool, v_pool, k_desc, v_desc, page_table, sinks if sinks is not None else lse,
+        docs if docs is not None else page_table, sel if sel is not None else page_table, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         page_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
+        *sel_strides,
         c, kv_len, n_pages, lo_key, window, scale * LOG2E,
-        H_KV=h_kv, G=g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=t.fwd_m, BLOCK_N=t.fwd_n,
-        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, USE_TMA=use_tma,
+        sel_block, tiles_per_block, n_sel,
+        H_KV=h_kv, G=g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=t.fwd_m, BLOCK_N=block_n,
+        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, HAS_DOCS=docs is not None,
+        SPARSE=sel is not None, USE_TMA=use_tma,
         DOT_PREC=_dot_precision(q.dtype), num_warps=t.fwd_warps, num_stages=t.fwd_stages,
     )
     return out, lse
+
+
+def _page_hits(sel: torch.Tensor, n_past: int) -> torch.Tensor:
+    """[B, H_sel, n_past, n_qb] int8: 1 where query block qb selected past page p (page-major rows)."""
+    bsz, h_sel, n_qb, _ = sel.shape
+    hits = torch.zeros(bsz, h_sel, n_past, n_qb, dtype=torch.int8, device=sel.device)
+    hits.transpose(2, 3).scatter_(3, sel.long(), 1)
+    return hits
 
 
 def paged_attention_backward(
@@ -704,9 +1005,12 @@ def paged_attention_backward(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [H]
+    doc_start: torch.Tensor | None = None,  # [B, C]
+    page_select: torch.Tensor | None = None,  # [B, H_sel, ceil(C / select_block), K] int32
+    select_block: int | None = None,
     block_tokens: int | None = None,  # accepted for signature parity with the reference; unused
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Adds dK/dV of every visible page into dk_pool/dv_pool.
+    """Adds dK/dV of every visible page into dk_pool/dv_pool (only pages some query attends are written).
 
     Returns (dq [B, H, C, D] in q.dtype, d_sinks [H] float32 or None).
     """
@@ -718,10 +1022,14 @@ def paged_attention_backward(
         raise ValueError("gradient pools must be contiguous in head_dim")
     q, d_out, out = _last_dim_contiguous(q), _last_dim_contiguous(d_out), _last_dim_contiguous(out)
     lse, page_table = _last_dim_contiguous(lse), _last_dim_contiguous(page_table)
-    lo_key, window = _window_args(kv_len, c, page_size, sliding_window)
     t = choose_tiles(d, page_size, q.dtype)
+    docs, sel = _visibility_args(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block, t)
+    lo_key, window = _window_args(kv_len, c, page_size, sliding_window)
+    if sel is not None:
+        lo_key = kv_len - c  # the dense passes cover the chunk's own keys; the past comes from the page lists
     has_window = sliding_window is not None
     prec = _dot_precision(q.dtype)
+    doc_arg = docs if docs is not None else page_table
 
     delta = _empty((b, h, c), torch.float32, q.device)
     _bwd_delta_kernel[(triton.cdiv(c, t.delta_c), b * h)](
@@ -731,34 +1039,56 @@ def paged_attention_backward(
         c, H=h, HEAD_DIM=d, BLOCK_C=t.delta_c,
     )
 
-    grid_kv = (triton.cdiv(kv_len - lo_key, t.dkdv_n), b * h_kv)
-    _bwd_dkdv_kernel[grid_kv](
-        q, d_out, lse, delta, k_pool, v_pool, dk_pool, dv_pool, page_table,
+    common = (
         q.stride(0), q.stride(1), q.stride(2),
         d_out.stride(0), d_out.stride(1), d_out.stride(2),
         lse.stride(0), lse.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         dk_pool.stride(0), dk_pool.stride(1), dk_pool.stride(2),
         page_table.stride(0),
+    )
+    grid_kv = (triton.cdiv(kv_len - lo_key, t.dkdv_n), b * h_kv)
+    _bwd_dkdv_kernel[grid_kv](
+        q, d_out, lse, delta, k_pool, v_pool, dk_pool, dv_pool, page_table, doc_arg,
+        *common,
         c, kv_len, n_pages, lo_key, window, scale * LOG2E, scale,
         H_KV=h_kv, G=g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n,
-        HAS_WINDOW=has_window, DOT_PREC=prec,
+        HAS_WINDOW=has_window, HAS_DOCS=docs is not None, LOG2_C=c.bit_length(), DOT_PREC=prec,
         num_warps=t.bwd_warps, num_stages=t.bwd_stages,
     )
+    if sel is not None and lo_key > 0:
+        n_past = lo_key // page_size
+        hits = _page_hits(sel, n_past)
+        block_n = min(t.dkdv_n, page_size)
+        _bwd_dkdv_sparse_kernel[(n_past * (page_size // block_n), b * h_kv)](
+            q, d_out, lse, delta, k_pool, v_pool, dk_pool, dv_pool, page_table, doc_arg, hits,
+            *common,
+            hits.stride(0), hits.stride(1) if hits.shape[1] > 1 else 0, hits.stride(2),
+            c, kv_len, n_pages, hits.shape[3], select_block, scale * LOG2E, scale,
+            H_KV=h_kv, G=g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=t.dkdv_m, BLOCK_N=block_n,
+            HAS_DOCS=docs is not None, DOT_PREC=prec,
+            num_warps=t.bwd_warps, num_stages=t.bwd_stages,
+        )
 
     dq = _empty((b, h, c, d), q.dtype, q.device)
-    k_desc, v_desc, use_tma = _kv_descriptors(k_pool, v_pool, t, t.dq_n)
-    _bwd_dq_kernel[(triton.cdiv(c * g, t.dq_m), b * h_kv)](
-        q, d_out, lse, delta, k_pool, v_pool, k_desc, v_desc, page_table, dq,
+    block_n = t.dq_n if sel is None else min(t.dq_n, page_size)
+    k_desc, v_desc, use_tma = _kv_descriptors(k_pool, v_pool, t, block_n)
+    sel_strides, sel_block, tiles_per_block, n_sel = _sparse_grid_args(sel, c, g, t.dq_m, select_block)
+    n_row_tiles = triton.cdiv(c, select_block) * tiles_per_block if sel is not None else triton.cdiv(c * g, t.dq_m)
+    _bwd_dq_kernel[(n_row_tiles, b * h_kv)](
+        q, d_out, lse, delta, k_pool, v_pool, k_desc, v_desc, page_table, doc_arg,
+        sel if sel is not None else page_table, dq,
         q.stride(0), q.stride(1), q.stride(2),
         d_out.stride(0), d_out.stride(1), d_out.stride(2),
         lse.stride(0), lse.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         page_table.stride(0),
+        *sel_strides,
         c, kv_len, n_pages, lo_key, window, scale * LOG2E, scale,
-        H_KV=h_kv, G=g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=t.dq_m, BLOCK_N=t.dq_n,
-        HAS_WINDOW=has_window, USE_TMA=use_tma, DOT_PREC=prec,
-        num_warps=t.bwd_warps, num_stages=t.bwd_stages,
+        sel_block, tiles_per_block, n_sel,
+        H_KV=h_kv, G=g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=t.dq_m, BLOCK_N=block_n,
+        HAS_WINDOW=has_window, HAS_DOCS=docs is not None, SPARSE=sel is not None, USE_TMA=use_tma,
+        DOT_PREC=prec, num_warps=t.bwd_warps, num_stages=t.bwd_stages,
     )
 
     d_sinks = None

@@ -10,7 +10,7 @@ Layout of a run folder::
           model.safetensors    trainable weights (safetensors: no pickled code)
           optimizer.pt         optimizer + scheduler state (tensors and plain data only)
           rng.pt               RNG states (Python, torch, CUDA)
-          state.json           the step it was taken after
+          state.json           the step it was taken after, and the data position
           manifest.json        size and sha256 of every file above
         latest                 the name of the newest complete checkpoint
       export/                  the final model, loadable by transformers
@@ -133,8 +133,12 @@ def save_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler,
+    data_state: dict | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` atomically and point ``latest`` at it."""
+    """Write checkpoint ``step`` atomically and point ``latest`` at it.
+
+    ``data_state`` (plain JSON data: where the data stream stands) goes into state.json.
+    """
     final = checkpoint_dir(out_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():  # debris of an earlier crash while writing this very step
@@ -144,7 +148,10 @@ def save_checkpoint(
         save_file(trainable_state_dict(model), tmp / "model.safetensors")
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
         torch.save(rng_state(), tmp / "rng.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, "torch": torch.__version__}))
+        state = {"step": step, "torch": torch.__version__}
+        if data_state is not None:
+            state["data"] = data_state
+        (tmp / "state.json").write_text(json.dumps(state))
         manifest = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in _FILES}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         for name in (*_FILES, "manifest.json"):
@@ -247,6 +254,16 @@ def load_checkpoint(
 
     ``verify=False`` skips the checksums when the caller has just run ``verify_checkpoint``.
     """
+    load_weights(ckpt, model, verify=verify)
+    opt = _load_plain(ckpt / "optimizer.pt")
+    optimizer.load_state_dict(opt["optimizer"])
+    scheduler.load_state_dict(opt["scheduler"])
+    set_rng_state(_load_plain(ckpt / "rng.pt"))
+    return checkpoint_state(ckpt)["step"]
+
+
+def load_weights(ckpt: Path, model: torch.nn.Module, *, verify: bool = True) -> None:
+    """Verify ``ckpt`` and copy its weights into ``model`` (built as the run built it); no optimizer state."""
     if verify:
         verify_checkpoint(ckpt)
     weights = load_file(ckpt / "model.safetensors")
@@ -262,11 +279,6 @@ def load_checkpoint(
                 raise CheckpointError(f"checkpoint {ckpt}: {name} has shape {tuple(tensor.shape)}, "
                                       f"the model {tuple(params[name].shape)}")
             params[name].copy_(tensor)
-    opt = _load_plain(ckpt / "optimizer.pt")
-    optimizer.load_state_dict(opt["optimizer"])
-    scheduler.load_state_dict(opt["scheduler"])
-    set_rng_state(_load_plain(ckpt / "rng.pt"))
-    return json.loads((ckpt / "state.json").read_text())["step"]
 
 
 def _load_plain(path: Path):
@@ -280,8 +292,16 @@ def _load_plain(path: Path):
         ) from e
 
 
-def export_model(model, out_dir: Path, *, merge_lora: bool = True) -> Path:
+def checkpoint_state(ckpt: Path) -> dict:
+    """state.json of a checkpoint: ``step`` and, when the run had one, ``data`` (the data position)."""
+    return json.loads((Path(ckpt) / "state.json").read_text())
+
+
+def export_model(model, out_dir: Path, *, merge_lora: bool = True, tokenizer=None) -> Path:
     """Write the model as a transformers folder (``from_pretrained`` loads it), atomically.
+
+    ``tokenizer`` (a transformers tokenizer) is saved into the same folder, so
+    ``AutoTokenizer.from_pretrained`` loads it from there too.
 
     A LoRA (peft) model is exported with its adapters merged into a copy of the weights,
     or, with ``merge_lora=False``, as the adapter folder peft loads on top of the base.
@@ -295,5 +315,7 @@ def export_model(model, out_dir: Path, *, merge_lora: bool = True) -> Path:
 
         model = copy.deepcopy(model).merge_and_unload()  # the training model keeps its adapters
     model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
     _publish_dir(tmp, final)
     return final

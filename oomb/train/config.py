@@ -47,13 +47,21 @@ class LoraConfig:
 @dataclass
 class DataConfig:
     task: str = "passkey"
-    """Training data: the built-in passkey retrieval task."""
+    """Training data: passkey or needle (built-in synthetic retrieval), or text (the files in data.paths)."""
     seq_len: int = 4096
     """Tokens per sequence."""
+    paths: list[str] | None = None
+    """data.task=text: .txt/.md/.jsonl/.parquet files, folders (searched recursively), globs or save_to_disk folders."""
+    text_field: str = "text"
+    """data.task=text: the field of a .jsonl line, or column of a .parquet/dataset, that holds the text."""
+    tokenizer: str | None = None
+    """data.task=text: tokenizer folder; null = the model folder's own (byte-level when it has none)."""
+    document_mask: bool = False
+    """data.task=text: attention stays inside each packed document, and no token predicts the next document's start."""
     passkey_digits: int = 5
-    """Digits of the passkey to retrieve."""
+    """Digits of the passkey (or of the needle's value) to retrieve."""
     depth: float | None = None
-    """Where the passkey sits, as a fraction of the sequence; null = random per sequence."""
+    """Where the passkey or needle sits, as a fraction of the sequence; null = random per sequence."""
     loss_on: str = "all"
     """Which tokens carry loss: all (language modelling of the whole sequence) or answer (the digits only)."""
 
@@ -63,7 +71,11 @@ class TrainConfig:
     steps: int = 60
     """Optimizer steps."""
     batch_size: int = 1
-    """Sequences per step."""
+    """Sequences per chunked_backward call."""
+    grad_accum: int = 1
+    """chunked_backward calls per optimizer step (their gradients add up; the loss is averaged over all targets)."""
+    optimizer: str = "adamw"
+    """adamw (torch), adamw8bit (bitsandbytes, 8-bit states; CPU or CUDA) or paged_adamw8bit (bitsandbytes, CUDA)."""
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
     warmup_steps: int = 5
@@ -91,7 +103,9 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     """A NaN/inf loss or gradient: stop (exit, checkpoints untouched) or skip (no update for that step, logged)."""
     export: bool = True
-    """After the last step, write <out_dir>/export, a folder transformers' from_pretrained loads."""
+    """After the last step, write <out_dir>/export (model and tokenizer), a folder from_pretrained loads."""
+    tensorboard: bool = False
+    """Also log the metrics as TensorBoard events in <out_dir>/tensorboard."""
 
 
 @dataclass
@@ -164,11 +178,19 @@ def _coerce(value, hint, name: str, source: str):
             return None
         raise ConfigError(f"{name} ({source}) cannot be null")
     for t in allowed:
+        if typing.get_origin(t) is list:
+            (item,) = typing.get_args(t)
+            if isinstance(value, item):  # one value where a list is expected: a list of one
+                return [value]
+            if isinstance(value, list) and all(type(v) is item for v in value):
+                return list(value)
+            continue
         if t is float and isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
         if t is not type(None) and type(value) is t:
             return value
-    expected = " or ".join(t.__name__ for t in allowed)
+    expected = " or ".join(f"a list of {typing.get_args(t)[0].__name__}" if typing.get_origin(t) else t.__name__
+                           for t in allowed)
     raise ConfigError(f"{name} ({source}) must be {expected}, got {value!r} ({type(value).__name__})")
 
 

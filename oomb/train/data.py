@@ -1,4 +1,4 @@
-"""Built-in synthetic long-context task: a passkey hidden deep in filler text.
+"""Built-in synthetic long-context tasks: a passkey, or a key/value needle, hidden in filler text.
 
 A sequence (token ids, no tokenizer needed)::
 
@@ -8,6 +8,11 @@ A sequence (token ids, no tokenizer needed)::
 Filler is made of "words": fixed multi-token sequences drawn from a small lexicon,
 so a model learns it quickly (the loss falls visibly) while the answer can only be
 predicted by attending back to the passkey, thousands of tokens earlier.
+
+The needle task hides a key/value sentence instead and asks for the value of its key::
+
+    BOS  filler ... KEY k k k END v v v v v END  filler ...  QUERY k k k END v v v v v
+                    |<- the needle at depth ->|                             ^ answer: the value
 
 Token ids: 0 BOS, 1 KEY, 2 END, 3 QUERY, 4..13 the digits 0-9, 14.. filler. Any model
 with a vocabulary of at least ``PasskeyTask.vocab_size`` ids can train on it.
@@ -63,7 +68,7 @@ class PasskeyTask:
         ]
 
     def _filler(self, n: int, gen: torch.Generator) -> torch.Tensor:
-        out, total = [], 0
+        out, total = [torch.empty(0, dtype=torch.int64)], 0  # depth 0 or 1: no filler on one side
         while total < n:
             word = self.lexicon[int(torch.randint(len(self.lexicon), (1,), generator=gen))]
             out.append(word)
@@ -71,22 +76,24 @@ class PasskeyTask:
         return torch.cat(out)[:n]
 
     def sequence(self, index: int) -> tuple[torch.Tensor, int]:
-        """Sequence number ``index`` and the position of its QUERY token."""
+        """Sequence number ``index`` and the position just before its answer (the QUERY token)."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         d = self.digits
         passkey = torch.randint(0, 10, (d,), generator=gen) + DIGIT0
-        body = self.seq_len - 1 - (d + 2) - (d + 1)  # BOS, KEY..END, QUERY+answer
+        return self._build(gen, torch.cat([torch.tensor([KEY]), passkey, torch.tensor([END])]),
+                           torch.tensor([QUERY]), passkey)
+
+    def _build(self, gen: torch.Generator, needle: torch.Tensor, question: torch.Tensor,
+               answer: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """BOS, filler, the needle at the chosen depth, filler, question, answer (``seq_len`` tokens)."""
+        body = self.seq_len - 1 - needle.numel() - question.numel() - answer.numel()
         depth = self.depth if self.depth is not None else float(torch.rand((), generator=gen))
         before = int(round(depth * body))
         ids = torch.cat([
-            torch.tensor([BOS]),
-            self._filler(before, gen),
-            torch.tensor([KEY]), passkey, torch.tensor([END]),
-            self._filler(body - before, gen),
-            torch.tensor([QUERY]), passkey,
+            torch.tensor([BOS]), self._filler(before, gen), needle, self._filler(body - before, gen), question, answer,
         ])
         assert ids.numel() == self.seq_len
-        return ids, self.seq_len - d - 1
+        return ids, self.seq_len - answer.numel() - 1
 
     def batch(self, step: int, batch_size: int) -> PasskeyBatch:
         seqs, queries = zip(*(self.sequence(step * batch_size + i) for i in range(batch_size)), strict=True)
@@ -100,3 +107,29 @@ class PasskeyTask:
             rows = torch.arange(batch_size)[:, None]
             labels[rows, answer_positions + 1] = input_ids[rows, answer_positions + 1]
         return PasskeyBatch(input_ids, labels, answer_positions)
+
+
+class NeedleTask(PasskeyTask):
+    """Needle in a haystack: ``KEY key END value END`` hidden at ``depth``, then ``QUERY key END`` -> value.
+
+    The key is ``key_tokens`` filler-vocabulary tokens and the value ``digits`` digits, both
+    random per sequence; answering needs finding the sentence whose key matches the question.
+    """
+
+    def __init__(self, seq_len: int, *, key_tokens: int = 3, **kwargs) -> None:
+        digits = kwargs.get("digits", 5)
+        min_len = 2 * digits + 2 * key_tokens + 8
+        if seq_len < min_len:
+            raise ValueError(f"seq_len={seq_len} is too short for a needle with a {key_tokens}-token key and a "
+                             f"{digits}-digit value (need >= {min_len})")
+        super().__init__(seq_len, **kwargs)
+        self.key_tokens = key_tokens
+
+    def sequence(self, index: int) -> tuple[torch.Tensor, int]:
+        """Sequence number ``index`` and the position just before its answer (the END after the question)."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        key = torch.randint(FILLER0, self.vocab_size, (self.key_tokens,), generator=gen)
+        value = torch.randint(0, 10, (self.digits,), generator=gen) + DIGIT0
+        needle = torch.cat([torch.tensor([KEY]), key, torch.tensor([END]), value, torch.tensor([END])])
+        question = torch.cat([torch.tensor([QUERY]), key, torch.tensor([END])])
+        return self._build(gen, needle, question, value)

@@ -237,7 +237,11 @@ def memory_advice(use: MemoryUse, cfg) -> list[str]:
     per_token = use.kv_store_bytes_per_token
     store_note = f" ({per_token * 2**20 / 2**30:.2f} GiB per million tokens here)" if per_token else ""
     advice.append((use.kv_store, f"data.seq_len={cfg.data.seq_len} or train.batch_size={t.batch_size}: the K/V "
-                                 f"store grows with the tokens per step, {tokens:,} now{store_note}"))
+                                 f"store grows with the tokens of one chunked_backward call, {tokens:,} now"
+                                 f"{store_note}"))
+    if t.batch_size > 1:  # the same tokens per optimizer step, one sequence's store at a time
+        advice.append((use.kv_store, f"train.batch_size=1 train.grad_accum={t.batch_size * t.grad_accum}: the same "
+                                     "tokens per optimizer step, one sequence in the K/V store at a time"))
     # Activations are what the step allocates beyond the lasting holders; one chunk's worth.
     lasting = use.parameters + use.gradients + use.optimizer_state + use.kv_store
     peak = use.cuda_peak_allocated if use.cuda_peak_allocated is not None else use.process_peak_rss

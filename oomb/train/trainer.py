@@ -1,7 +1,9 @@
 """The training loop behind `oomb train`: build, check, train, log.
 
-    check config and paths  ->  build model, data, optimizer  ->  for each step:
-        chunked_backward -> finite? -> clip -> AdamW step -> metrics.jsonl + progress -> checkpoint
+    check config, paths, data, optimizer  ->  build model  ->  for each step:
+        chunked_backward x grad_accum -> finite? -> clip -> optimizer step
+        -> metrics.jsonl (+ TensorBoard), progress -> checkpoint
+    -> export (with the tokenizer), training.png
 
 Failures (signals, out of memory, non-finite numbers, a checkpoint that cannot be
 written) stop the run through oomb.train.faults.RunStopped; docs/failures.md lists them.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import inspect
 import json
 import math
 import os
@@ -26,6 +29,7 @@ from oomb.engine import release_memory
 from oomb.engine.diagnose import locate_nonfinite
 from oomb.train.checkpoint import (
     CheckpointError,
+    checkpoint_state,
     export_model,
     find_checkpoint,
     load_checkpoint,
@@ -38,7 +42,6 @@ from oomb.train.checkpoint import (
     write_text_atomic,
 )
 from oomb.train.config import Config, ConfigError, config_to_dict, load_config
-from oomb.train.data import PasskeyTask
 from oomb.train.faults import (
     EXIT_CHECKPOINT_WRITE,
     EXIT_INTERRUPTED,
@@ -53,6 +56,9 @@ from oomb.train.faults import (
     memory_report,
     resume_command,
 )
+from oomb.train.inputs import build_inputs, model_config
+from oomb.train.monitor import TensorBoardLog, memory_fields, plot_run
+from oomb.train.optim import build_optimizer, check_optimizer
 from oomb.train.presets import build_model, preset_names
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -82,8 +88,8 @@ def check_config(cfg: Config) -> None:
     """Everything that can be checked before a model is built."""
     t, d = cfg.train, cfg.data
     for name, value in (("train.steps", t.steps), ("train.batch_size", t.batch_size),
-                        ("train.chunk_size", t.chunk_size), ("train.page_size", t.page_size),
-                        ("data.seq_len", d.seq_len)):
+                        ("train.grad_accum", t.grad_accum), ("train.chunk_size", t.chunk_size),
+                        ("train.page_size", t.page_size), ("data.seq_len", d.seq_len)):
         if value <= 0:
             raise ConfigError(f"{name} must be positive, got {value}")
     if t.chunk_size % t.page_size:
@@ -95,8 +101,6 @@ def check_config(cfg: Config) -> None:
     if t.lr <= 0 or t.warmup_steps < 0 or t.grad_clip < 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError("train.lr must be > 0, train.warmup_steps and train.grad_clip >= 0, "
                           "train.min_lr_ratio in [0, 1]")
-    if d.task != "passkey":
-        raise ConfigError(f"data.task={d.task!r}: the built-in task is 'passkey'")
     if cfg.model.path is None and cfg.model.preset not in preset_names():
         raise ConfigError(f"unknown model preset {cfg.model.preset!r}; built-in presets: {', '.join(preset_names())}")
 
@@ -158,6 +162,13 @@ def _check_remote_code(path: Path, trusted: bool) -> None:
             f"{fields.get('model_type')!r}, which transformers does not know. oomb never runs code from a model "
             "folder unless you set model.trust_remote_code=true: read that code first."
         )
+
+
+def check_document_mask_support() -> None:
+    """data.document_mask needs the engine's doc_ids argument (attention kept inside each document)."""
+    if "doc_ids" not in inspect.signature(oomb.chunked_backward).parameters:
+        raise ConfigError("data.document_mask=true needs oomb.chunked_backward(doc_ids=...), which this oomb "
+                          "lacks; set data.document_mask=false (documents then attend to earlier ones)")
 
 
 def load_run_config(config_path: str | None, overrides: list[str]) -> Config:
@@ -256,23 +267,23 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     resume_from = check_paths(cfg)
     device = resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
-    task = PasskeyTask(cfg.data.seq_len, digits=cfg.data.passkey_digits, depth=cfg.data.depth,
-                       loss_on=cfg.data.loss_on, seed=cfg.train.seed)
+    check_optimizer(cfg.train.optimizer, device)
+    inputs = build_inputs(cfg, model_config(cfg))  # data, tokenizer, positions: checked before the model
+    if cfg.data.document_mask:
+        check_document_mask_support()
     model = build(cfg, device, dtype)
-    vocab = model.get_input_embeddings().weight.shape[0]
-    if vocab < task.vocab_size:
-        raise ConfigError(f"the model's vocabulary ({vocab}) is smaller than the passkey task's ({task.vocab_size})")
     out = prepare_out_dir(cfg)
     model.train()
     if cfg.train.layer_checkpointing:  # transformers' own; exact inside oomb's chunks (tested)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    optimizer = build_optimizer(cfg.train.optimizer, params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     start = 0
     if resume_from is not None:
         try:
             start = load_checkpoint(resume_from, model, optimizer, scheduler, verify=False)  # verified above
+            inputs.load_state_dict(checkpoint_state(resume_from).get("data", {}))
         except CheckpointError as e:
             raise ConfigError(f"cannot resume from {resume_from}: {e}") from e
         _roll_back_metrics(out / "metrics.jsonl", start)
@@ -283,31 +294,36 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     n_params = sum(p.numel() for p in params)
     console.print(
         f"[bold]oomb train[/]: {cfg.model.path or cfg.model.preset} ({n_params / 1e6:.2f}M params, {dtype}) on "
-        f"{device}; {cfg.train.steps} steps x {cfg.train.batch_size} x {cfg.data.seq_len} tokens, "
+        f"{device}; {cfg.train.steps} steps x {cfg.train.grad_accum * cfg.train.batch_size} x {cfg.data.seq_len} "
+        f"tokens ({cfg.data.task}), {cfg.train.optimizer}, "
         f"chunk {cfg.train.chunk_size}, page {cfg.train.page_size}; writing {out}/metrics.jsonl"
     )
-    run = _Run(cfg, out, model, optimizer, scheduler, device, saved_step=start if resume_from is not None else None)
-    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    run = _Run(cfg, out, model, optimizer, scheduler, inputs, device,
+               saved_step=start if resume_from is not None else None)
+    tokens_per_step = cfg.train.grad_accum * cfg.train.batch_size * cfg.data.seq_len
     columns = [
         TextColumn("step {task.completed}/{task.total}"), BarColumn(),
         TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
-        TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+        TextColumn("{task.fields[memory]}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
     ]
+    tensorboard = (TensorBoardLog(out, resumed_after=start if cfg.resume is not None else None)
+                   if cfg.train.tensorboard else None)
     started = time.perf_counter()
     stop = StopRequest().install(model)
     skipped = 0
     try:
         with open(out / "metrics.jsonl", "a") as metrics, Progress(*columns, console=console) as progress:
-            bar = progress.add_task("train", total=cfg.train.steps, completed=start, loss=float("nan"), tps=0.0)
+            bar = progress.add_task("train", total=cfg.train.steps, completed=start, loss=float("nan"), tps=0.0,
+                                    memory="")
             loss_value = float("nan")
             for step in range(start, cfg.train.steps):
-                batch = task.batch(step, cfg.train.batch_size)
-                input_ids, labels = batch.input_ids.to(device), batch.labels.to(device)
+                data_before = inputs.state_dict()  # a dropped step's sequences are drawn again after a resume
+                batches = inputs.batches(step)
                 t0 = time.perf_counter()
                 rng_before = rng_state()
                 abandoned, out_of_memory = False, None
                 try:
-                    loss, grad_norm = _forward_backward(model, params, input_ids, labels, cfg)
+                    loss, grad_norm = _forward_backward(model, params, batches, device, cfg)
                 except StepAbandoned:
                     abandoned = True
                 except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
@@ -316,14 +332,14 @@ def train(cfg: Config, console: Console | None = None) -> Path:
                     out_of_memory = (_first_line(e), measure_memory(model, optimizer))  # before anything is freed
                 # Handled outside the except blocks: the traceback holds the step's activations.
                 if abandoned:
-                    optimizer.zero_grad(set_to_none=True)
+                    optimizer.zero_grad(set_to_none=True)  # also the gradients of earlier grad_accum batches
                     set_rng_state(rng_before)  # as after step `step`, for an exact resume
-                    run.stop_on_signal(stop, step, dropped=step + 1)
+                    run.stop_on_signal(stop, step, dropped=step + 1, data_state=data_before)
                 if out_of_memory is not None:
-                    run.stop_out_of_memory(step, "the forward/backward pass", *out_of_memory)
+                    run.stop_out_of_memory(step, "the forward/backward pass", *out_of_memory, data_state=data_before)
                 nonfinite = None
                 if not bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):  # host sync, once per step
-                    nonfinite = run.nonfinite(step, loss, grad_norm, input_ids, labels)  # stops, or skip
+                    nonfinite = run.nonfinite(step, loss, grad_norm, batches)  # stops, or skip
                     skipped += 1
                 else:
                     if cfg.train.grad_clip > 0:
@@ -352,11 +368,16 @@ def train(cfg: Config, console: Console | None = None) -> Path:
                 }
                 if nonfinite is not None:
                     record.update(skipped="non-finite", skipped_steps=skipped, **nonfinite)
-                if device.type == "cuda":
-                    record["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                record.update(memory_fields(device))
+                record["eta_s"] = (record["elapsed"] / (step + 1 - start)) * (cfg.train.steps - step - 1)
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
-                progress.update(bar, advance=1, loss=loss_value, tps=record["tokens_per_s"])
+                if tensorboard is not None:
+                    tensorboard.log(record)
+                memory = f"host {record['host_rss_gib']:.2f} GiB"
+                if "peak_gpu_gib" in record:
+                    memory = f"GPU {record['peak_gpu_gib']:.2f} GiB, " + memory
+                progress.update(bar, advance=1, loss=loss_value, tps=record["tokens_per_s"], memory=memory)
                 if not console.is_terminal and (step + 1) % 10 == 0:
                     console.print(f"step {step + 1}: loss {loss_value:.4f}, {record['tokens_per_s']:,.0f} tok/s")
                 last = step + 1 == cfg.train.steps
@@ -366,8 +387,11 @@ def train(cfg: Config, console: Console | None = None) -> Path:
                     run.stop_on_signal(stop, step + 1)
     finally:
         stop.uninstall()
+        if tensorboard is not None:
+            tensorboard.close()
+    plot_run(out)
     if cfg.train.export:
-        export_model(model, out, merge_lora=cfg.lora.merge_on_export)
+        export_model(model, out, merge_lora=cfg.lora.merge_on_export, tokenizer=inputs.tokenizer)
     console.print(f"done: {cfg.train.steps} steps in {time.perf_counter() - started:.1f} s; "
                   f"final loss {loss_value:.4f}; "
                   f"{f'non-finite steps skipped: {skipped}; ' if skipped else ''}metrics, "
@@ -375,10 +399,9 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     return out
 
 
-def _forward_backward(model, params, input_ids, labels, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_backward(model, params, batches, device, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's loss and the global gradient norm (not yet clipped); gradients land in ``.grad``."""
-    loss = oomb.chunked_backward(model, input_ids, labels, chunk_size=cfg.train.chunk_size,
-                                 page_size=cfg.train.page_size)
+    loss = accumulate_gradients(model, params, batches, device, cfg)
     grads = [p.grad for p in params if p.grad is not None]
     return loss, torch.nn.utils.get_total_norm(grads)
 
@@ -391,9 +414,9 @@ def _first_line(error: BaseException) -> str:
 class _Run:
     """What the failure paths of one run need: its objects, and the newest step on disk."""
 
-    def __init__(self, cfg, out, model, optimizer, scheduler, device, saved_step):
+    def __init__(self, cfg, out, model, optimizer, scheduler, inputs, device, saved_step):
         self.cfg, self.out, self.model, self.optimizer, self.scheduler = cfg, out, model, optimizer, scheduler
-        self.device = device
+        self.inputs, self.device = inputs, device
         self.saved_step: int | None = saved_step  # step of the newest checkpoint this run wrote or resumed
 
     def _newest_checkpoint(self) -> str:
@@ -403,10 +426,15 @@ class _Run:
             return "the run has no checkpoint yet"
         return f"the newest checkpoint, {ckpt}, is intact"
 
-    def save(self, step: int) -> Path:
-        """Write checkpoint ``step`` and rotate; a failed write stops the run (nothing on disk damaged)."""
+    def save(self, step: int, data_state: dict | None = None) -> Path:
+        """Write checkpoint ``step`` and rotate; a failed write stops the run (nothing on disk damaged).
+
+        ``data_state``: the data position after step ``step`` (default: where the inputs stand now).
+        """
+        if data_state is None:
+            data_state = self.inputs.state_dict()
         try:
-            ckpt = save_checkpoint(self.out, step, self.model, self.optimizer, self.scheduler)
+            ckpt = save_checkpoint(self.out, step, self.model, self.optimizer, self.scheduler, data_state=data_state)
         except OSError as e:
             raise RunStopped(
                 f"could not write checkpoint step {step} in {self.out / 'checkpoints'}: {e}.\n"
@@ -420,14 +448,15 @@ class _Run:
             Console(stderr=True).print(f"warning: could not delete an old checkpoint: {e}", highlight=False)
         return ckpt
 
-    def stop_on_signal(self, stop: StopRequest, done: int, dropped: int | None = None):
-        ckpt = find_checkpoint(self.out) if self.saved_step == done else self.save(done)
+    def stop_on_signal(self, stop: StopRequest, done: int, dropped: int | None = None, data_state: dict | None = None):
+        ckpt = find_checkpoint(self.out) if self.saved_step == done else self.save(done, data_state)
         what = f"step {dropped} was in progress and is dropped; " if dropped is not None else ""
         raise RunStopped(
             f"interrupted by {stop.name} after step {done} of {self.cfg.train.steps} ({what}checkpoint {ckpt}).\n"
             f"Continue with:\n  {resume_command(self.out)}", EXIT_INTERRUPTED)
 
-    def stop_out_of_memory(self, step: int, where: str, error: str, use, *, model_intact: bool = True):
+    def stop_out_of_memory(self, step: int, where: str, error: str, use, *, model_intact: bool = True,
+                           data_state: dict | None = None):
         """Free what the step held, keep what is good, and say what used the memory."""
         self.optimizer.zero_grad(set_to_none=True)  # no optimizer step happened (or it failed)
         release_memory(self.model)
@@ -442,7 +471,7 @@ class _Run:
         else:
             try:
                 kept = (f"The model and optimizer are as after step {step} and were saved to "
-                        f"{self.save(step)}.")
+                        f"{self.save(step, data_state)}.")
             except Exception as e:  # noqa: BLE001 - still out of memory, or a CUDA error: report, keep the old one
                 kept = f"Saving step {step} failed too ({str(e).splitlines()[0]}); {self._newest_checkpoint()}."
         t = self.cfg.train
@@ -454,13 +483,21 @@ class _Run:
             f"Change a setting above and continue, e.g.:\n  {resume_command(self.out, change)}",
             EXIT_OUT_OF_MEMORY)
 
-    def nonfinite(self, step: int, loss, grad_norm, input_ids, labels) -> dict:
+    def nonfinite(self, step: int, loss, grad_norm, batches) -> dict:
         """Locate the first non-finite value; stop (train.on_nonfinite=stop) or return what to log (skip)."""
         parameter = first_nonfinite_grad(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         t = self.cfg.train
+        site = None
         try:
-            site = locate_nonfinite(self.model, input_ids, labels, chunk_size=t.chunk_size, page_size=t.page_size)
+            for m, batch in enumerate(batches):  # the grad_accum batches in the order they ran
+                doc_ids = batch.doc_ids.to(self.device) if self.cfg.data.document_mask else None
+                site = locate_nonfinite(self.model, batch.input_ids.to(self.device), batch.labels.to(self.device),
+                                        chunk_size=t.chunk_size, page_size=t.page_size, doc_ids=doc_ids)
+                if site is not None:
+                    if len(batches) > 1:
+                        site = f"{site}, in batch {m + 1} of {len(batches)} (train.grad_accum)"
+                    break
         except StepAbandoned:  # a signal during the diagnosis: report without it, then stop as asked
             site = "not located (interrupted)"
         where = (f"first non-finite value: {site}" if site is not None else
@@ -475,6 +512,39 @@ class _Run:
             f"{text}.\nNo update was made and no checkpoint was written or changed; "
             f"{self._newest_checkpoint()}. Lower train.lr, or set train.on_nonfinite=skip, "
             f"then continue, e.g.:\n  {resume_command(self.out, f'train.lr={t.lr / 2:g}')}", EXIT_NONFINITE)
+
+
+def accumulate_gradients(model, params, batches, device: torch.device, cfg: Config) -> torch.Tensor:
+    """Gradients of the mean loss over every target token of ``batches`` (run one after another).
+
+    chunked_backward adds the gradient of each batch's own mean loss. With n_m targets in
+    batch m and T in all, the wanted gradient is sum_m (n_m / T) g_m: the running sum is kept
+    as sum_{i<=m} (n_i / n_m) g_i (rescaled only when n_m changes) and scaled by n_last / T
+    at the end, so equal batches cost no extra pass over the gradients until the last.
+    """
+    counts = [int((b.labels[:, 1:] != -100).sum()) for b in batches]  # the shifted targets
+    batches, counts = [b for b, n in zip(batches, counts, strict=True) if n], [n for n in counts if n]
+    if not batches:
+        raise ValueError("no sequence of this step has a target token (every label is -100)")
+    total = sum(counts)
+    loss = torch.zeros((), dtype=torch.float32, device=device)
+    for m, batch in enumerate(batches):
+        if m and counts[m] != counts[m - 1]:
+            _scale_gradients(params, counts[m - 1] / counts[m])
+        extra = {"doc_ids": batch.doc_ids.to(device)} if cfg.data.document_mask else {}
+        loss += counts[m] / total * oomb.chunked_backward(
+            model, batch.input_ids.to(device), batch.labels.to(device),
+            chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, **extra,
+        )
+    if counts[-1] != total:
+        _scale_gradients(params, counts[-1] / total)
+    return loss
+
+
+def _scale_gradients(params, factor: float) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
 
 
 def _roll_back_metrics(path: Path, step: int) -> None:

@@ -53,3 +53,53 @@ def test_bf16_gradients_close_to_fp32_full_sequence(backend):
           f"oomb vs transformers bf16: {err_vs_bf16:.4f}")
     assert err_oomb <= 2 * err_hf + 1e-6
     assert err_vs_bf16 <= 2e-2
+
+
+def test_gradient_page_dtype_accuracy():
+    """bf16 against fp32 gradient pages (accuracy and the memory they cost): printed for docs/kernels.md."""
+    ids = torch.randint(0, 4096, (1, 16384), device="cuda")
+    ref_model = _model(torch.float32)
+    g_ref = _full_sequence(ref_model, ids)
+    model = _model(torch.bfloat16)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref_model.state_dict().items()})
+    errors = {}
+    for name, grad_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        model.zero_grad(set_to_none=True)
+        oomb.chunked_backward(model, ids, chunk_size=2048, page_size=128, grad_dtype=grad_dtype)
+        g = _flat_grads(model)
+        assert torch.isfinite(g).all()
+        errors[name] = float((g - g_ref).norm() / g_ref.norm())
+        oomb.release_memory(model)
+    print(f"gradient pages bf16: error vs fp32 full sequence {errors['bf16']:.5f}; fp32 pages: {errors['fp32']:.5f}")
+    assert errors["fp32"] <= errors["bf16"] * 1.05 + 1e-6
+
+
+def test_sparse_with_documents_bf16_close_to_fp32():
+    """Sparse + packed documents in bf16 (Triton, and the PyTorch path) against the same run in fp32.
+
+    The pages are all forced (sink + local = budget) so the selection cannot differ between
+    precisions; the bound is the one used for dense training: Triton's error at most twice the
+    PyTorch path's in the same bf16.
+    """
+    from oomb.sparse import PageSelection
+
+    ids = torch.randint(0, 4096, (1, 16384 + 50), device="cuda")
+    doc_ids = torch.zeros_like(ids)
+    doc_ids[:, 9000:] = 1
+    kw = dict(chunk_size=2048, page_size=128, doc_ids=doc_ids,
+              selection=PageSelection(page_budget=8, block=128, sink_pages=2, local_pages=6))
+    ref_model = _model(torch.float32)
+    ref_model.zero_grad(set_to_none=True)
+    oomb.chunked_backward(ref_model, ids, backend="torch", **kw)
+    g_ref = _flat_grads(ref_model)
+    model = _model(torch.bfloat16)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref_model.state_dict().items()})
+    errors = {}
+    for backend in ("torch", "triton"):
+        model.zero_grad(set_to_none=True)
+        oomb.chunked_backward(model, ids, backend=backend, **kw)
+        g = _flat_grads(model)
+        assert torch.isfinite(g).all()
+        errors[backend] = float((g - g_ref).norm() / g_ref.norm())
+    print(f"sparse+documents bf16 vs fp32: triton {errors['triton']:.5f}, torch path {errors['torch']:.5f}")
+    assert errors["triton"] <= 2 * errors["torch"] + 1e-6

@@ -29,11 +29,13 @@ def losses(run: Path) -> dict[int, float | None]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
-def _env(fault_step: int | None, marker: Path | None) -> dict:
+def _env(fault_step: int | None, marker: Path | None, fault_batch: int | None = None) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
         [str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
     if fault_step is not None:
         env["FAULT_STEP"] = str(fault_step)
+    if fault_batch is not None:
+        env["FAULT_BATCH"] = str(fault_batch)
     if marker is not None:
         env["FAULT_MARKER"] = str(marker)
     return env
@@ -46,15 +48,16 @@ def command(fault: str | None, *args: str) -> list[str]:
     return [sys.executable, str(HERE / "inject.py"), fault, *args]
 
 
-def run_process(fault: str | None, *args: str, fault_step: int | None = None) -> subprocess.CompletedProcess:
+def run_process(fault: str | None, *args: str, fault_step: int | None = None,
+                fault_batch: int | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(command(fault, *args), capture_output=True, text=True, timeout=300,
-                          env=_env(fault_step, None))
+                          env=_env(fault_step, None, fault_batch))
 
 
 def start_process(fault: str | None, *args: str, fault_step: int | None = None,
-                  marker: Path | None = None) -> subprocess.Popen:
+                  marker: Path | None = None, fault_batch: int | None = None) -> subprocess.Popen:
     return subprocess.Popen(command(fault, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(fault_step, marker))
+                            env=_env(fault_step, marker, fault_batch))
 
 
 def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:

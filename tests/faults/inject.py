@@ -2,8 +2,9 @@
 
     python tests/faults/inject.py FAULT [oomb train arguments ...]
 
-FAULT_STEP (1-based) is the step the fault hits; FAULT_MARKER, a file created when the
-fault point is reached (so a test knows when to send its signal).
+FAULT_STEP (1-based) is the step the fault hits; FAULT_BATCH (1-based, default 1) which of
+its train.grad_accum batches the slow-chunk and out-of-memory faults hit; FAULT_MARKER, a
+file created when the fault point is reached (so a test knows when to send its signal).
 
     slow-chunk      chunk 1 of step FAULT_STEP sleeps 1.5 s in layer 0 (a signal lands mid-step)
     slow-save       the save of checkpoint FAULT_STEP sleeps 1.5 s after its first file
@@ -19,6 +20,7 @@ fault point is reached (so a test knows when to send its signal).
 from __future__ import annotations
 
 import errno
+import functools
 import io
 import os
 import sys
@@ -27,30 +29,49 @@ from pathlib import Path
 
 import torch
 
+import oomb
 import oomb.train.checkpoint as checkpoint
+import oomb.train.inputs as inputs
 import oomb.train.trainer as trainer
 from oomb.cli import main
 
 FAULT, ARGS = sys.argv[1], sys.argv[2:]
 STEP = int(os.environ.get("FAULT_STEP", "0"))
+BATCH = int(os.environ.get("FAULT_BATCH", "1"))
 MARKER = Path(os.environ.get("FAULT_MARKER", os.devnull))
 CHUNK1_START = 256  # the tests run seq_len 512 in chunks of 256
-current_step = [0]  # 1-based step whose batch the trainer asked for last
-
-_batch = trainer.PasskeyTask.batch
-
-
-def batch(self, step, batch_size):
-    current_step[0] = step + 1
-    return _batch(self, step, batch_size)
+current_step = [0]  # 1-based step whose batches the trainer asked for last
+current_batch = [0]  # 1-based: which of that step's batches chunked_backward runs
 
 
-trainer.PasskeyTask.batch = batch
+def _tracking(batches):
+    def tracked(self, step):
+        current_step[0], current_batch[0] = step + 1, 0
+        return batches(self, step)
+
+    return tracked
+
+
+for _kind in (inputs.SyntheticInputs, inputs.TextInputs):
+    _kind.batches = _tracking(_kind.batches)
+
+_chunked_backward = oomb.chunked_backward
+
+
+@functools.wraps(_chunked_backward)  # keeps its signature (the trainer checks for doc_ids)
+def chunked_backward(*args, **kwargs):
+    current_batch[0] += 1
+    return _chunked_backward(*args, **kwargs)
+
+
+oomb.chunked_backward = chunked_backward
 
 
 def layer0_fault(module, args, kwargs, output):
     positions = kwargs.get("position_ids")
     if current_step[0] != STEP or positions is None or int(positions[0, 0]) != CHUNK1_START:
+        return None
+    if FAULT != "nan" and current_batch[0] != BATCH:  # the diagnosis of a nan runs outside chunked_backward
         return None
     if FAULT == "slow-chunk":
         MARKER.touch()

@@ -51,8 +51,12 @@ def test_every_torch_load_in_the_repository_is_weights_only():
     for path in [*ROOT.joinpath("oomb").rglob("*.py"), *ROOT.joinpath("tests").rglob("*.py")]:
         text = path.read_text()
         for m in re.finditer(r"torch\.load\(", text):
-            call = text[m.start(): text.index(")", m.start()) + 1]
-            calls.append((path.name, call))
+            depth, end = 0, m.end() - 1
+            for end in range(m.end() - 1, len(text)):  # to the parenthesis that closes the call
+                depth += {"(": 1, ")": -1}.get(text[end], 0)
+                if depth == 0:
+                    break
+            calls.append((path.name, text[m.start(): end + 1]))
     assert calls, "the audit found no torch.load at all: the pattern is wrong"
     assert all("weights_only=True" in call for _, call in calls if "re.finditer" not in call), calls
 

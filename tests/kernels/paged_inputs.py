@@ -39,7 +39,7 @@ def make_problem(b, h, h_kv, c, kv_len, d, page_size, *, dtype=torch.float32, de
     return PagedProblem(q, k, v, k_pool, v_pool, page_table, kv_len, s)
 
 
-def dense_attention(q, k, v, kv_len, *, scale, sliding_window=None, sinks=None):
+def dense_attention(q, k, v, kv_len, *, scale, sliding_window=None, sinks=None, extra_mask=None):
     """Float64 causal attention of the last C positions over all kv_len keys (autograd-friendly)."""
     b, h, c, d = q.shape
     g = h // k.shape[1]
@@ -51,6 +51,8 @@ def dense_attention(q, k, v, kv_len, *, scale, sliding_window=None, sinks=None):
     visible = kj <= qi
     if sliding_window is not None:
         visible &= (qi - kj) < sliding_window
+    if extra_mask is not None:  # [B, H, C, kv_len] from visibility_mask
+        visible = visible & extra_mask
     s = s.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         s = torch.cat([s, sinks.view(1, h, 1, 1).expand(b, h, c, 1)], dim=-1)
@@ -59,3 +61,46 @@ def dense_attention(q, k, v, kv_len, *, scale, sliding_window=None, sinks=None):
     if sinks is not None:
         p = p[..., :-1]
     return p @ v, lse
+
+
+def random_doc_start(b, c, kv_len, n_docs, *, device="cpu") -> torch.Tensor:
+    """[B, C] int32 document start of each query of the chunk, for random boundaries over the sequence."""
+    starts = torch.zeros(b, c, dtype=torch.int32, device=device)
+    for bi in range(b):
+        cuts = torch.randperm(kv_len - 1)[: n_docs - 1] + 1  # a new document starts at each cut
+        doc_of = torch.zeros(kv_len, dtype=torch.int64)
+        doc_of[cuts] = 1
+        doc_of = doc_of.cumsum(0)
+        first = torch.zeros(int(doc_of[-1]) + 1, dtype=torch.int64)
+        first[1:] = cuts.sort().values
+        starts[bi] = first[doc_of[kv_len - c:]].to(torch.int32)
+    return starts
+
+
+def random_page_select(b, h_sel, c, kv_len, page_size, select_block, k, *, device="cpu") -> torch.Tensor:
+    """[B, H_sel, ceil(C / select_block), K] int32: K distinct past pages per query block, ascending."""
+    n_past = (kv_len - c) // page_size
+    n_qb = -(-c // select_block)
+    sel = torch.stack([torch.randperm(n_past)[:k].sort().values for _ in range(b * h_sel * n_qb)])
+    return sel.view(b, h_sel, n_qb, k).to(device=device, dtype=torch.int32)
+
+
+def visibility_mask(b, h, c, kv_len, *, page_size, doc_start=None, page_select=None, select_block=None,
+                    device="cpu") -> torch.Tensor | None:
+    """[B, H, C, kv_len] bool of the keys doc_start / page_select leave visible (causality aside)."""
+    if doc_start is None and page_select is None:
+        return None
+    keys = torch.arange(kv_len, device=device)
+    vis = torch.ones(b, h, c, kv_len, dtype=torch.bool, device=device)
+    if doc_start is not None:
+        vis &= (keys[None, None, None, :] >= doc_start.long()[:, None, :, None])
+    if page_select is not None:
+        n_past = (kv_len - c) // page_size
+        h_sel = page_select.shape[1]
+        past_ok = torch.zeros(b, h_sel, page_select.shape[2], n_past, dtype=torch.bool, device=device)
+        past_ok.scatter_(-1, page_select.long(), True)
+        qb = torch.arange(c, device=device) // select_block
+        past_tok = past_ok[:, :, qb].repeat_interleave(page_size, dim=-1)  # [B, H_sel, C, n_past*page]
+        past_tok = past_tok.repeat_interleave(h // h_sel, dim=1)
+        vis[..., : n_past * page_size] &= past_tok
+    return vis

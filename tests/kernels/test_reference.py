@@ -89,3 +89,65 @@ def test_bf16_inputs_stay_close_to_fp32():
                                        pb.page_table, 40, scale=0.25)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert_close_rel(out.float(), ref, 1e-2, "bf16 out")
+
+
+MASK_CASES = [
+    # b, h, h_kv, c, kv_len, d, page, window, sinks, docs, select (h_sel, select_block, k)
+    pytest.param(2, 4, 2, 16, 64, 8, 8, None, False, 4, None, id="docs"),
+    pytest.param(1, 4, 2, 13, 45, 8, 4, 9, True, 6, None, id="docs-window-sinks-ragged"),
+    pytest.param(2, 4, 2, 16, 80, 8, 8, None, False, None, (1, 8, 3), id="select-shared"),
+    pytest.param(1, 6, 2, 20, 84, 8, 4, None, True, None, (2, 8, 5), id="select-per-head-ragged-block"),
+    pytest.param(2, 4, 2, 16, 96, 8, 8, None, False, 5, (2, 4, 4), id="select-and-docs"),
+]
+
+
+@pytest.mark.parametrize("b,h,h_kv,c,kv_len,d,page,window,sinks,docs,select", MASK_CASES)
+def test_reference_documents_and_page_selection_match_dense(b, h, h_kv, c, kv_len, d, page, window, sinks,
+                                                            docs, select):
+    from paged_inputs import random_doc_start, random_page_select, visibility_mask
+
+    torch.manual_seed(0)
+    pb = make_problem(b, h, h_kv, c, kv_len, d, page, dtype=torch.float64, sinks=sinks)
+    doc_start = random_doc_start(b, c, kv_len, docs) if docs else None
+    page_select, block = None, None
+    if select:
+        h_sel, block, k = select
+        page_select = random_page_select(b, h_sel, c, kv_len, page, block, k)
+    extra = visibility_mask(b, h, c, kv_len, page_size=page, doc_start=doc_start, page_select=page_select,
+                            select_block=block)
+    kw = dict(scale=d**-0.5, sliding_window=window, sinks=pb.sinks, doc_start=doc_start,
+              page_select=page_select, select_block=block, block_tokens=2 * page)
+    out, lse = paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
+    q, k, v = (t.clone().requires_grad_() for t in (pb.q, pb.k, pb.v))
+    ref_out, ref_lse = dense_attention(q, k, v, kv_len, scale=d**-0.5, sliding_window=window, sinks=pb.sinks,
+                                       extra_mask=extra)
+    assert_close_rel(out, ref_out.detach(), 1e-12, "out")
+    assert_close_rel(lse, ref_lse.detach(), 1e-12, "lse")
+    d_out = torch.randn_like(out)
+    ref_out.backward(d_out)
+    dk_pool, dv_pool = torch.zeros_like(pb.k_pool), torch.zeros_like(pb.v_pool)
+    dq, _ = paged_attention_backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk_pool, dv_pool,
+                                     pb.page_table, kv_len, **kw)
+    assert_close_rel(dq, q.grad, 1e-12, "dq")
+    for bi in range(b):
+        for p in range(pb.page_table.shape[1]):
+            lo, hi = p * page, min((p + 1) * page, kv_len)
+            pid = pb.page_table[bi, p]
+            assert_close_rel(dk_pool[pid, :, : hi - lo], k.grad[bi, :, lo:hi], 1e-12, f"dk page {p}")
+            assert_close_rel(dv_pool[pid, :, : hi - lo], v.grad[bi, :, lo:hi], 1e-12, f"dv page {p}")
+
+
+def test_visibility_arguments_are_checked():
+    pb = make_problem(1, 4, 2, 16, 64, 8, 8, dtype=torch.float64)
+    args = (pb.q, pb.k_pool, pb.v_pool, pb.page_table, 64)
+    with pytest.raises(ValueError, match="doc_start"):
+        paged_attention_forward(*args, scale=0.3, doc_start=torch.zeros(1, 15, dtype=torch.int32))
+    sel = torch.zeros(1, 1, 2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="select_block"):
+        paged_attention_forward(*args, scale=0.3, page_select=sel)
+    with pytest.raises(ValueError, match="page_select must be"):
+        paged_attention_forward(*args, scale=0.3, page_select=sel, select_block=4)
+    with pytest.raises(ValueError, match="start on a page"):
+        pb2 = make_problem(1, 4, 2, 16, 60, 8, 8, dtype=torch.float64)
+        paged_attention_forward(pb2.q, pb2.k_pool, pb2.v_pool, pb2.page_table, 60, scale=0.3, page_select=sel,
+                                select_block=8)

@@ -197,6 +197,92 @@ def test_rejects_bad_inputs():
 
 
 # --------------------------------------------------------------------------------------
+# Packed documents and page-sparse attention
+# --------------------------------------------------------------------------------------
+
+MASK_CASES = [
+    # b, h, h_kv, c, kv_len, d, page, window, sinks, docs, select (h_sel, select_block, k), tiles
+    pytest.param(2, 4, 2, 32, 96, 16, 16, None, False, 5, None, "default", id="docs"),
+    pytest.param(1, 4, 2, 20, 77, 16, 16, 11, True, 4, None, "default", id="docs-window-sinks"),
+    pytest.param(1, 4, 2, 24, 83, 16, 8, None, False, 7, None, "wide", id="docs-multipage-blocks"),
+    pytest.param(2, 4, 2, 32, 128, 16, 16, None, False, None, (1, 16, 3), "default", id="select-shared"),
+    pytest.param(1, 6, 2, 20, 84, 16, 16, None, True, None, (2, 8, 2), "default", id="select-per-head-ragged"),
+    pytest.param(1, 4, 2, 32, 160, 16, 32, None, False, None, (2, 16, 2), "wide", id="select-two-blocks-per-page"),
+    pytest.param(2, 4, 2, 32, 128, 16, 16, None, False, 6, (2, 16, 3), "tma", id="select-docs-tma"),
+]
+
+
+def _mask_problem(b, h, h_kv, c, kv_len, d, page, window, sinks, docs, select):
+    from paged_inputs import random_doc_start, random_page_select
+
+    torch.manual_seed(1)
+    pb = make_problem(b, h, h_kv, c, kv_len, d, page, device=DEVICE, sinks=sinks)
+    kw = dict(scale=d**-0.5, sliding_window=window, sinks=pb.sinks)
+    if docs:
+        kw["doc_start"] = random_doc_start(b, c, kv_len, docs, device=DEVICE)
+    if select:
+        h_sel, block, k = select
+        kw["page_select"] = random_page_select(b, h_sel, c, kv_len, page, block, k, device=DEVICE)
+        kw["select_block"] = block
+    return pb, kw
+
+
+def _unselected_past_pages(pb, kw, page):
+    """[num_pages, page] bool: past pages no query block selected (never to be read or written)."""
+    hidden = _never_read(pb, page, kw["sliding_window"])
+    sel = kw.get("page_select")
+    if sel is None:
+        return hidden
+    n_past = (pb.kv_len - pb.q.shape[2]) // page
+    for bi in range(pb.page_table.shape[0]):
+        chosen = set(sel[bi].reshape(-1).tolist())
+        for p in range(n_past):
+            if p not in chosen:
+                hidden[pb.page_table[bi, p]] = True
+    return hidden
+
+
+@pytest.mark.parametrize("b,h,h_kv,c,kv_len,d,page,window,sinks,docs,select,tiles", MASK_CASES)
+def test_documents_and_page_selection_match_reference(monkeypatch, b, h, h_kv, c, kv_len, d, page, window, sinks,
+                                                      docs, select, tiles):
+    _use_tiles(monkeypatch, tiles)
+    pb, kw = _mask_problem(b, h, h_kv, c, kv_len, d, page, window, sinks, docs, select)
+    hidden = _unselected_past_pages(pb, kw, page)
+    k_pool, v_pool = _poisoned(pb.k_pool, hidden), _poisoned(pb.v_pool, hidden)
+    out, lse = T.paged_attention_forward(pb.q, k_pool, v_pool, pb.page_table, kv_len, **kw)
+    ref_out, ref_lse = R.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
+    assert_close_rel(out, ref_out, TOL["fp32"], "out")
+    assert_close_rel(lse, ref_lse, TOL["fp32"], "lse")
+
+    d_out = torch.randn_like(out)
+    dk0, dv0 = torch.randn_like(pb.k_pool), torch.randn_like(pb.v_pool)
+    dk, dv, ref_dk, ref_dv = dk0.clone(), dv0.clone(), dk0.clone(), dv0.clone()
+    dq, _ = T.paged_attention_backward(d_out, pb.q, ref_out, ref_lse, k_pool, v_pool, dk, dv, pb.page_table,
+                                       kv_len, **kw)
+    ref_dq, _ = R.paged_attention_backward(d_out, pb.q, ref_out, ref_lse, pb.k_pool, pb.v_pool, ref_dk, ref_dv,
+                                           pb.page_table, kv_len, **kw)
+    assert_close_rel(dq, ref_dq, TOL["fp32"], "dq")
+    assert_close_rel(dk - dk0, ref_dk - dk0, TOL["fp32"], "dk added")
+    assert_close_rel(dv - dv0, ref_dv - dv0, TOL["fp32"], "dv added")
+    # Gradient pages of unselected past pages keep their bits (never read, never written).
+    _assert_untouched(dk, dk0, hidden)
+    _assert_untouched(dv, dv0, hidden)
+
+
+def test_selection_of_every_past_page_equals_dense(monkeypatch):
+    from paged_inputs import random_page_select
+
+    pb = make_problem(1, 4, 2, 32, 128, 16, 16, device=DEVICE)
+    n_past = (128 - 32) // 16
+    sel = random_page_select(1, 2, 32, 128, 16, 16, n_past, device=DEVICE)
+    dense = T.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, 128, scale=0.25)
+    sparse = T.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, 128, scale=0.25,
+                                       page_select=sel, select_block=16)
+    assert_close_rel(sparse[0], dense[0], TOL["fp32"], "out")
+    assert_close_rel(sparse[1], dense[1], TOL["fp32"], "lse")
+
+
+# --------------------------------------------------------------------------------------
 # bf16 at realistic shapes, on the GPU (Qwen2.5-7B heads; D=64 with GPT-OSS sinks and window)
 # --------------------------------------------------------------------------------------
 
@@ -247,3 +333,45 @@ def test_bf16_realistic_shapes_on_gpu(monkeypatch, h, h_kv, d, page, window, sin
                                sinks=pb.sinks, **kw)
     assert_close_rel(dk16.float(), ref_dk, TOL["gpu_bf16"], "bf16 dk pool")
     assert_close_rel(dv16.float(), ref_dv, TOL["gpu_bf16"], "bf16 dv pool")
+
+
+GPU_MASK_CASES = [
+    # d, page, docs, select (h_sel, select_block, k), sinks
+    pytest.param(128, 128, 6, None, False, id="docs-d128"),
+    pytest.param(128, 128, None, (1, 128, 64), False, id="select-shared-d128"),
+    pytest.param(128, 64, None, (4, 128, 64), False, id="select-per-head-page64"),
+    pytest.param(64, 128, 4, (4, 64, 32), True, id="select-docs-sinks-d64"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,page,docs,select,sinks", GPU_MASK_CASES)
+def test_bf16_documents_and_page_selection_on_gpu(d, page, docs, select, sinks):
+    from paged_inputs import random_doc_start, random_page_select
+
+    h, h_kv, c, kv_len = 28, 4, 4096, 32768
+    pb = make_problem(1, h, h_kv, c, kv_len, d, page, dtype=torch.bfloat16, device="cuda", sinks=sinks)
+    kw = dict(scale=d**-0.5)
+    if docs:
+        kw["doc_start"] = random_doc_start(1, c, kv_len, docs, device="cuda")
+    if select:
+        h_sel, block, k = select
+        kw["page_select"] = random_page_select(1, h_sel, c, kv_len, page, block, k, device="cuda")
+        kw["select_block"] = block
+    s32 = pb.sinks.float() if sinks else None
+    q32, k32, v32 = pb.q.float(), pb.k_pool.float(), pb.v_pool.float()
+    out, lse = T.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, sinks=pb.sinks, **kw)
+    ref_out, ref_lse = R.paged_attention_forward(q32, k32, v32, pb.page_table, kv_len, sinks=s32, **kw)
+    assert_close_rel(out.float(), ref_out, TOL["gpu_bf16"], "out")
+    assert_close_rel(lse, ref_lse, TOL["gpu_lse"], "lse")
+    d_out = torch.randn_like(pb.q)
+    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    ref_dk, ref_dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    dq, _ = T.paged_attention_backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len,
+                                       sinks=pb.sinks, **kw)
+    ref_dq, _ = R.paged_attention_backward(d_out.float(), q32, ref_out, ref_lse, k32, v32, ref_dk, ref_dv,
+                                           pb.page_table, kv_len, sinks=s32, **kw)
+    assert not torch.isnan(dq).any() and not torch.isnan(dk).any()
+    assert_close_rel(dq.float(), ref_dq, TOL["gpu_bf16"], "dq")
+    assert_close_rel(dk, ref_dk, TOL["gpu_bf16"], "dk")
+    assert_close_rel(dv, ref_dv, TOL["gpu_bf16"], "dv")

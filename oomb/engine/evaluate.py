@@ -1,0 +1,170 @@
+"""Forward-only evaluation of a long sequence, one chunk at a time.
+
+    fill (no autograd)   c_0 -> c_1 -> ... -> c_{m-1}    append K/V, attend, LM head on the chunk
+
+This is stage 1 of the training step (engine/step.py) run over EVERY chunk, with the
+LM head applied to each chunk's hidden states as it goes. What grows with the sequence
+is the paged store; the per-token results are two [B, N] tensors.
+
+The head never builds [N, vocab] logits, nor [C, vocab] fp32 logits for a chunk: it
+walks the chunk's rows in blocks of ``_ROW_BLOCK`` and the vocabulary in blocks of
+``_VOCAB_BLOCK``, merging log-sum-exp, the target's logit and the argmax online. The
+largest temporaries are one [rows, vocab block] fp32 logit tile and the same block of
+the head's weight in fp32: 2048 * 8192 * 4 B = 64 MiB and 8192 * hidden * 4 B (29 MiB
+at hidden 896, 112 MiB at hidden 3584).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from oomb.attention import StepContext, oomb_attention
+from oomb.engine.loss import IGNORE_INDEX
+from oomb.engine.step import _store_for, _unwrap_peft, _validate, document_starts, run_chunk, selection_policy
+from oomb.kernels import get_backend
+from oomb.sparse import PageSelection
+
+_ROW_BLOCK = 2048
+_VOCAB_BLOCK = 8192
+
+
+@dataclass
+class EvalResult:
+    """Per-position results, aligned like transformers' logits: position t predicts token t + 1.
+
+    ``nll[b, t]`` is -log p(target | tokens 0..t) in fp32, NaN where position t has no
+    target (label -100, and always the last position); ``correct[b, t]`` says whether the
+    argmax of the logits equals the target (False where there is none); ``targets[b, t]``
+    is the target id or -100.
+    """
+
+    nll: torch.Tensor  # [B, N] float32
+    correct: torch.Tensor  # [B, N] bool
+    targets: torch.Tensor  # [B, N] int64
+
+    @property
+    def has_target(self) -> torch.Tensor:
+        return self.targets != IGNORE_INDEX
+
+    def mean_nll(self) -> float:
+        """Mean NLL over every target of the batch (what transformers' loss would report)."""
+        return float(self.nll[self.has_target].double().mean())
+
+
+def chunked_eval(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 4096,
+    page_size: int = 128,
+    backend: str = "auto",
+    doc_ids: torch.Tensor | None = None,
+    page_budget: int | None = None,
+    selection: PageSelection | None = None,
+) -> EvalResult:
+    """Per-token NLL and argmax correctness of a long sequence, one chunk of activations at a time.
+
+    Args:
+        model: a transformers causal LM (or a peft model wrapping one).
+        input_ids: [B, N] token ids, N >= 2.
+        labels: [B, N] targets aligned with ``input_ids`` as in transformers (shifted inside);
+            -100 marks positions without a target. None = next-token prediction on ``input_ids``.
+        chunk_size: tokens per chunk (a multiple of ``page_size``).
+        page_size: tokens per page of the K/V store.
+        backend: attention kernels: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        doc_ids, page_budget, selection: packed documents and page-sparse attention, as in
+            ``chunked_backward`` (evaluate a model the way it was trained).
+
+    Runs under ``torch.no_grad`` with the model in eval mode (its mode is restored after).
+    Positions without a target skip the LM head, so an evaluation that scores a few
+    tokens (retrieval answers) pays for the head on those tokens only.
+    """
+    model = _unwrap_peft(model)
+    was_training = model.training
+    model.eval()  # no dropout: evaluation is deterministic
+    try:
+        return _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend, doc_ids,
+                             selection_policy(page_budget, selection))
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend, doc_ids, selection) -> EvalResult:
+    targets = _validate(model, input_ids, labels, chunk_size, page_size)
+    doc_start = document_starts(doc_ids, input_ids) if doc_ids is not None else None
+    batch, seq_len = input_ids.shape
+    device = input_ids.device
+    # The store keeps gradient pages too (as in training); sharing the training step's
+    # store means evaluating between training steps reallocates nothing.
+    store = _store_for(model, device, page_size, None)
+    store.reserve(batch, seq_len)
+    step = StepContext(store=store, backend=get_backend(backend, device.type), stage="fill", doc_start=doc_start,
+                       selection=selection)
+    head = model.get_output_embeddings()
+
+    nll = torch.full((batch, seq_len), float("nan"), dtype=torch.float32, device=device)
+    correct = torch.zeros((batch, seq_len), dtype=torch.bool, device=device)
+    try:
+        with oomb_attention(model):
+            for start in range(0, seq_len, chunk_size):
+                end = min(start + chunk_size, seq_len)
+                store.append_chunk(end - start)
+                hidden = run_chunk(model, step, input_ids, start, end)
+                chunk_targets = targets[:, start:end]
+                rows = (chunk_targets != IGNORE_INDEX).nonzero(as_tuple=True)  # host sync, once per chunk
+                if rows[0].numel():
+                    row_nll, row_correct = head_nll_and_argmax(hidden[rows], head.weight, head.bias,
+                                                               chunk_targets[rows])
+                    nll[:, start:end][rows] = row_nll
+                    correct[:, start:end][rows] = row_correct
+                step.drop_page_lists(start)  # each chunk runs once: its page lists are not needed again
+    finally:
+        store.clear()  # pool usage returns to zero, also after an error
+    return EvalResult(nll=nll, correct=correct, targets=targets)
+
+
+def head_nll_and_argmax(
+    hidden: torch.Tensor,  # [T, Dm]
+    weight: torch.Tensor,  # [V, Dm]
+    bias: torch.Tensor | None,  # [V]
+    targets: torch.Tensor,  # [T] int64, every entry a valid id
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-log softmax(hidden @ weight.T + bias)[target] (fp32 [T]) and argmax == target ([T] bool).
+
+    Blocks of rows x blocks of the vocabulary with an online log-sum-exp, so neither the
+    [T, V] logits nor an fp32 copy of the whole head weight exist at once. The argmax
+    takes the first of equal maxima, like ``torch.argmax``.
+    """
+    acc = torch.promote_types(weight.dtype, torch.float32)  # fp32 math (fp64 for fp64 models)
+    vocab = weight.shape[0]
+    nll = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+    for r0 in range(0, hidden.shape[0], _ROW_BLOCK):
+        h = hidden[r0 : r0 + _ROW_BLOCK].to(acc)
+        t = targets[r0 : r0 + _ROW_BLOCK]
+        run_max = torch.full((h.shape[0],), float("-inf"), dtype=acc, device=h.device)
+        run_sum = torch.zeros_like(run_max)
+        arg = torch.zeros_like(t)
+        picked = torch.zeros_like(run_max)
+        for v0 in range(0, vocab, _VOCAB_BLOCK):
+            v1 = min(v0 + _VOCAB_BLOCK, vocab)
+            logits = h @ weight[v0:v1].to(acc).T  # [rows, vocab block]
+            if bias is not None:
+                logits += bias[v0:v1].to(acc)
+            block_max, block_arg = logits.max(dim=-1)
+            new_max = torch.maximum(run_max, block_max)
+            run_sum = run_sum * torch.exp(run_max - new_max) + torch.exp(logits - new_max[:, None]).sum(-1)
+            better = block_max > run_max  # strict: an earlier block keeps a tie
+            arg = torch.where(better, block_arg + v0, arg)
+            run_max = new_max
+            inside = (t >= v0) & (t < v1)
+            local = (t - v0).clamp(0, v1 - v0 - 1)
+            picked = torch.where(inside, logits.gather(1, local[:, None]).squeeze(1), picked)
+        nll[r0 : r0 + _ROW_BLOCK] = (run_max + torch.log(run_sum) - picked).float()
+        correct[r0 : r0 + _ROW_BLOCK] = arg == t
+    return nll, correct

@@ -1,0 +1,5 @@
+"""Page-selection policies for page-level top-k sparse attention."""
+
+from oomb.sparse.selection import PageSelection, select_pages
+
+__all__ = ["PageSelection", "select_pages"]

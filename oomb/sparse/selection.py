@@ -1,0 +1,96 @@
+"""Page selection for page-level top-k sparse attention (shared/DESIGN.md, "sparse").
+
+Past the first ``page_budget`` pages, each block of ``block`` queries of a chunk
+attends only ``page_budget`` of the pages stored before the chunk (plus the chunk
+itself, always). Which pages: the highest scores
+
+    score(block, page) = mean over the block's queries and the GQA group's heads of q . k_mean(page)
+                       = q_mean(block) . k_mean(page)          (linear, so one dot per pair)
+
+per KV head, summed over KV heads unless ``per_head`` (one page list per KV head).
+``sink_pages`` first pages and ``local_pages`` most recent pages can be kept always;
+they count towards the budget. The result feeds the kernels' ``page_select``:
+[B, H_sel, ceil(C / block), page_budget] int32, ascending page indices.
+
+The engine computes a chunk's selection once, in stage 1, and reuses it in stage 2,
+so the recomputed forward and the backward see exactly the pages stage 1 saw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PageSelection:
+    """How past pages are chosen; ``page_budget`` pages per query block in all."""
+
+    page_budget: int = 64
+    block: int = 128  # queries per selection block (a multiple of 16 keeps kernel tiles whole)
+    sink_pages: int = 0  # the sequence's first pages, always kept
+    local_pages: int = 0  # the pages just before the chunk, always kept
+    per_head: bool = False  # one page list per KV head instead of one for all heads
+
+    def __post_init__(self) -> None:
+        if self.page_budget < 1:
+            raise ValueError(f"page_budget must be >= 1 (or None for dense attention), got {self.page_budget}")
+        if self.block < 1:
+            raise ValueError(f"the selection block must be >= 1 query, got {self.block}")
+        if self.sink_pages < 0 or self.local_pages < 0:
+            raise ValueError("sink_pages and local_pages must be >= 0")
+        if self.sink_pages + self.local_pages > self.page_budget:
+            raise ValueError(
+                f"sink_pages ({self.sink_pages}) + local_pages ({self.local_pages}) exceed page_budget "
+                f"({self.page_budget}): the always-kept pages count towards the budget"
+            )
+
+
+@torch.no_grad()
+def select_pages(
+    q: torch.Tensor,  # [B, H, C, D] the chunk's queries (after RoPE)
+    mean_k: torch.Tensor,  # [num_pages, H_kv, D] float32 per-page mean key (the store's)
+    page_table: torch.Tensor,  # [B, >= n_past] int32
+    n_past: int,  # pages stored before the chunk
+    page_size: int,
+    policy: PageSelection,
+    doc_start: torch.Tensor | None = None,  # [B, C] first key of each query's document
+) -> torch.Tensor | None:
+    """[B, H_sel, ceil(C / block), page_budget] int32 ascending past-page indices, or None when the
+    history holds no more than ``page_budget`` pages (then attention is dense)."""
+    budget = policy.page_budget
+    if n_past <= budget:
+        return None
+    b, h, c, d = q.shape
+    h_kv = mean_k.shape[1]
+    n_qb = -(-c // policy.block)
+
+    # Mean query of each block and GQA group: [B, H_kv, n_qb, D] (a ragged last block averages what it has).
+    qf = q.float().reshape(b, h_kv, h // h_kv, c, d).sum(dim=2)  # [B, H_kv, C, D]
+    pad = n_qb * policy.block - c
+    if pad:
+        qf = torch.nn.functional.pad(qf, (0, 0, 0, pad))
+    counts = torch.full((n_qb,), float(policy.block), device=q.device)
+    counts[-1] = c - (n_qb - 1) * policy.block
+    q_mean = qf.view(b, h_kv, n_qb, policy.block, d).sum(dim=3) / (counts.view(1, 1, n_qb, 1) * (h // h_kv))
+
+    k_mean = mean_k[page_table[:, :n_past].long()]  # [B, n_past, H_kv, D]
+    scores = torch.einsum("bhqd,bphd->bhqp", q_mean, k_mean)  # [B, H_kv, n_qb, n_past]
+    if not policy.per_head:
+        scores = scores.sum(dim=1, keepdim=True)
+
+    forced = torch.zeros(n_past, dtype=torch.bool, device=q.device)
+    forced[: policy.sink_pages] = True
+    if policy.local_pages:
+        forced[n_past - policy.local_pages:] = True
+    scores = scores.masked_fill(forced, float("inf"))
+    if doc_start is not None:
+        # A page that ends before the block's first document start is invisible to the whole block.
+        block_first_doc = doc_start[:, :: policy.block].long()  # [B, n_qb] (starts are non-decreasing)
+        page_end = (torch.arange(n_past, device=q.device) + 1) * page_size  # exclusive
+        hidden = page_end.view(1, 1, n_past) <= block_first_doc.unsqueeze(-1)  # [B, n_qb, n_past]
+        scores = scores.masked_fill(hidden.unsqueeze(1), float("-inf"))
+    picked = scores.topk(budget, dim=-1, sorted=False).indices
+    return picked.sort(dim=-1).values.to(torch.int32)
+

@@ -1,0 +1,91 @@
+"""Watching a run: memory readings, TensorBoard events and the end-of-run plot.
+
+Every step's record (metrics.jsonl) gains ``host_rss_gib`` (this process's resident
+memory), ``peak_gpu_gib`` on CUDA (``torch.cuda.max_memory_allocated`` since the run
+started) and ``eta_s`` (seconds left at the mean step time of this session). With
+``train.tensorboard=true`` the same numbers go to ``<out_dir>/tensorboard``; at the end
+``<out_dir>/training.png`` draws loss and memory against the step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import psutil
+import torch
+
+GIB = 2**30
+PLOT = "training.png"
+TENSORBOARD = "tensorboard"
+# Fields of a metrics record drawn as TensorBoard scalars (when present and not None).
+_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "host_rss_gib", "peak_gpu_gib")
+
+
+def memory_fields(device: torch.device) -> dict[str, float]:
+    """Host RSS and, on CUDA, the peak allocated GPU memory, in GiB."""
+    fields = {"host_rss_gib": psutil.Process(os.getpid()).memory_info().rss / GIB}
+    if device.type == "cuda":
+        fields["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+    return fields
+
+
+class TensorBoardLog:
+    """Metrics records as TensorBoard scalars (``torch.utils.tensorboard``), x-axis = optimizer step."""
+
+    def __init__(self, out_dir: Path, resumed_after: int | None = None) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # torch's writer needs the tensorboard package
+            raise RuntimeError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from e
+        # A resumed run drops the events of steps after its checkpoint, as metrics.jsonl does.
+        purge = resumed_after + 1 if resumed_after is not None else None
+        self.writer = SummaryWriter(log_dir=str(out_dir / TENSORBOARD), purge_step=purge)
+
+    def log(self, record: dict) -> None:
+        for name in _SCALARS:
+            if record.get(name) is not None:
+                self.writer.add_scalar(f"train/{name}", record[name], record["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_run(out_dir: Path) -> Path | None:
+    """Draw loss and memory against the step from metrics.jsonl into ``training.png`` (atomically)."""
+    records = read_metrics(out_dir / "metrics.jsonl") if (out_dir / "metrics.jsonl").is_file() else []
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, (ax_loss, ax_mem) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    ax_loss.plot(steps, [r["loss"] for r in records], color="tab:blue")
+    ax_loss.set_ylabel("loss")
+    ax_loss.grid(alpha=0.3)
+    for key, label in (("peak_gpu_gib", "peak GPU allocated"), ("host_rss_gib", "host RSS")):
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        if points:
+            ax_mem.plot(*zip(*points, strict=True), label=label)
+    ax_mem.set_ylabel("memory (GiB)")
+    ax_mem.set_xlabel("step")
+    ax_mem.grid(alpha=0.3)
+    if ax_mem.lines:
+        ax_mem.legend()
+    fig.suptitle(out_dir.name)
+    fig.tight_layout()
+    final = out_dir / PLOT
+    tmp = final.with_name(final.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, final)
+    return final

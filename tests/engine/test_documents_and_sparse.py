@@ -1,0 +1,153 @@
+"""Packed documents (doc_ids) and page-sparse attention (page_budget) through chunked_backward."""
+
+import pytest
+import torch
+from helpers import rel_err
+from tiny_models import VOCAB, tiny_model
+
+import oomb
+from oomb.attention import function as attention_function
+from oomb.engine.step import document_starts
+from oomb.sparse import PageSelection
+
+TOL = 1e-5
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_oss"])
+def test_packed_documents_equal_documents_run_separately(family):
+    model = tiny_model(family)
+    lengths = [37, 50, 41]
+    docs = [torch.randint(0, VOCAB, (1, n)) for n in lengths]
+
+    # Reference: each document alone, full sequence, loss summed over all documents' targets.
+    n_targets = sum(n - 1 for n in lengths)
+    model.zero_grad(set_to_none=True)
+    ref_total = 0.0
+    for doc in docs:
+        out = model(input_ids=doc, labels=doc)
+        loss = out.loss * (doc.shape[1] - 1) / n_targets
+        loss.backward()
+        ref_total += loss.item()
+    ref = _grads(model)
+
+    ids = torch.cat(docs, dim=1)
+    doc_ids = torch.cat([torch.full((1, n), i) for i, n in enumerate(lengths)], dim=1)
+    labels = ids.clone()
+    labels[0, lengths[0]] = -100  # the last token of a document does not predict the next document's first
+    labels[0, lengths[0] + lengths[1]] = -100
+    model.zero_grad(set_to_none=True)
+    loss = oomb.chunked_backward(model, ids, labels, chunk_size=32, page_size=8, doc_ids=doc_ids)
+    assert abs(loss.item() - ref_total) <= TOL * ref_total
+    got = _grads(model)
+    errors = {n: rel_err(got[n], ref[n]) for n in ref}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL, f"{worst}: {errors[worst]:.2e}"
+
+
+def test_document_starts_and_bad_doc_ids():
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 5, 5]])
+    assert document_starts(doc_ids, ids).tolist() == [[0, 0, 2, 2, 2, 5], [0] * 6]
+    with pytest.raises(ValueError, match="non-decreasing"):
+        document_starts(torch.tensor([[0, 1, 0, 1, 1, 1]] * 2), ids)
+    with pytest.raises(ValueError, match="shape"):
+        document_starts(doc_ids[:, :5], ids)
+    with pytest.raises(TypeError, match="integer"):
+        document_starts(doc_ids.float(), ids)
+
+
+def _record_kernel_calls(monkeypatch):
+    """Record (stage, layer, chunk start, page_select) of every attention forward, and selection calls."""
+    calls, selections = [], []
+    real_visibility, real_select = attention_function.visibility, attention_function.select_pages
+
+    def visibility(step, layer_idx, q, sliding_window):
+        kw = real_visibility(step, layer_idx, q, sliding_window)
+        calls.append((step.stage, layer_idx, step.store.num_tokens - q.shape[2], kw.get("page_select")))
+        return kw
+
+    def select(*args, **kwargs):
+        selections.append(args[3])
+        return real_select(*args, **kwargs)
+
+    monkeypatch.setattr(attention_function, "visibility", visibility)
+    monkeypatch.setattr(attention_function, "select_pages", select)
+    return calls, selections
+
+
+def test_large_budget_equals_dense_exactly():
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 128))
+    oomb.chunked_backward(model, ids, chunk_size=32, page_size=8)
+    dense = _grads(model)
+    model.zero_grad(set_to_none=True)
+    oomb.chunked_backward(model, ids, chunk_size=32, page_size=8, page_budget=12)  # 12 >= 96 / 8 past pages
+    for n, g in _grads(model).items():
+        assert torch.equal(g, dense[n]), n
+
+
+def test_selection_is_made_once_and_reused_in_stage_two(monkeypatch):
+    calls, selections = _record_kernel_calls(monkeypatch)
+    model = tiny_model("gpt_oss")  # layer 0 slides (dense window), layer 1 is full attention (sparse)
+    ids = torch.randint(0, VOCAB, (1, 160))
+    oomb.chunked_backward(model, ids, chunk_size=32, page_size=8,
+                          selection=PageSelection(page_budget=3, block=16, sink_pages=1, local_pages=1))
+    by_stage = {}
+    for stage, layer, start, sel in calls:
+        by_stage.setdefault((layer, start), {})[stage] = sel
+        if layer == 0:
+            assert sel is None  # the sliding-window layer is never sparse
+    sparse_chunks = [start for (layer, start), s in by_stage.items() if layer == 1 and s.get("recompute") is not None]
+    assert sorted(sparse_chunks) == [32, 64, 96, 128]  # every chunk with more than 3 past pages
+    for (layer, start), stages in by_stage.items():
+        if "fill" in stages:  # the last chunk only runs in stage 2
+            assert stages["fill"] is stages["recompute"], (layer, start)
+        sel = stages["recompute"]
+        if sel is not None:
+            assert sel.shape == (1, 1, 2, 3)
+            assert (sel[..., 0] == 0).all()  # the sink page
+            assert (sel[..., -1] == start // 8 - 1).all()  # the most recent past page
+            assert (sel[..., 1:] > sel[..., :-1]).all()  # ascending, distinct
+    assert len(selections) == len({(layer, start) for (layer, start) in by_stage if layer == 1})
+
+
+def test_sparse_budget_changes_gradients_but_stays_close():
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 256))
+    oomb.chunked_backward(model, ids, chunk_size=32, page_size=8)
+    dense = torch.cat([g.flatten() for g in _grads(model).values()])
+    model.zero_grad(set_to_none=True)
+    oomb.chunked_backward(model, ids, chunk_size=32, page_size=8, page_budget=8, selection=PageSelection(block=16))
+    sparse = torch.cat([g.flatten() for g in _grads(model).values()])
+    assert not torch.equal(sparse, dense)  # some pages were left out
+    cos = torch.nn.functional.cosine_similarity(sparse, dense, dim=0)
+    assert cos > 0.9, cos  # a random tiny model attends almost uniformly; most gradient remains
+
+
+def test_bad_selection_settings():
+    with pytest.raises(ValueError, match="count towards the budget"):
+        PageSelection(page_budget=4, sink_pages=3, local_pages=2)
+    with pytest.raises(ValueError, match="page_budget"):
+        PageSelection(page_budget=0)
+
+
+def test_triton_kernels_equal_torch_path_with_documents_and_pages():
+    # The Triton kernels (interpreter on CPU) against the PyTorch path through the whole step.
+    model = tiny_model("qwen3")  # head_dim 16
+    ids = torch.randint(0, VOCAB, (1, 160))
+    doc_ids = torch.zeros(1, 160, dtype=torch.long)
+    doc_ids[:, 70:] = 1
+    doc_ids[:, 131:] = 2
+    kw = dict(chunk_size=32, page_size=16, doc_ids=doc_ids, selection=PageSelection(page_budget=2, block=16))
+    results = {}
+    for backend in ("torch", "triton"):
+        model.zero_grad(set_to_none=True)
+        loss = oomb.chunked_backward(model, ids, backend=backend, **kw)
+        results[backend] = (loss, _grads(model))
+    assert rel_err(results["triton"][0], results["torch"][0]) <= TOL
+    for n, g in results["torch"][1].items():
+        assert rel_err(results["triton"][1][n], g) <= TOL, n
