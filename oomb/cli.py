@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args, console: Console) -> int:
+    from rich.text import Text
+
     from oomb.train.config import ConfigError, describe_keys
+    from oomb.train.faults import EXIT_CONFIG, RunStopped
     from oomb.train.presets import preset_names
     from oomb.train.trainer import load_run_config, train
 
@@ -69,7 +72,10 @@ def _train(args, console: Console) -> int:
         train(cfg, console)
     except ConfigError as e:
         console.print(f"[red]config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        return 2
+        return EXIT_CONFIG
+    except RunStopped as e:  # a failure the trainer handled: the message says what is on disk and what to do
+        console.print(Text.assemble(("stopped: ", "red"), str(e)), highlight=False, soft_wrap=True)
+        return e.exit_code
     return 0
 
 

@@ -17,8 +17,10 @@ Layout of a run folder::
 
 A checkpoint is written into ``step-N.tmp``, each file fsynced, the folder renamed to
 ``step-N`` and then ``latest`` replaced through a rename: a crash at any point leaves
-the previous checkpoint and ``latest`` as they were. ``manifest.json`` lets a resume
-detect a truncated or altered checkpoint before loading it.
+the previous checkpoint and ``latest`` as they were. A write that fails (disk full, no
+permission) removes its ``step-N.tmp``; a kill mid-write leaves it, and the next save
+removes it. ``manifest.json`` lets a resume detect a truncated or altered checkpoint
+before loading it. ``rotate_checkpoints`` keeps the newest N.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -99,19 +103,28 @@ def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` through a fsynced temporary file and a rename."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    _fsync_file(tmp)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
 def _publish_dir(tmp: Path, final: Path) -> None:
     """Move a fully written folder into place (replacing an older one of the same name)."""
     _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
+    old = final.with_name(final.name + ".replaced.tmp")
+    if final.exists():  # set aside by one rename; deleted once the new folder is in place
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def save_checkpoint(
@@ -130,18 +143,22 @@ def save_checkpoint(
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():  # debris of an earlier crash while writing this very step
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_file(trainable_state_dict(model), tmp / "model.safetensors")
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    state = {"step": step, "torch": torch.__version__}
-    if data_state is not None:
-        state["data"] = data_state
-    (tmp / "state.json").write_text(json.dumps(state))
-    manifest = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in _FILES}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    for name in (*_FILES, "manifest.json"):
-        _fsync_file(tmp / name)
+    try:
+        tmp.mkdir(parents=True)
+        save_file(trainable_state_dict(model), tmp / "model.safetensors")
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        state = {"step": step, "torch": torch.__version__}
+        if data_state is not None:
+            state["data"] = data_state
+        (tmp / "state.json").write_text(json.dumps(state))
+        manifest = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in _FILES}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        for name in (*_FILES, "manifest.json"):
+            _fsync_file(tmp / name)
+    except BaseException:  # disk full, no permission, ...: leave no half-written folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _publish_dir(tmp, final)  # the same step saved again (after a resume) is replaced whole
     write_text_atomic(out_dir / CHECKPOINTS / LATEST, final.name)
     return final
@@ -161,6 +178,59 @@ def find_checkpoint(path: Path) -> Path:
     )
 
 
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoint folders (complete or not), oldest step first; ``*.tmp`` debris excluded."""
+    folder = Path(run_dir) / CHECKPOINTS
+    found = [p for p in folder.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)] if folder.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def newest_good_checkpoint(run_dir: Path, *, excluding: Path | None = None) -> Path | None:
+    """The newest checkpoint of the run that passes ``verify_checkpoint`` (checksums every file)."""
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        if excluding is not None and ckpt.resolve() == Path(excluding).resolve():
+            continue
+        try:
+            verify_checkpoint(ckpt)
+        except CheckpointError:
+            continue
+        return ckpt
+    return None
+
+
+def rotate_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints up to ``latest``; 0 keeps all. Returns the deleted.
+
+    The checkpoint ``latest`` names is always kept. Folders of later steps (left by a run
+    that was resumed from an older checkpoint) are kept too: the run replaces each when it
+    gets there. ``*.tmp`` debris of interrupted writes is removed. A folder is renamed to
+    ``*.tmp`` before it is deleted, so a crash mid-delete never leaves a partial ``step-N``.
+    """
+    folder = Path(run_dir) / CHECKPOINTS
+    latest_file = folder / LATEST
+    if not latest_file.is_file():
+        return []
+    latest = folder / latest_file.read_text().strip()
+    for debris in folder.glob("*.tmp"):
+        if debris.is_dir():
+            shutil.rmtree(debris, ignore_errors=True)
+    if keep_last <= 0:
+        return []
+    latest_step = int(latest.name.split("-")[1])
+    older = [p for p in list_checkpoints(run_dir) if int(p.name.split("-")[1]) < latest_step]
+    doomed = older[: max(0, len(older) - (keep_last - 1))]
+    for ckpt in doomed:
+        trash = ckpt.with_name(ckpt.name + ".deleting.tmp")
+        os.replace(ckpt, trash)
+        shutil.rmtree(trash)
+    if doomed:
+        _fsync_dir(folder)
+    return doomed
+
+
 def verify_checkpoint(ckpt: Path) -> None:
     """Raise CheckpointError if a file is missing, truncated or altered."""
     try:
@@ -177,20 +247,25 @@ def verify_checkpoint(ckpt: Path) -> None:
             raise CheckpointError(f"checkpoint {ckpt}: {name} does not match its checksum (altered or corrupted)")
 
 
-def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> int:
-    """Restore model, optimizer, scheduler and RNG from ``ckpt``; returns the step it was taken at."""
-    load_weights(ckpt, model)
-    # weights_only: plain tensors and containers only, never arbitrary pickled objects.
-    opt = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+def load_checkpoint(
+    ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, *, verify: bool = True
+) -> int:
+    """Restore model, optimizer, scheduler and RNG from ``ckpt``; returns the step it was taken at.
+
+    ``verify=False`` skips the checksums when the caller has just run ``verify_checkpoint``.
+    """
+    load_weights(ckpt, model, verify=verify)
+    opt = _load_plain(ckpt / "optimizer.pt")
     optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
-    set_rng_state(torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=True))
-    return json.loads((ckpt / "state.json").read_text())["step"]
+    set_rng_state(_load_plain(ckpt / "rng.pt"))
+    return checkpoint_state(ckpt)["step"]
 
 
-def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
+def load_weights(ckpt: Path, model: torch.nn.Module, *, verify: bool = True) -> None:
     """Verify ``ckpt`` and copy its weights into ``model`` (built as the run built it); no optimizer state."""
-    verify_checkpoint(ckpt)
+    if verify:
+        verify_checkpoint(ckpt)
     weights = load_file(ckpt / "model.safetensors")
     params = _trainable_parameters(model)
     if weights.keys() != params.keys():
@@ -204,6 +279,17 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
                 raise CheckpointError(f"checkpoint {ckpt}: {name} has shape {tuple(tensor.shape)}, "
                                       f"the model {tuple(params[name].shape)}")
             params[name].copy_(tensor)
+
+
+def _load_plain(path: Path):
+    """torch.load with weights_only: tensors and plain containers only, never pickled code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{path} holds objects other than tensors and plain data (refused, nothing from it was run): "
+            f"{str(e).splitlines()[0]}"
+        ) from e
 
 
 def checkpoint_state(ckpt: Path) -> dict:

@@ -28,6 +28,8 @@ class ModelConfig:
     """Local Hugging Face model directory; when set, it replaces `preset`."""
     dtype: str = "auto"
     """Parameter dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16 or float32."""
+    trust_remote_code: bool = False
+    """Run Python code shipped in model.path (auto_map in its config.json); read that code before setting true."""
 
 
 @dataclass
@@ -96,6 +98,10 @@ class TrainConfig:
     """auto (cuda if available), cuda, cuda:N or cpu."""
     save_every: int = 0
     """Write a checkpoint every N steps (0 = only after the last step)."""
+    keep_last: int = 0
+    """Keep only the newest N checkpoints, deleting older ones after each save (0 = keep all)."""
+    on_nonfinite: str = "stop"
+    """A NaN/inf loss or gradient: stop (exit, checkpoints untouched) or skip (no update for that step, logged)."""
     export: bool = True
     """After the last step, write <out_dir>/export (model and tokenizer), a folder from_pretrained loads."""
     tensorboard: bool = False
@@ -139,7 +145,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         parts = key.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(raw) if raw else None
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not plain YAML: {str(e).splitlines()[0]}") from e
         _apply(cfg, nested, prefix="", source="command line")
     return cfg
 

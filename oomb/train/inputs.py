@@ -24,7 +24,8 @@ def model_config(cfg: Config):
         from transformers import AutoConfig
 
         try:
-            return AutoConfig.from_pretrained(cfg.model.path, local_files_only=True, trust_remote_code=False)
+            return AutoConfig.from_pretrained(cfg.model.path, local_files_only=True,
+                                              trust_remote_code=cfg.model.trust_remote_code)
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.path={cfg.model.path!r}: cannot read its config.json: {e}") from e
     from oomb.train.presets import preset_config

@@ -1,16 +1,22 @@
 """The training loop behind `oomb train`: build, check, train, log.
 
-    check config, data, optimizer  ->  build model  ->  for each step:
-        chunked_backward x grad_accum -> clip -> optimizer step -> metrics.jsonl (+ TensorBoard), progress
-    -> checkpoint, export (with the tokenizer), training.png
+    check config, paths, data, optimizer  ->  build model  ->  for each step:
+        chunked_backward x grad_accum -> finite? -> clip -> optimizer step
+        -> metrics.jsonl (+ TensorBoard), progress -> checkpoint
+    -> export (with the tokenizer), training.png
+
+Failures (signals, out of memory, non-finite numbers, a checkpoint that cannot be
+written) stop the run through oomb.train.faults.RunStopped; docs/failures.md lists them.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import inspect
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -19,16 +25,37 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 import oomb
+from oomb.engine import release_memory
+from oomb.engine.diagnose import locate_nonfinite
 from oomb.train.checkpoint import (
     CheckpointError,
     checkpoint_state,
     export_model,
     find_checkpoint,
     load_checkpoint,
+    newest_good_checkpoint,
+    rng_state,
+    rotate_checkpoints,
     save_checkpoint,
+    set_rng_state,
+    verify_checkpoint,
     write_text_atomic,
 )
 from oomb.train.config import Config, ConfigError, config_to_dict, load_config
+from oomb.train.faults import (
+    EXIT_CHECKPOINT_WRITE,
+    EXIT_INTERRUPTED,
+    EXIT_NONFINITE,
+    EXIT_OUT_OF_MEMORY,
+    RunStopped,
+    StepAbandoned,
+    StopRequest,
+    first_nonfinite_grad,
+    is_out_of_memory,
+    measure_memory,
+    memory_report,
+    resume_command,
+)
 from oomb.train.inputs import build_inputs, model_config
 from oomb.train.monitor import TensorBoardLog, memory_fields, plot_run
 from oomb.train.optim import build_optimizer, check_optimizer
@@ -67,15 +94,74 @@ def check_config(cfg: Config) -> None:
             raise ConfigError(f"{name} must be positive, got {value}")
     if t.chunk_size % t.page_size:
         raise ConfigError(f"train.chunk_size={t.chunk_size} must be a multiple of train.page_size={t.page_size}")
-    if t.save_every < 0:
-        raise ConfigError(f"train.save_every must be >= 0, got {t.save_every}")
+    if t.save_every < 0 or t.keep_last < 0:
+        raise ConfigError(f"train.save_every and train.keep_last must be >= 0, got {t.save_every}, {t.keep_last}")
+    if t.on_nonfinite not in ("stop", "skip"):
+        raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r}: use stop or skip")
     if t.lr <= 0 or t.warmup_steps < 0 or t.grad_clip < 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError("train.lr must be > 0, train.warmup_steps and train.grad_clip >= 0, "
                           "train.min_lr_ratio in [0, 1]")
-    if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
-        raise ConfigError(f"model.path={cfg.model.path!r} is not a directory")
     if cfg.model.path is None and cfg.model.preset not in preset_names():
         raise ConfigError(f"unknown model preset {cfg.model.preset!r}; built-in presets: {', '.join(preset_names())}")
+
+
+def check_paths(cfg: Config) -> Path | None:
+    """Every path in the config, before any work; returns the verified checkpoint to resume from."""
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path)
+        if not path.is_dir():
+            state = "is a file" if path.exists() else "does not exist"
+            raise ConfigError(f"model.path={cfg.model.path!r} {state}: give a Hugging Face model folder")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path={cfg.model.path!r} has no config.json: not a Hugging Face model folder")
+        _check_remote_code(path, cfg.model.trust_remote_code)
+    if cfg.resume is not None:
+        ckpt = _resume_checkpoint(cfg)
+        run = run_dir_of(ckpt)
+        if not os.access(run, os.W_OK | os.X_OK):
+            raise ConfigError(f"resume={cfg.resume!r}: the run folder {run} is not writable; the resumed run "
+                              "writes its metrics and checkpoints there")
+        try:
+            verify_checkpoint(ckpt)
+        except CheckpointError as e:
+            good = newest_good_checkpoint(run, excluding=ckpt)
+            offer = (f"The newest good checkpoint of this run is {good}; continue from it with:\n  "
+                     f"{resume_command(good)}" if good is not None else "No other checkpoint of this run is intact.")
+            raise ConfigError(f"cannot resume: {e}.\n{offer}") from e
+        return ckpt
+    out = Path(cfg.out_dir) if cfg.out_dir is not None else Path("runs")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"out_dir={str(out)!r} is a file, not a folder")
+    if cfg.out_dir is not None and out.is_dir() and any(out.iterdir()):
+        raise ConfigError(
+            f"out_dir {out} already holds files; oomb never overwrites a run. Choose another out_dir=..."
+        )
+    parent = out.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"out_dir={str(out)!r}: {parent} is not a writable folder, so the run cannot be written")
+    return None
+
+
+def _check_remote_code(path: Path, trusted: bool) -> None:
+    """Refuse a model folder that needs its own Python code unless model.trust_remote_code=true."""
+    try:
+        fields = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"model.path: {path / 'config.json'} is not readable JSON: {e}") from e
+    auto_map = fields.get("auto_map") or {}
+    if trusted or not auto_map:
+        return
+    from transformers import CONFIG_MAPPING
+
+    if fields.get("model_type") not in CONFIG_MAPPING:  # a known type loads with transformers' own code
+        code = ", ".join(sorted({str(v) for v in auto_map.values()}))
+        raise ConfigError(
+            f"model.path={str(path)!r} needs Python code shipped in the folder ({code}) for model_type "
+            f"{fields.get('model_type')!r}, which transformers does not know. oomb never runs code from a model "
+            "folder unless you set model.trust_remote_code=true: read that code first."
+        )
 
 
 def check_document_mask_support() -> None:
@@ -99,10 +185,16 @@ def run_dir_of(ckpt: Path) -> Path:
 
 
 def _resume_checkpoint(cfg: Config) -> Path:
+    if not Path(cfg.resume).exists():
+        raise ConfigError(f"resume={cfg.resume!r} does not exist: give a run folder or one of its checkpoints")
     try:
-        return find_checkpoint(Path(cfg.resume))
+        ckpt = find_checkpoint(Path(cfg.resume))
     except CheckpointError as e:
         raise ConfigError(f"resume={cfg.resume!r}: {e}") from e
+    if ckpt.parent.name != "checkpoints" or not (run_dir_of(ckpt) / "config.json").is_file():
+        raise ConfigError(f"resume={cfg.resume!r}: {ckpt} is not inside an oomb run folder "
+                          "(<run>/checkpoints/step-N beside <run>/config.json)")
+    return ckpt
 
 
 def prepare_out_dir(cfg: Config) -> Path:
@@ -139,7 +231,7 @@ def build(cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.nn.Mod
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.model.path, dtype=dtype, local_files_only=True, trust_remote_code=False
+            cfg.model.path, dtype=dtype, local_files_only=True, trust_remote_code=cfg.model.trust_remote_code
         ).to(device)
     else:
         model = build_model(cfg.model.preset, dtype=dtype, device=device)
@@ -165,9 +257,14 @@ def _add_lora(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
 
 
 def train(cfg: Config, console: Console | None = None) -> Path:
-    """Run the configured training; returns the output folder (metrics.jsonl, config.json)."""
+    """Run the configured training; returns the output folder (metrics.jsonl, config.json).
+
+    Raises ConfigError before any work for bad settings or paths, and RunStopped for a
+    failure it handled during the run (the message says what is on disk and how to resume).
+    """
     console = console or Console()
     check_config(cfg)
+    resume_from = check_paths(cfg)
     device = resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     check_optimizer(cfg.train.optimizer, device)
@@ -183,15 +280,14 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     optimizer = build_optimizer(cfg.train.optimizer, params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     start = 0
-    if cfg.resume is not None:
-        ckpt = _resume_checkpoint(cfg)
+    if resume_from is not None:
         try:
-            start = load_checkpoint(ckpt, model, optimizer, scheduler)
-            inputs.load_state_dict(checkpoint_state(ckpt).get("data", {}))
+            start = load_checkpoint(resume_from, model, optimizer, scheduler, verify=False)  # verified above
+            inputs.load_state_dict(checkpoint_state(resume_from).get("data", {}))
         except CheckpointError as e:
-            raise ConfigError(f"cannot resume from {ckpt}: {e}") from e
+            raise ConfigError(f"cannot resume from {resume_from}: {e}") from e
         _roll_back_metrics(out / "metrics.jsonl", start)
-        console.print(f"resuming {out} after step {start} from {ckpt}")
+        console.print(f"resuming {out} after step {start} from {resume_from}")
     else:
         cfg.out_dir = str(out)
         (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
@@ -202,6 +298,8 @@ def train(cfg: Config, console: Console | None = None) -> Path:
         f"tokens ({cfg.data.task}), {cfg.train.optimizer}, "
         f"chunk {cfg.train.chunk_size}, page {cfg.train.page_size}; writing {out}/metrics.jsonl"
     )
+    run = _Run(cfg, out, model, optimizer, scheduler, inputs, device,
+               saved_step=start if resume_from is not None else None)
     tokens_per_step = cfg.train.grad_accum * cfg.train.batch_size * cfg.data.seq_len
     columns = [
         TextColumn("step {task.completed}/{task.total}"), BarColumn(),
@@ -211,55 +309,209 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     tensorboard = (TensorBoardLog(out, resumed_after=start if cfg.resume is not None else None)
                    if cfg.train.tensorboard else None)
     started = time.perf_counter()
-    with open(out / "metrics.jsonl", "a") as metrics, Progress(*columns, console=console) as progress:
-        bar = progress.add_task("train", total=cfg.train.steps, completed=start, loss=float("nan"), tps=0.0,
-                                memory="")
-        loss_value = float("nan")
-        for step in range(start, cfg.train.steps):
-            batches = inputs.batches(step)
-            t0 = time.perf_counter()
-            loss = accumulate_gradients(model, params, batches, device, cfg)
-            grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
-                         if cfg.train.grad_clip > 0 else None)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss_value = float(loss)  # host sync: the step is done
-            seconds = time.perf_counter() - t0
-            record = {
-                "step": step + 1,
-                "loss": loss_value,
-                "tokens": tokens_per_step * (step + 1),
-                "seconds": seconds,
-                "elapsed": time.perf_counter() - started,
-                "tokens_per_s": tokens_per_step / seconds,
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            }
-            record.update(memory_fields(device))
-            record["eta_s"] = (record["elapsed"] / (step + 1 - start)) * (cfg.train.steps - step - 1)
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            if tensorboard is not None:
-                tensorboard.log(record)
-            memory = f"host {record['host_rss_gib']:.2f} GiB"
-            if "peak_gpu_gib" in record:
-                memory = f"GPU {record['peak_gpu_gib']:.2f} GiB, " + memory
-            progress.update(bar, advance=1, loss=loss_value, tps=record["tokens_per_s"], memory=memory)
-            if not console.is_terminal and (step + 1) % 10 == 0:
-                console.print(f"step {step + 1}: loss {loss_value:.4f}, {record['tokens_per_s']:,.0f} tok/s")
-            last = step + 1 == cfg.train.steps
-            if last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
-                save_checkpoint(out, step + 1, model, optimizer, scheduler, data_state=inputs.state_dict())
-    if tensorboard is not None:
-        tensorboard.close()
+    stop = StopRequest().install(model)
+    skipped = 0
+    try:
+        with open(out / "metrics.jsonl", "a") as metrics, Progress(*columns, console=console) as progress:
+            bar = progress.add_task("train", total=cfg.train.steps, completed=start, loss=float("nan"), tps=0.0,
+                                    memory="")
+            loss_value = float("nan")
+            for step in range(start, cfg.train.steps):
+                data_before = inputs.state_dict()  # a dropped step's sequences are drawn again after a resume
+                batches = inputs.batches(step)
+                t0 = time.perf_counter()
+                rng_before = rng_state()
+                abandoned, out_of_memory = False, None
+                try:
+                    loss, grad_norm = _forward_backward(model, params, batches, device, cfg)
+                except StepAbandoned:
+                    abandoned = True
+                except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+                    if not is_out_of_memory(e):
+                        raise
+                    out_of_memory = (_first_line(e), measure_memory(model, optimizer))  # before anything is freed
+                # Handled outside the except blocks: the traceback holds the step's activations.
+                if abandoned:
+                    optimizer.zero_grad(set_to_none=True)  # also the gradients of earlier grad_accum batches
+                    set_rng_state(rng_before)  # as after step `step`, for an exact resume
+                    run.stop_on_signal(stop, step, dropped=step + 1, data_state=data_before)
+                if out_of_memory is not None:
+                    run.stop_out_of_memory(step, "the forward/backward pass", *out_of_memory, data_state=data_before)
+                nonfinite = None
+                if not bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):  # host sync, once per step
+                    nonfinite = run.nonfinite(step, loss, grad_norm, batches)  # stops, or skip
+                    skipped += 1
+                else:
+                    if cfg.train.grad_clip > 0:
+                        torch.nn.utils.clip_grads_with_norm_(params, cfg.train.grad_clip, grad_norm)
+                    try:
+                        optimizer.step()
+                    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+                        if not is_out_of_memory(e):
+                            raise
+                        out_of_memory = (_first_line(e), measure_memory(model, optimizer))
+                    if out_of_memory is not None:
+                        run.stop_out_of_memory(step, "the optimizer step", *out_of_memory, model_intact=False)
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                loss_value = float(loss)  # host sync: the step is done
+                seconds = time.perf_counter() - t0
+                record = {
+                    "step": step + 1,
+                    "loss": loss_value if nonfinite is None else None,
+                    "tokens": tokens_per_step * (step + 1),
+                    "seconds": seconds,
+                    "elapsed": time.perf_counter() - started,
+                    "tokens_per_s": tokens_per_step / seconds,
+                    "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm) if nonfinite is None else None,
+                }
+                if nonfinite is not None:
+                    record.update(skipped="non-finite", skipped_steps=skipped, **nonfinite)
+                record.update(memory_fields(device))
+                record["eta_s"] = (record["elapsed"] / (step + 1 - start)) * (cfg.train.steps - step - 1)
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                if tensorboard is not None:
+                    tensorboard.log(record)
+                memory = f"host {record['host_rss_gib']:.2f} GiB"
+                if "peak_gpu_gib" in record:
+                    memory = f"GPU {record['peak_gpu_gib']:.2f} GiB, " + memory
+                progress.update(bar, advance=1, loss=loss_value, tps=record["tokens_per_s"], memory=memory)
+                if not console.is_terminal and (step + 1) % 10 == 0:
+                    console.print(f"step {step + 1}: loss {loss_value:.4f}, {record['tokens_per_s']:,.0f} tok/s")
+                last = step + 1 == cfg.train.steps
+                if last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+                    run.save(step + 1)
+                if stop.requested and not last:
+                    run.stop_on_signal(stop, step + 1)
+    finally:
+        stop.uninstall()
+        if tensorboard is not None:
+            tensorboard.close()
     plot_run(out)
     if cfg.train.export:
         export_model(model, out, merge_lora=cfg.lora.merge_on_export, tokenizer=inputs.tokenizer)
     console.print(f"done: {cfg.train.steps} steps in {time.perf_counter() - started:.1f} s; "
-                  f"final loss {loss_value:.4f}; metrics, checkpoints{' and export' if cfg.train.export else ''} "
-                  f"in {out}")
+                  f"final loss {loss_value:.4f}; "
+                  f"{f'non-finite steps skipped: {skipped}; ' if skipped else ''}metrics, "
+                  f"checkpoints{' and export' if cfg.train.export else ''} in {out}")
     return out
+
+
+def _forward_backward(model, params, batches, device, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's loss and the global gradient norm (not yet clipped); gradients land in ``.grad``."""
+    loss = accumulate_gradients(model, params, batches, device, cfg)
+    grads = [p.grad for p in params if p.grad is not None]
+    return loss, torch.nn.utils.get_total_norm(grads)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:400] if text else ''}"
+
+
+class _Run:
+    """What the failure paths of one run need: its objects, and the newest step on disk."""
+
+    def __init__(self, cfg, out, model, optimizer, scheduler, inputs, device, saved_step):
+        self.cfg, self.out, self.model, self.optimizer, self.scheduler = cfg, out, model, optimizer, scheduler
+        self.inputs, self.device = inputs, device
+        self.saved_step: int | None = saved_step  # step of the newest checkpoint this run wrote or resumed
+
+    def _newest_checkpoint(self) -> str:
+        try:
+            ckpt = find_checkpoint(self.out)
+        except CheckpointError:
+            return "the run has no checkpoint yet"
+        return f"the newest checkpoint, {ckpt}, is intact"
+
+    def save(self, step: int, data_state: dict | None = None) -> Path:
+        """Write checkpoint ``step`` and rotate; a failed write stops the run (nothing on disk damaged).
+
+        ``data_state``: the data position after step ``step`` (default: where the inputs stand now).
+        """
+        if data_state is None:
+            data_state = self.inputs.state_dict()
+        try:
+            ckpt = save_checkpoint(self.out, step, self.model, self.optimizer, self.scheduler, data_state=data_state)
+        except OSError as e:
+            raise RunStopped(
+                f"could not write checkpoint step {step} in {self.out / 'checkpoints'}: {e}.\n"
+                f"Nothing was damaged: no partial checkpoint was left and {self._newest_checkpoint()}. "
+                "Free disk space or fix the folder's permissions, then continue with:\n"
+                f"  {resume_command(self.out)}", EXIT_CHECKPOINT_WRITE) from None
+        self.saved_step = step
+        try:
+            rotate_checkpoints(self.out, self.cfg.train.keep_last)
+        except OSError as e:  # the new checkpoint is complete; an old one stays for now
+            Console(stderr=True).print(f"warning: could not delete an old checkpoint: {e}", highlight=False)
+        return ckpt
+
+    def stop_on_signal(self, stop: StopRequest, done: int, dropped: int | None = None, data_state: dict | None = None):
+        ckpt = find_checkpoint(self.out) if self.saved_step == done else self.save(done, data_state)
+        what = f"step {dropped} was in progress and is dropped; " if dropped is not None else ""
+        raise RunStopped(
+            f"interrupted by {stop.name} after step {done} of {self.cfg.train.steps} ({what}checkpoint {ckpt}).\n"
+            f"Continue with:\n  {resume_command(self.out)}", EXIT_INTERRUPTED)
+
+    def stop_out_of_memory(self, step: int, where: str, error: str, use, *, model_intact: bool = True,
+                           data_state: dict | None = None):
+        """Free what the step held, keep what is good, and say what used the memory."""
+        self.optimizer.zero_grad(set_to_none=True)  # no optimizer step happened (or it failed)
+        release_memory(self.model)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if not model_intact:
+            kept = ("The optimizer step itself ran out of memory, so the weights in memory may be partly updated: "
+                    f"they are not saved; {self._newest_checkpoint()}.")
+        elif self.saved_step == step:
+            kept = f"The model and optimizer are as after step {step}; {self._newest_checkpoint()}."
+        else:
+            try:
+                kept = (f"The model and optimizer are as after step {step} and were saved to "
+                        f"{self.save(step, data_state)}.")
+            except Exception as e:  # noqa: BLE001 - still out of memory, or a CUDA error: report, keep the old one
+                kept = f"Saving step {step} failed too ({str(e).splitlines()[0]}); {self._newest_checkpoint()}."
+        t = self.cfg.train
+        smaller = t.chunk_size // 2 // t.page_size * t.page_size
+        change = f"train.chunk_size={smaller}" if smaller >= t.page_size else "train.layer_checkpointing=true"
+        raise RunStopped(
+            f"out of memory in {where} of step {step + 1}: {error}\n"
+            f"Memory when it failed:\n{memory_report(use, self.cfg)}\n{kept}\n"
+            f"Change a setting above and continue, e.g.:\n  {resume_command(self.out, change)}",
+            EXIT_OUT_OF_MEMORY)
+
+    def nonfinite(self, step: int, loss, grad_norm, batches) -> dict:
+        """Locate the first non-finite value; stop (train.on_nonfinite=stop) or return what to log (skip)."""
+        parameter = first_nonfinite_grad(self.model)
+        self.optimizer.zero_grad(set_to_none=True)
+        t = self.cfg.train
+        site = None
+        try:
+            for m, batch in enumerate(batches):  # the grad_accum batches in the order they ran
+                doc_ids = batch.doc_ids.to(self.device) if self.cfg.data.document_mask else None
+                site = locate_nonfinite(self.model, batch.input_ids.to(self.device), batch.labels.to(self.device),
+                                        chunk_size=t.chunk_size, page_size=t.page_size, doc_ids=doc_ids)
+                if site is not None:
+                    if len(batches) > 1:
+                        site = f"{site}, in batch {m + 1} of {len(batches)} (train.grad_accum)"
+                    break
+        except StepAbandoned:  # a signal during the diagnosis: report without it, then stop as asked
+            site = "not located (interrupted)"
+        where = (f"first non-finite value: {site}" if site is not None else
+                 "the forward pass is finite in every chunk: the first non-finite value arose in the backward pass")
+        text = (f"non-finite {'loss' if not bool(torch.isfinite(loss)) else 'gradient'} in step {step + 1} "
+                f"(loss {float(loss)}, gradient norm {float(grad_norm)}); {where}; first parameter with a non-finite "
+                f"gradient: {parameter or 'none'}")
+        if t.on_nonfinite == "skip":
+            Console(stderr=True).print(f"warning: {text}; step skipped (no update)", highlight=False, soft_wrap=True)
+            return {"nonfinite_at": str(site) if site is not None else "backward pass", "nonfinite_grad": parameter}
+        raise RunStopped(
+            f"{text}.\nNo update was made and no checkpoint was written or changed; "
+            f"{self._newest_checkpoint()}. Lower train.lr, or set train.on_nonfinite=skip, "
+            f"then continue, e.g.:\n  {resume_command(self.out, f'train.lr={t.lr / 2:g}')}", EXIT_NONFINITE)
 
 
 def accumulate_gradients(model, params, batches, device: torch.device, cfg: Config) -> torch.Tensor:
@@ -301,7 +553,11 @@ def _roll_back_metrics(path: Path, step: int) -> None:
         return
     keep, redo = [], []
     for line in path.read_text().splitlines():
-        (keep if json.loads(line)["step"] <= step else redo).append(line)
+        try:
+            done = json.loads(line)["step"] <= step
+        except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill: kept aside
+            done = False
+        (keep if done else redo).append(line)
     if redo:
         with open(path.with_name("metrics.rolled-back.jsonl"), "a") as f:
             f.write("\n".join(redo) + "\n")

@@ -1,0 +1,83 @@
+"""A NaN/inf loss or gradient is caught before the optimizer step and located (step, chunk, layer,
+parameter); train.on_nonfinite=stop leaves the checkpoints alone, skip drops the update and logs it."""
+
+import json
+
+import pytest
+import torch
+from faultrun import RUN, STEPS, assert_resumes_exactly, losses, run_process
+from safetensors.torch import load_file
+
+from oomb.cli import main
+from oomb.engine.diagnose import locate_nonfinite
+from oomb.train.checkpoint import find_checkpoint, list_checkpoints
+from oomb.train.faults import EXIT_NONFINITE
+from oomb.train.presets import build_model
+
+WHERE = "first non-finite value: the output of decoder layer 0 (model.layers.0) in chunk 1 of 2 (tokens 256..511)"
+
+
+def test_nonfinite_stop_names_step_chunk_layer_and_parameter(tmp_path, straight):
+    run = tmp_path / "run"
+    proc = run_process("nan", f"out_dir={run}", "train.save_every=2", *RUN, fault_step=5)
+    assert proc.returncode == EXIT_NONFINITE, (proc.stdout, proc.stderr)
+    out = " ".join(proc.stdout.split())
+    assert "non-finite loss in step 5" in out and WHERE in out
+    assert "first parameter with a non-finite gradient: model.embed_tokens.weight" in out
+    assert "no checkpoint was written or changed" in out and f"oomb train resume={run} train.lr=0.005" in out
+    assert [c.name for c in list_checkpoints(run)] == ["step-00000002", "step-00000004"]
+    assert find_checkpoint(run).name == "step-00000004"
+    assert sorted(losses(run)) == [1, 2, 3, 4]
+    assert_resumes_exactly(run, straight)  # the fault was in the data path of that run only
+
+
+def test_nonfinite_skip_makes_no_update_and_logs_it(tmp_path, straight):
+    run = tmp_path / "run"
+    proc = run_process("nan", f"out_dir={run}", "train.save_every=1", "train.on_nonfinite=skip", *RUN,
+                       fault_step=4)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "step skipped (no update)" in " ".join(proc.stderr.split())
+    assert "non-finite steps skipped: 1;" in " ".join(proc.stdout.split())
+    records = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert records[4]["skipped"] == "non-finite" and records[4]["loss"] is None and records[4]["skipped_steps"] == 1
+    assert WHERE.removeprefix("first non-finite value: ") == records[4]["nonfinite_at"]
+    assert records[4]["nonfinite_grad"] == "model.embed_tokens.weight"
+    expected = losses(straight)
+    assert [records[s]["loss"] for s in (1, 2, 3)] == pytest.approx([expected[s] for s in (1, 2, 3)], rel=1e-6)
+    ckpts = run / "checkpoints"
+    before = load_file(ckpts / "step-00000003" / "model.safetensors")
+    after = load_file(ckpts / "step-00000004" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the skipped step changed no weight
+    skipped_run = losses(run)
+    # The checkpoint after the skip loads, and resuming from it repeats the skip run's own later steps.
+    assert main(["train", f"resume={ckpts / 'step-00000004'}"]) == 0
+    resumed = losses(run)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert [resumed[s] for s in (5, 6)] == pytest.approx([skipped_run[s] for s in (5, 6)], rel=1e-6)
+
+
+def test_diagnosis_finds_the_first_layer_or_reports_a_finite_forward():
+    model = build_model("tiny", dtype=torch.float32, device="cpu")
+    ids = torch.randint(0, 63, (1, 384))  # token 63 only where placed below
+    assert locate_nonfinite(model, ids, chunk_size=128, page_size=64) is None
+
+    def poison(module, args, kwargs, output):
+        if int(kwargs["position_ids"][0, 0]) == 256:
+            output = output.clone()
+            output[:, 3] = float("nan")
+        return output
+
+    handle = model.model.layers[1].register_forward_hook(poison, with_kwargs=True)
+    site = locate_nonfinite(model, ids, chunk_size=128, page_size=64)
+    handle.remove()
+    assert (site.chunk, site.num_chunks, site.start, site.end, site.layer, site.module) == (2, 3, 256, 384, 1,
+                                                                                         "model.layers.1")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[63] = float("inf")
+    ids[0, 150] = 63
+    site = locate_nonfinite(model, ids, chunk_size=128, page_size=64)
+    # The tiny preset ties the LM head to the embedding: chunk 0 never reads token 63, but its logits are inf.
+    assert (site.chunk, site.layer, site.module) == (0, None, "loss (LM head and cross-entropy)")
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone().nan_to_num(posinf=0.0))
+    site = locate_nonfinite(model, ids, chunk_size=128, page_size=64)
+    assert (site.chunk, site.layer, site.module) == (1, None, "model.embed_tokens")

@@ -1,0 +1,57 @@
+"""SIGINT/SIGTERM: the run drops the step in progress, writes a checkpoint and says how to resume;
+a second signal kills it at once, even in the middle of a checkpoint write, and nothing is damaged."""
+
+import signal
+import time
+
+from faultrun import RUN, assert_resumes_exactly, losses, start_process, step_of, wait_for
+
+from oomb.train.checkpoint import find_checkpoint, list_checkpoints, verify_checkpoint
+from oomb.train.faults import EXIT_INTERRUPTED
+
+
+def test_sigterm_between_or_during_steps_checkpoints_and_resumes(tmp_path, straight):
+    run = tmp_path / "run"
+    proc = start_process(None, f"out_dir={run}", *RUN)  # save_every=0: only the stop writes a checkpoint
+    wait_for(lambda: (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2,
+             proc, "two steps")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, (out, err)
+    ckpt = find_checkpoint(run)
+    done = step_of(ckpt)
+    assert f"interrupted by SIGTERM after step {done} of 6" in out
+    assert f"oomb train resume={run}" in out
+    assert sorted(losses(run)) == list(range(1, done + 1))  # no half step logged
+    assert_resumes_exactly(run, straight)
+
+
+def test_sigint_mid_step_drops_the_step_and_resumes(tmp_path, straight):
+    run, marker = tmp_path / "run", tmp_path / "in-chunk"
+    proc = start_process("slow-chunk", f"out_dir={run}", *RUN, fault_step=3, marker=marker)
+    wait_for(marker.exists, proc, "step 3's second chunk")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, (out, err)
+    assert "SIGINT received: dropping the step in progress" in err
+    assert "interrupted by SIGINT after step 2 of 6 (step 3 was in progress and is dropped" in out
+    assert step_of(find_checkpoint(run)) == 2
+    assert sorted(losses(run)) == [1, 2]
+    assert_resumes_exactly(run, straight)
+
+
+def test_second_signal_during_a_checkpoint_write_kills_at_once_and_damages_nothing(tmp_path, straight):
+    run, marker = tmp_path / "run", tmp_path / "saving"
+    proc = start_process("slow-save", f"out_dir={run}", "train.save_every=2", *RUN, fault_step=4, marker=marker)
+    wait_for(marker.exists, proc, "the write of checkpoint 4")
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)  # the first signal is handled (the save sleeps 1.5 s): the second must not wait for it
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, out, err)  # killed by the signal's default action
+    assert "Send it again to stop at once" in err
+    assert [c.name for c in list_checkpoints(run)] == ["step-00000002"]  # no half-written step-00000004
+    assert find_checkpoint(run).name == "step-00000002"
+    verify_checkpoint(find_checkpoint(run))
+    assert_resumes_exactly(run, straight)  # the save's debris (step-00000004.tmp) is replaced
+    assert not list((run / "checkpoints").glob("*.tmp"))
