@@ -16,6 +16,7 @@ at hidden 896, 112 MiB at hidden 3584).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from oomb.attention import STEP_KWARG, StepContext, oomb_attention
 from oomb.engine.loss import IGNORE_INDEX
 from oomb.engine.step import _store_for, _unwrap_peft, _validate
 from oomb.kernels import get_backend
+from oomb.sparse import PageSelection
 
 _ROW_BLOCK = 2048
 _VOCAB_BLOCK = 8192
@@ -61,6 +63,8 @@ def chunked_eval(
     chunk_size: int = 4096,
     page_size: int = 128,
     backend: str = "auto",
+    page_budget: int | None = None,
+    selection: PageSelection | None = None,
 ) -> EvalResult:
     """Per-token NLL and argmax correctness of a long sequence, one chunk of activations at a time.
 
@@ -72,6 +76,9 @@ def chunked_eval(
         chunk_size: tokens per chunk (a multiple of ``page_size``).
         page_size: tokens per page of the K/V store.
         backend: attention kernels: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        page_budget: page-sparse attention as in ``chunked_backward`` (each block of queries attends
+            this many past pages plus its own chunk); None = dense.
+        selection: how pages are chosen; ``page_budget`` overrides its budget when both are given.
 
     Runs under ``torch.no_grad`` with the model in eval mode (its mode is restored after).
     Positions without a target skip the LM head, so an evaluation that scores a few
@@ -81,13 +88,15 @@ def chunked_eval(
     was_training = model.training
     model.eval()  # no dropout: evaluation is deterministic
     try:
-        return _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend)
+        if page_budget is not None:
+            selection = dataclasses.replace(selection or PageSelection(), page_budget=page_budget)
+        return _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend, selection)
     finally:
         model.train(was_training)
 
 
 @torch.no_grad()
-def _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend) -> EvalResult:
+def _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend, selection) -> EvalResult:
     targets = _validate(model, input_ids, labels, chunk_size, page_size)
     batch, seq_len = input_ids.shape
     device = input_ids.device
@@ -95,7 +104,7 @@ def _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend) -> E
     # store means evaluating between training steps reallocates nothing.
     store = _store_for(model, device, page_size, None)
     store.reserve(batch, seq_len)
-    step = StepContext(store=store, backend=get_backend(backend, device.type), stage="fill")
+    step = StepContext(store=store, backend=get_backend(backend, device.type), stage="fill", selection=selection)
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     expected_layers = set(range(model.config.num_hidden_layers))
 
@@ -125,6 +134,7 @@ def _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend) -> E
                                                                chunk_targets[rows])
                     nll[:, start:end][rows] = row_nll
                     correct[:, start:end][rows] = row_correct
+                step.drop_page_lists(start)  # a chunk's page lists are not needed after its forward
     finally:
         store.clear()  # pool usage returns to zero, also after an error
     return EvalResult(nll=nll, correct=correct, targets=targets)

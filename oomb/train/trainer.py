@@ -28,7 +28,7 @@ from oomb.train.checkpoint import (
     save_checkpoint,
     write_text_atomic,
 )
-from oomb.train.config import Config, ConfigError, config_to_dict, load_config
+from oomb.train.config import Config, ConfigError, config_to_dict, load_config, page_selection
 from oomb.train.inputs import build_inputs, model_config
 from oomb.train.monitor import TensorBoardLog, memory_fields, plot_run
 from oomb.train.optim import build_optimizer, check_optimizer
@@ -76,6 +76,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"model.path={cfg.model.path!r} is not a directory")
     if cfg.model.path is None and cfg.model.preset not in preset_names():
         raise ConfigError(f"unknown model preset {cfg.model.preset!r}; built-in presets: {', '.join(preset_names())}")
+    page_selection(cfg)  # page-sparse attention settings
 
 
 def check_document_mask_support() -> None:
@@ -282,7 +283,7 @@ def accumulate_gradients(model, params, batches, device: torch.device, cfg: Conf
         extra = {"doc_ids": batch.doc_ids.to(device)} if cfg.data.document_mask else {}
         loss += counts[m] / total * oomb.chunked_backward(
             model, batch.input_ids.to(device), batch.labels.to(device),
-            chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, **extra,
+            chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, selection=page_selection(cfg), **extra,
         )
     if counts[-1] != total:
         _scale_gradients(params, counts[-1] / total)
