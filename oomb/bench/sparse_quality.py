@@ -78,6 +78,12 @@ class Study:
     warmup_steps: int
     loss_on: str  # "all" or "answer" (PasskeyTask)
     learn_budget: int  # the sparse arm's page budget
+    # A short-context start shared by both arms (dense; sparse would equal dense at this length):
+    # ``pretrain_steps`` steps of ``pretrain_batch`` x ``pretrain_len`` tokens; 0 = both arms from random init.
+    pretrain_len: int = 1024
+    pretrain_steps: int = 0
+    pretrain_batch: int = 1
+    pretrain_lr: float = 1e-3
     # Task, pages, chunks.
     digits: int = 5
     chunk_size: int = 4096
@@ -90,6 +96,7 @@ class Study:
     eval_lengths: list[int] = field(default_factory=list)  # default: [train_len]
     eval_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     eval_samples: int = 16
+    grad_eval_samples: int = 8  # per depth, for the dense-trained model at the gradient lengths
     # Gradient study.
     grad_lengths: list[int] = field(default_factory=list)
     grad_samples: int = 2  # sequences per gradient (one [B, N] batch)
@@ -102,10 +109,17 @@ class Study:
         return self.layers * (attn + 3 * self.hidden * self.intermediate + 2 * self.hidden) + self.hidden * (64 + 1)
 
 
+# Sized for minutes on one H200 (an estimate from FLOP counts, not measured; the report records the
+# measured seconds of every phase). Why a shared short-context start: from random init, the answer's
+# gradient through attention to the passkey scales with its attention weight, ~1/N, against noise from
+# the other N keys of ~1/sqrt(N), so learning to find it needs on the order of N sequences; at 1K
+# tokens that is affordable, at 32K it is not. The 32K phase then has to sharpen retrieval 32x
+# further out, and that is where the dense and sparse arms differ.
 FULL = Study(
     hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768,
-    train_len=32768, steps=300, batch_size=1, lr=2e-3, warmup_steps=20, loss_on="all", learn_budget=64,
-    eval_lengths=[32768, 131072], eval_samples=16,
+    train_len=32768, steps=150, batch_size=2, lr=5e-4, warmup_steps=10, loss_on="answer", learn_budget=64,
+    digits=1, pretrain_len=1024, pretrain_steps=2000, pretrain_batch=32, pretrain_lr=1e-3,
+    eval_lengths=[32768], eval_samples=32, grad_eval_samples=8,
     grad_lengths=[32768, 131072], grad_samples=2, budgets=[8, 16, 32, 64, 128, 256],
 )
 
@@ -114,8 +128,8 @@ FULL = Study(
 SMOKE = Study(
     hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
     train_len=512, steps=3, batch_size=1, lr=2e-3, warmup_steps=1, loss_on="all", learn_budget=8,
-    chunk_size=64, page_size=16, block=16,
-    eval_lengths=[512], eval_depths=[0.0, 1.0], eval_samples=2,
+    pretrain_len=128, pretrain_steps=2, pretrain_batch=2, chunk_size=64, page_size=16, block=16,
+    eval_lengths=[512], eval_depths=[0.0, 1.0], eval_samples=2, grad_eval_samples=1,
     grad_lengths=[256, 512], grad_samples=1, budgets=[6, 64], max_positions=4096,
 )
 
@@ -124,7 +138,8 @@ SMOKE = Study(
 def check_study(s: Study) -> None:
     """Every setting checked before any work; messages say what to change."""
     for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "train_len", "steps", "batch_size",
-                 "chunk_size", "page_size", "block", "eval_samples", "grad_samples", "learn_budget"):
+                 "chunk_size", "page_size", "block", "eval_samples", "grad_samples", "learn_budget",
+                 "pretrain_len", "pretrain_batch"):
         if getattr(s, name) <= 0:
             raise ValueError(f"{name} must be positive, got {getattr(s, name)}")
     if s.hidden % s.heads or s.heads % s.kv_heads:
@@ -137,7 +152,9 @@ def check_study(s: Study) -> None:
         raise ValueError(f"chunk_size {s.chunk_size} must be a multiple of page_size {s.page_size}")
     if s.loss_on not in ("all", "answer"):
         raise ValueError(f"loss_on must be 'all' or 'answer', got {s.loss_on!r}")
-    lengths = [s.train_len, *s.eval_lengths, *s.grad_lengths]
+    if s.pretrain_steps < 0:
+        raise ValueError(f"pretrain_steps must be >= 0, got {s.pretrain_steps}")
+    lengths = [s.train_len, *s.eval_lengths, *s.grad_lengths, s.pretrain_len]
     if max(lengths) > s.max_positions:
         raise ValueError(f"length {max(lengths)} exceeds the model's max_positions {s.max_positions}")
     for n in lengths:
@@ -180,6 +197,12 @@ def build_model(s: Study, device: torch.device, dtype: torch.dtype) -> torch.nn.
     return model
 
 
+def pretrain_study(s: Study) -> Study:
+    """The shared short-context phase as a study of its own (its own warmup and cosine schedule)."""
+    return dataclasses.replace(s, train_len=s.pretrain_len, steps=s.pretrain_steps, batch_size=s.pretrain_batch,
+                               lr=s.pretrain_lr, eval_lengths=sorted({s.pretrain_len, s.train_len}))
+
+
 def train_task(s: Study) -> PasskeyTask:
     return PasskeyTask(s.train_len, digits=s.digits, loss_on=s.loss_on, seed=s.seed)
 
@@ -218,27 +241,30 @@ def train(model, s: Study, device: torch.device, policy: PageSelection | None, l
             "page_budget": None if policy is None else policy.page_budget}
 
 
-def retrieval(model, s: Study, device: torch.device, policy: PageSelection | None) -> dict:
+def retrieval(model, s: Study, device: torch.device, policy: PageSelection | None,
+              lengths: list[int] | None = None, samples: int | None = None) -> dict:
     """Accuracy (every answer digit right, teacher-forced argmax) per length and depth on held-out sequences."""
+    lengths = lengths or s.eval_lengths or [s.train_len]
+    samples = samples or s.eval_samples
     cells = []
     _sync(device)
     started = time.perf_counter()
-    for length in s.eval_lengths or [s.train_len]:
+    for length in lengths:
         for depth in s.eval_depths:
             task = PasskeyTask(length, digits=s.digits, depth=depth, seed=s.seed)
-            batch = task.batch(HELD_OUT_STEP, s.eval_samples)
+            batch = task.batch(HELD_OUT_STEP, samples)
             hits, digit_hits = [], []
-            for i in range(s.eval_samples):  # one sequence per forward: memory of one sequence
+            for i in range(samples):  # one sequence per forward: memory of one sequence
                 ids, where = batch.input_ids[i : i + 1], batch.answer_positions[i : i + 1]
                 out = chunked_eval(model, ids.to(device), answer_labels(ids, where).to(device),
                                    chunk_size=s.chunk_size, page_size=s.page_size, selection=policy)
                 hits.append(bool(answers_correct(out.correct, where)[0]))
                 digit_hits.append(out.correct.cpu()[0, where[0]].double().mean().item())
-            cells.append({"length": length, "depth": depth, "samples": s.eval_samples,
+            cells.append({"length": length, "depth": depth, "samples": samples,
                           "accuracy": sum(hits) / len(hits), "digit_accuracy": sum(digit_hits) / len(digit_hits)})
     oomb.release_memory(model)
     by_length = {}
-    for length in s.eval_lengths or [s.train_len]:
+    for length in lengths:
         row = [c["accuracy"] for c in cells if c["length"] == length]
         by_length[str(length)] = sum(row) / len(row)
     return {"page_budget": None if policy is None else policy.page_budget, "cells": cells,
@@ -336,6 +362,15 @@ def run(s: Study, out: Path, device: torch.device, command: str, log=print) -> d
 
     model = build_model(s, device, dtype)
     report["model"]["parameters"] = sum(p.numel() for p in model.parameters())
+    start = {n: t.detach().clone() for n, t in model.state_dict().items()}  # both arms start here
+    if s.pretrain_steps:
+        pre = pretrain_study(s)
+        log(f"shared short-context start: {pre.steps} steps x {pre.batch_size} x {pre.train_len} tokens, dense")
+        report["pretraining"] = {"training": train(model, pre, device, None, log),
+                                 "retrieval_dense_eval": retrieval(model, pre, device, None)}
+        log(f"after it: {report['pretraining']['retrieval_dense_eval']['mean_accuracy_by_length']}")
+        start = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        save()
     log(f"dense training: {s.steps} steps x {s.batch_size} x {s.train_len} tokens, "
         f"{report['model']['parameters'] / 1e6:.2f}M parameters, {dtype} on {device}")
     report["learning"] = {"dense": {"training": train(model, s, device, None, log)}}
@@ -343,7 +378,9 @@ def run(s: Study, out: Path, device: torch.device, command: str, log=print) -> d
     learned = report["learning"]["dense"]
     learned["retrieval_dense_eval"] = retrieval(model, s, device, None)
     learned["retrieval_sparse_eval"] = retrieval(model, s, device, selection(s, s.learn_budget, "default"))
-    log(f"dense model retrieval: {learned['retrieval_dense_eval']['mean_accuracy_by_length']}")
+    learned["retrieval_at_grad_lengths"] = retrieval(model, s, device, None, s.grad_lengths, s.grad_eval_samples)
+    log(f"dense model retrieval: {learned['retrieval_dense_eval']['mean_accuracy_by_length']}; at the gradient "
+        f"lengths: {learned['retrieval_at_grad_lengths']['mean_accuracy_by_length']}")
     save()
 
     log("gradient quality on the dense-trained model")
@@ -352,7 +389,8 @@ def run(s: Study, out: Path, device: torch.device, command: str, log=print) -> d
     del model
 
     log(f"sparse training (budget {s.learn_budget} pages)")
-    model = build_model(s, device, dtype)  # the same initial weights (seeded)
+    model = build_model(s, device, dtype)
+    model.load_state_dict(start)  # the same weights the dense arm started from
     policy = selection(s, s.learn_budget, "default")
     sparse = report["learning"]["sparse"] = {"training": train(model, s, device, policy, log)}
     sparse["retrieval_dense_eval"] = retrieval(model, s, device, None)
@@ -397,12 +435,20 @@ def markdown(report: dict) -> str:
         f"{s['chunk_size']}, selection blocks of {s['block']} queries.",
         "",
     ]
+    pre = report.get("pretraining")
+    if pre:
+        acc = ", ".join(f"{_k(int(n))}: {100 * a:.1f}%" for n, a in pre["retrieval_dense_eval"]
+                        ["mean_accuracy_by_length"].items())
+        lines += [f"Shared start of both arms: {s['pretrain_steps']} dense steps x {s['pretrain_batch']} x "
+                  f"{_k(s['pretrain_len'])} tokens from random init (at this length a budget of "
+                  f"{s['learn_budget']} pages is dense); retrieval after it, dense evaluation: {acc}.", ""]
     learning = report.get("learning", {})
     if "dense" in learning:
         arms = [("dense", "dense training")] + ([("sparse", f"sparse training (budget {s['learn_budget']})")]
                                                if "sparse" in learning else [])
         lines += [
-            f"## Learning: {s['steps']} steps x {s['batch_size']} x {_k(s['train_len'])} tokens from scratch",
+            f"## Learning: {s['steps']} steps x {s['batch_size']} x {_k(s['train_len'])} tokens "
+            + ("from the shared start" if pre else "from scratch"),
             "",
             f"AdamW, lr {s['lr']:g} (warmup {s['warmup_steps']}, cosine to {s['min_lr_ratio']:g}x), loss on "
             f"{s['loss_on']} tokens; the same initial weights and batches in both arms. Retrieval: "
@@ -423,6 +469,11 @@ def markdown(report: dict) -> str:
             for length in learning["dense"][evaluation]["mean_accuracy_by_length"]:
                 row(f"retrieval at {_k(int(length))}, {label} attention",
                     [f"{100 * learning[a][evaluation]['mean_accuracy_by_length'][length]:.1f}%" for a, _ in arms])
+        dense_acc = learning["dense"]["retrieval_dense_eval"]["mean_accuracy_by_length"].get(str(s["train_len"]))
+        if dense_acc is not None and dense_acc < 0.5:
+            lines += ["", f"**Dense training reached {100 * dense_acc:.1f}% at its own length (chance: "
+                      f"{100 * 10.0 ** -s['digits']:.3g}%): the model has not learned to retrieve, so the sparse/dense "
+                      "comparison says little. Train longer (`--steps`) before reading it.**"]
         if "points_sparse_minus_dense" in learning:
             diffs = ", ".join(f"{_k(int(n))}: {d:+.1f}" for n, d in learning["points_sparse_minus_dense"].items())
             lines += ["", f"Sparse minus dense training, dense evaluation, in points: {diffs}."]
@@ -436,8 +487,14 @@ def markdown(report: dict) -> str:
     rows = report.get("gradient_quality")
     if rows:
         options = list(report["options"])
+        at = learning.get("dense", {}).get("retrieval_at_grad_lengths")
+        acc = "" if at is None else (
+            f" Its retrieval accuracy (dense attention, {s['grad_eval_samples']} held-out sequences per depth): "
+            + ", ".join(f"{_k(int(n))} {100 * a:.1f}%" for n, a in at["mean_accuracy_by_length"].items()) + ".")
         lines += [
             "## Gradient quality on the dense-trained model",
+            "",
+            f"The model of the dense learning arm.{acc}",
             "",
             f"Full gradient of {s['grad_samples']} held-out sequence(s) per length, sparse against dense: cosine "
             "similarity / relative error ||g_sparse - g_dense|| / ||g_dense||, all parameters flattened. Options: "
@@ -487,12 +544,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=None, help="peak learning rate")
     p.add_argument("--loss-on", choices=["all", "answer"], default=None, help="training loss on all tokens or "
                    "the answer digits only")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per training step")
+    p.add_argument("--digits", type=int, default=None, help="passkey digits")
+    p.add_argument("--pretrain-steps", type=int, default=None,
+                   help="steps of the shared short-context start (0 = both arms from random init)")
+    p.add_argument("--pretrain-len", type=int, default=None, help="sequence length of the shared start")
     p.add_argument("--grad-lengths", type=int_list, default=None, help="gradient study lengths, e.g. 32768,131072")
     p.add_argument("--eval-lengths", type=int_list, default=None, help="retrieval evaluation lengths")
     p.add_argument("--eval-samples", type=int, default=None, help="held-out sequences per depth and length")
     args = p.parse_args(argv)
     study = SMOKE if args.smoke else FULL
-    overrides = {"steps": args.steps, "train_len": args.train_len, "lr": args.lr, "loss_on": args.loss_on,
+    overrides = {"steps": args.steps, "batch_size": args.batch_size, "digits": args.digits,
+                 "pretrain_steps": args.pretrain_steps, "pretrain_len": args.pretrain_len,
+                 "train_len": args.train_len, "lr": args.lr, "loss_on": args.loss_on,
                  "grad_lengths": args.grad_lengths, "eval_lengths": args.eval_lengths,
                  "eval_samples": args.eval_samples}
     study = dataclasses.replace(study, **{k: v for k, v in overrides.items() if v is not None})

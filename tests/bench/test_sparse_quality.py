@@ -28,6 +28,9 @@ def test_report_holds_every_setting_and_number(smoke):
             assert [(c["length"], c["depth"]) for c in cells] == [(n, d) for n in s.eval_lengths for d in s.eval_depths]
             assert all(0.0 <= c["accuracy"] <= 1.0 for c in cells)
     assert report["learning"]["sparse"]["training"]["page_budget"] == s.learn_budget
+    pre = report["pretraining"]  # the shared short-context start
+    assert len(pre["training"]["losses"]) == s.pretrain_steps and pre["training"]["page_budget"] is None
+    assert set(pre["retrieval_dense_eval"]["mean_accuracy_by_length"]) == {str(s.pretrain_len), str(s.train_len)}
     assert set(report["learning"]["points_sparse_minus_dense"]) == {str(n) for n in s.eval_lengths}
     rows = report["gradient_quality"]
     assert {(r["length"], r["loss_on"], r["budget"], r["option"]) for r in rows} == {
