@@ -24,14 +24,17 @@ after each phase, so an interrupted run keeps what it measured) and DIR/sparse_q
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import json
 import math
+import multiprocessing
 import platform
 import re
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,6 +105,9 @@ class Study:
     grad_samples: int = 2  # sequences per gradient (one [B, N] batch)
     budgets: list[int] = field(default_factory=list)
     max_positions: int = 131072
+    # Processes that build task batches ahead of the GPU (the task is built token by token in Python:
+    # about a millisecond per 1K tokens, which would otherwise stall small steps). 0 = in the main process.
+    data_workers: int = 0
 
     def n_params(self) -> int:
         d = self.hidden // self.heads
@@ -120,7 +126,7 @@ FULL = Study(
     train_len=32768, steps=150, batch_size=2, lr=5e-4, warmup_steps=10, loss_on="answer", learn_budget=64,
     digits=1, pretrain_len=1024, pretrain_steps=2000, pretrain_batch=32, pretrain_lr=1e-3,
     eval_lengths=[32768], eval_samples=32, grad_eval_samples=8,
-    grad_lengths=[32768, 131072], grad_samples=2, budgets=[8, 16, 32, 64, 128, 256],
+    grad_lengths=[32768, 131072], grad_samples=2, budgets=[8, 16, 32, 64, 128, 256], data_workers=12,
 )
 
 # Pages of 16 tokens and chunks of 64 keep every code path (sparse chunks, always-kept pages,
@@ -214,9 +220,33 @@ def lr_factor(s: Study, step: int) -> float:
     return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train(model, s: Study, device: torch.device, policy: PageSelection | None, log=print) -> dict:
-    """``s.steps`` AdamW steps of chunked_backward on the passkey task; the batches depend only on the step."""
-    task = train_task(s)
+def _make_batch(length: int, digits: int, loss_on: str, seed: int, step: int, batch_size: int):
+    return PasskeyTask(length, digits=digits, loss_on=loss_on, seed=seed).batch(step, batch_size)
+
+
+def task_batches(s: Study):
+    """The ``s.steps`` training batches in order (batch ``i`` is a pure function of the seed and ``i``), built in
+    ``s.data_workers`` processes a window ahead of their use."""
+    args = (s.train_len, s.digits, s.loss_on, s.seed)
+    if s.data_workers <= 0:
+        task = train_task(s)
+        yield from (task.batch(step, s.batch_size) for step in range(s.steps))
+        return
+    window = 4 * s.data_workers
+    with ProcessPoolExecutor(s.data_workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pending = collections.deque()
+        for step in range(s.steps):
+            pending.append(pool.submit(_make_batch, *args, step, s.batch_size))
+            if len(pending) > window:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def train(model, s: Study, device: torch.device, policy: PageSelection | None, log=print, batches=None) -> dict:
+    """``s.steps`` AdamW steps of chunked_backward on the passkey task; the batches depend only on the step
+    (``batches``: the same, built before)."""
+    batches = iter(batches if batches is not None else task_batches(s))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
@@ -225,7 +255,7 @@ def train(model, s: Study, device: torch.device, policy: PageSelection | None, l
     _sync(device)
     started = time.perf_counter()
     for step in range(s.steps):
-        batch = task.batch(step, s.batch_size)
+        batch = next(batches)
         loss = oomb.chunked_backward(model, batch.input_ids.to(device), batch.labels.to(device),
                                      chunk_size=s.chunk_size, page_size=s.page_size, selection=policy)
         grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
@@ -371,9 +401,10 @@ def run(s: Study, out: Path, device: torch.device, command: str, log=print) -> d
         log(f"after it: {report['pretraining']['retrieval_dense_eval']['mean_accuracy_by_length']}")
         start = {n: t.detach().clone() for n, t in model.state_dict().items()}
         save()
+    batches = list(task_batches(s))  # both arms train on these
     log(f"dense training: {s.steps} steps x {s.batch_size} x {s.train_len} tokens, "
         f"{report['model']['parameters'] / 1e6:.2f}M parameters, {dtype} on {device}")
-    report["learning"] = {"dense": {"training": train(model, s, device, None, log)}}
+    report["learning"] = {"dense": {"training": train(model, s, device, None, log, batches)}}
     model.save_pretrained(out / "dense_model")
     learned = report["learning"]["dense"]
     learned["retrieval_dense_eval"] = retrieval(model, s, device, None)
@@ -392,7 +423,7 @@ def run(s: Study, out: Path, device: torch.device, command: str, log=print) -> d
     model = build_model(s, device, dtype)
     model.load_state_dict(start)  # the same weights the dense arm started from
     policy = selection(s, s.learn_budget, "default")
-    sparse = report["learning"]["sparse"] = {"training": train(model, s, device, policy, log)}
+    sparse = report["learning"]["sparse"] = {"training": train(model, s, device, policy, log, batches)}
     sparse["retrieval_dense_eval"] = retrieval(model, s, device, None)
     sparse["retrieval_sparse_eval"] = retrieval(model, s, device, policy)
     log(f"sparse model retrieval: {sparse['retrieval_dense_eval']['mean_accuracy_by_length']}")
@@ -549,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pretrain-steps", type=int, default=None,
                    help="steps of the shared short-context start (0 = both arms from random init)")
     p.add_argument("--pretrain-len", type=int, default=None, help="sequence length of the shared start")
+    p.add_argument("--data-workers", type=int, default=None, help="processes that build task batches ahead")
     p.add_argument("--grad-lengths", type=int_list, default=None, help="gradient study lengths, e.g. 32768,131072")
     p.add_argument("--eval-lengths", type=int_list, default=None, help="retrieval evaluation lengths")
     p.add_argument("--eval-samples", type=int, default=None, help="held-out sequences per depth and length")
@@ -556,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     study = SMOKE if args.smoke else FULL
     overrides = {"steps": args.steps, "batch_size": args.batch_size, "digits": args.digits,
                  "pretrain_steps": args.pretrain_steps, "pretrain_len": args.pretrain_len,
+                 "data_workers": args.data_workers,
                  "train_len": args.train_len, "lr": args.lr, "loss_on": args.loss_on,
                  "grad_lengths": args.grad_lengths, "eval_lengths": args.eval_lengths,
                  "eval_samples": args.eval_samples}

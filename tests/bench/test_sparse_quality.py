@@ -74,3 +74,17 @@ def test_refuses_a_used_folder_and_bad_settings(tmp_path, capsys):
     assert sq.main(["--out", str(fresh), "--smoke", "--train-len", "128"]) == 2  # 4 past pages <= budget 8
     assert "sparse training would be dense" in capsys.readouterr().err
     assert not fresh.exists()
+
+
+def test_batches_built_in_worker_processes_equal_the_serial_ones():
+    import dataclasses
+
+    import torch
+
+    study = dataclasses.replace(sq.SMOKE, train_len=256, steps=3, batch_size=2)
+    serial = list(sq.task_batches(study))
+    pooled = list(sq.task_batches(dataclasses.replace(study, data_workers=2)))
+    assert len(pooled) == len(serial) == 3
+    for a, b in zip(pooled, serial, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+        assert torch.equal(a.answer_positions, b.answer_positions)
