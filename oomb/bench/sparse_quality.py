@@ -145,7 +145,7 @@ def check_study(s: Study) -> None:
     """Every setting checked before any work; messages say what to change."""
     for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "train_len", "steps", "batch_size",
                  "chunk_size", "page_size", "block", "eval_samples", "grad_samples", "learn_budget",
-                 "pretrain_len", "pretrain_batch"):
+                 "pretrain_len", "pretrain_batch", "grad_eval_samples"):
         if getattr(s, name) <= 0:
             raise ValueError(f"{name} must be positive, got {getattr(s, name)}")
     if s.hidden % s.heads or s.heads % s.kv_heads:
