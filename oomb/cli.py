@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.markup import escape
 
 _BENCHES = {"core": "oomb.bench.core", "attention": "oomb.bench.attention", "tune": "oomb.bench.tune_attention",
-            "sparse": "oomb.bench.sparse", "offload": "oomb.bench.offload"}
+            "sparse": "oomb.bench.sparse", "sparse_quality": "oomb.bench.sparse_quality",
+            "offload": "oomb.bench.offload"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(eval_p)
     bench_p = sub.add_parser("bench", help="measured benchmarks on a GPU: core (a training step against "
                              "context), attention (kernels against SDPA), tune (kernel tile sweep), "
-                             "sparse (page-sparse against dense attention)")
+                             "sparse (page-sparse against dense attention), sparse_quality (gradient "
+                             "quality and learning with page-sparse attention; --smoke runs on a CPU)")
     bench_p.add_argument("name", choices=sorted(_BENCHES), help="which benchmark")
     bench_p.add_argument("bench_args", nargs=argparse.REMAINDER, help="its options (see oomb bench NAME --help)")
 

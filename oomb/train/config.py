@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from oomb.sparse import PageSelection
+
 
 class ConfigError(ValueError):
     """A configuration problem the user must fix; the message says what and where."""
@@ -106,6 +108,16 @@ class TrainConfig:
     """After the last step, write <out_dir>/export (model and tokenizer), a folder from_pretrained loads."""
     tensorboard: bool = False
     """Also log the metrics as TensorBoard events in <out_dir>/tensorboard."""
+    page_budget: int | None = None
+    """Page-sparse attention: past pages each block of queries attends, plus its own chunk; null = dense (exact)."""
+    select_block: int = 128
+    """Page-sparse attention: queries per selection block (each block chooses its own pages)."""
+    sink_pages: int = 0
+    """Page-sparse attention: the sequence's first pages, always attended (they count towards page_budget)."""
+    local_pages: int = 0
+    """Page-sparse attention: the pages just before each chunk, always attended (they count towards page_budget)."""
+    select_per_head: bool = False
+    """Page-sparse attention: one page list per KV head instead of one shared by all heads."""
 
 
 @dataclass
@@ -192,6 +204,24 @@ def _coerce(value, hint, name: str, source: str):
     expected = " or ".join(f"a list of {typing.get_args(t)[0].__name__}" if typing.get_origin(t) else t.__name__
                            for t in allowed)
     raise ConfigError(f"{name} ({source}) must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def page_selection(cfg: Config) -> PageSelection | None:
+    """The run's page-sparse attention policy (None = dense), checked; raises ConfigError."""
+    t = cfg.train
+    if t.page_budget is None:
+        unused = [f"train.{name}" for name, default in (("select_block", 128), ("sink_pages", 0),
+                                                        ("local_pages", 0), ("select_per_head", False))
+                  if getattr(t, name) != default]
+        if unused:
+            raise ConfigError(f"{', '.join(unused)} only apply to page-sparse attention: set train.page_budget "
+                              "(e.g. 64), or leave them at their defaults for dense attention")
+        return None
+    try:
+        return PageSelection(page_budget=t.page_budget, block=t.select_block, sink_pages=t.sink_pages,
+                             local_pages=t.local_pages, per_head=t.select_per_head)
+    except ValueError as e:
+        raise ConfigError(f"train.page_budget / select_block / sink_pages / local_pages: {e}") from e
 
 
 def config_to_dict(cfg: Config) -> dict:

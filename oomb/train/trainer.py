@@ -41,7 +41,7 @@ from oomb.train.checkpoint import (
     verify_checkpoint,
     write_text_atomic,
 )
-from oomb.train.config import Config, ConfigError, config_to_dict, load_config
+from oomb.train.config import Config, ConfigError, config_to_dict, load_config, page_selection
 from oomb.train.faults import (
     EXIT_CHECKPOINT_WRITE,
     EXIT_INTERRUPTED,
@@ -103,6 +103,7 @@ def check_config(cfg: Config) -> None:
                           "train.min_lr_ratio in [0, 1]")
     if cfg.model.path is None and cfg.model.preset not in preset_names():
         raise ConfigError(f"unknown model preset {cfg.model.preset!r}; built-in presets: {', '.join(preset_names())}")
+    page_selection(cfg)  # page-sparse attention settings
 
 
 def check_paths(cfg: Config) -> Path | None:
@@ -534,7 +535,7 @@ def accumulate_gradients(model, params, batches, device: torch.device, cfg: Conf
         extra = {"doc_ids": batch.doc_ids.to(device)} if cfg.data.document_mask else {}
         loss += counts[m] / total * oomb.chunked_backward(
             model, batch.input_ids.to(device), batch.labels.to(device),
-            chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, **extra,
+            chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, selection=page_selection(cfg), **extra,
         )
     if counts[-1] != total:
         _scale_gradients(params, counts[-1] / total)
