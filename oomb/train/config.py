@@ -118,6 +118,8 @@ class TrainConfig:
     """Page-sparse attention: the pages just before each chunk, always attended (they count towards page_budget)."""
     select_per_head: bool = False
     """Page-sparse attention: one page list per KV head instead of one shared by all heads."""
+    offload: bool = False
+    """Keep K/V pages and their gradients in pinned host memory, two layers on the GPU (same gradients)."""
 
 
 @dataclass

@@ -535,7 +535,8 @@ def accumulate_gradients(model, params, batches, device: torch.device, cfg: Conf
         extra = {"doc_ids": batch.doc_ids.to(device)} if cfg.data.document_mask else {}
         loss += counts[m] / total * oomb.chunked_backward(
             model, batch.input_ids.to(device), batch.labels.to(device),
-            chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, selection=page_selection(cfg), **extra,
+            chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, selection=page_selection(cfg),
+            offload=cfg.train.offload, **extra,
         )
     if counts[-1] != total:
         _scale_gradients(params, counts[-1] / total)

@@ -60,3 +60,12 @@ def test_bad_sparse_settings_stop_before_work(tmp_path, capsys, args, match):
     assert not out.exists()
     with pytest.raises(ConfigError):
         page_selection(load_config(None, args)) if "2.5" not in args[0] else load_config(None, args)
+
+
+def test_offload_run_gives_the_same_losses_and_weights(tmp_path):
+    on_gpu, offloaded = tmp_path / "device", tmp_path / "offload"
+    assert main(["train", f"out_dir={on_gpu}", "train.steps=2", *FAST, *SPARSE]) == 0
+    assert main(["train", f"out_dir={offloaded}", "train.steps=2", "train.offload=true", *FAST, *SPARSE]) == 0
+    assert _losses(offloaded) == _losses(on_gpu)
+    final = "checkpoints/step-00000002/model.safetensors"
+    assert (offloaded / final).read_bytes() == (on_gpu / final).read_bytes()
