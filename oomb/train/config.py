@@ -100,6 +100,8 @@ class TrainConfig:
     """After the last step, write <out_dir>/export (model and tokenizer), a folder from_pretrained loads."""
     tensorboard: bool = False
     """Also log the metrics as TensorBoard events in <out_dir>/tensorboard."""
+    memory_check: bool = True
+    """Before building the model, refuse a run whose memory plan (see `oomb plan`) does not fit this machine."""
 
 
 @dataclass

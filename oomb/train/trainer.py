@@ -30,6 +30,7 @@ from oomb.train.checkpoint import (
 )
 from oomb.train.config import Config, ConfigError, config_to_dict, load_config
 from oomb.train.inputs import build_inputs, model_config
+from oomb.train.memory import check_memory
 from oomb.train.monitor import TensorBoardLog, memory_fields, plot_run
 from oomb.train.optim import build_optimizer, check_optimizer
 from oomb.train.presets import build_model, preset_names
@@ -171,6 +172,7 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     device = resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     check_optimizer(cfg.train.optimizer, device)
+    check_memory(cfg, device, dtype)  # before any data, model or checkpoint work
     inputs = build_inputs(cfg, model_config(cfg))  # data, tokenizer, positions: checked before the model
     if cfg.data.document_mask:
         check_document_mask_support()
