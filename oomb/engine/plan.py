@@ -137,7 +137,7 @@ def saved_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> tuple[int, i
     return layer, model
 
 
-def _checkpointed_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> tuple[int, int]:
+def checkpointed_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> tuple[int, int]:
     """With per-layer checkpointing: (per layer, per model) saved bytes per token."""
     s = _itemsize(dtype)
     return s * shape.hidden, _norm_bytes(shape.hidden, s, shape.family) + 8
@@ -356,7 +356,7 @@ def plan_memory(
 
     per_layer, per_model = saved_bytes_per_token(shape, dtype)
     if layer_checkpointing:
-        ck_layer, ck_model = _checkpointed_bytes_per_token(shape, dtype)
+        ck_layer, ck_model = checkpointed_bytes_per_token(shape, dtype)
         saved = tokens * (shape.num_layers * ck_layer + ck_model)
         rebuilt = tokens * per_layer  # the layer whose backward runs, recomputed with all its tensors
         saved_note = f"layer inputs of {shape.num_layers} layers + one layer rebuilt, {tokens} tokens"

@@ -172,10 +172,10 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     device = resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     check_optimizer(cfg.train.optimizer, device)
-    check_memory(cfg, device, dtype)  # before any data, model or checkpoint work
     inputs = build_inputs(cfg, model_config(cfg))  # data, tokenizer, positions: checked before the model
     if cfg.data.document_mask:
         check_document_mask_support()
+    check_memory(cfg, device, dtype)  # the plan must fit before the model or a checkpoint is touched
     model = build(cfg, device, dtype)
     out = prepare_out_dir(cfg)
     model.train()
