@@ -32,6 +32,8 @@ them against that measurement at other sizes. s = itemsize of the model dtype:
     per model              final norm + 8 (token ids) + RoPE cos and sin (2*s*D; gpt_oss 2*s*D/2)
     layer checkpointing    s*h per layer (its input) + final norm + 8; one layer's full set is
                            rebuilt during that layer's backward
+    LoRA (frozen base)     norms keep 4h + 4; a frozen linear saves nothing, an adapted one its
+                           input cast to the adapter dtype + lora_A's output (see _linear_inputs)
 """
 
 from __future__ import annotations
@@ -114,26 +116,75 @@ def store_spec(config, *, page_size: int, dtype: torch.dtype, grad_dtype: torch.
 
 
 # ---------------------------------------------------------------------------- activations
-def _norm_bytes(h: int, s: int, family: str) -> int:
-    """Saved bytes per token of one RMSNorm over h values (see the module docstring)."""
+def _norm_bytes(h: int, s: int, family: str, trainable: bool = True) -> int:
+    """Saved bytes per token of one RMSNorm over h values (see the module docstring).
+
+    A frozen norm weight (LoRA) does not need the normalized values, only the fp32 input and rsqrt.
+    """
+    if not trainable:
+        return 4 * h + 4
     return 4 * h + 4 + (4 * h if family == "gpt_oss" else s * h)
 
 
-def saved_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> tuple[int, int]:
-    """(per decoder layer, per model) bytes autograd saves per token in the recompute forward."""
+@dataclass(frozen=True)
+class LoraShape:
+    """LoRA adapters as peft adds them: rank, the targeted linear names and the adapters' dtype."""
+
+    r: int
+    targets: tuple[str, ...]
+    dtype: torch.dtype = torch.float32
+
+
+def _linear_inputs(shape: ModelShape, dtype: torch.dtype, lora: LoraShape | None) -> int:
+    """Bytes per token the layer's linears save of their inputs (the rest of a layer does not change).
+
+    Full fine-tuning: the q/k/v input (shared), the o_proj input, the gate/up input (shared) and
+    the down_proj input, in the model dtype. LoRA: a frozen linear saves nothing (its input's
+    gradient needs only the weight); an adapted one saves its input cast to the adapter dtype
+    (one copy per adapter when the dtypes differ, the shared input otherwise) and lora_A's output.
+    """
+    s = _itemsize(dtype)
+    h, hd, inter = shape.hidden, shape.heads * shape.head_dim, shape.intermediate
+    groups = [(("q_proj", "k_proj", "v_proj"), h), (("o_proj",), hd)]
+    if shape.family != "gpt_oss":  # gpt_oss: the router's input is counted with its MoE term
+        groups += [(("gate_proj", "up_proj"), h), (("down_proj",), inter)]
+    if lora is None:
+        return sum(s * width for _, width in groups) + (s * h if shape.family == "gpt_oss" else 0)
+    a = _itemsize(lora.dtype)
+    total = 0
+    for names, width in groups:
+        adapted = [n for n in names if n in lora.targets]
+        if adapted:
+            total += (len(adapted) * a * width if lora.dtype != dtype else s * width)
+            total += len(adapted) * a * lora.r
+    return total
+
+
+def saved_bytes_per_token(shape: ModelShape, dtype: torch.dtype, lora: LoraShape | None = None) -> tuple[int, int]:
+    """(per decoder layer, per model) bytes autograd saves per token in the recompute forward.
+
+    With ``lora`` every base weight is frozen: norms keep only their fp32 input and rsqrt, the
+    first layer's input norm nothing (the frozen embedding's output needs no gradient), token ids
+    are not kept; gpt_oss's MoE term stays that of full fine-tuning (not measured with LoRA).
+    """
     s = _itemsize(dtype)
     h, hd, kvd = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    layer = 2 * _norm_bytes(h, s, shape.family) + 2 * s * h + 3 * s * hd + 4 * shape.heads
+    trainable = lora is None
+    norm = _norm_bytes(h, s, shape.family, trainable)
+    # 2 norms, q after RoPE and the attention output, log-sum-exp, the linears' inputs
+    layer = 2 * norm + 2 * s * hd + 4 * shape.heads + _linear_inputs(shape, dtype, lora)
     if shape.family == "gpt_oss":
         k = shape.experts_per_token
         layer += 8 * k + s * k + k * (2 * s * h + 7 * s * shape.intermediate + s + 1 + 32)
         rope = s * shape.head_dim  # cos and sin of half the head dimension each
     else:
-        layer += 4 * s * shape.intermediate
+        layer += 3 * s * shape.intermediate  # act(gate)'s input, act(gate) and up (their product)
         rope = 2 * s * shape.head_dim
     if shape.family == "qwen3":
-        layer += (4 + s) * (hd + kvd) + 4 * (shape.heads + shape.kv_heads)
-    model = _norm_bytes(h, s, shape.family) + 8 + rope
+        layer += (4 + (s if trainable else 0)) * (hd + kvd) + 4 * (shape.heads + shape.kv_heads)
+    # per model: the final norm, token ids, RoPE; with LoRA the final norm's bytes equal those the
+    # first layer's input norm does not save.
+    model = norm + 8 + rope if trainable else rope
     return layer, model
 
 
@@ -216,7 +267,8 @@ def optimizer_state_bytes(kind: str, numels: tuple[int, ...], dtype: torch.dtype
 
     adamw: torch AdamW keeps exp_avg and exp_avg_sq in the parameter dtype. adamw8bit and
     paged_adamw8bit: bitsandbytes 8-bit blockwise states (1 byte each + a float32 absmax per
-    256 values) for tensors of 4096 values or more, two float32 states below that.
+    256 values) for tensors of 4096 values or more, two float32 states below that, and two
+    256-entry float32 quantization maps.
     """
     if kind == "adamw":
         return 2 * _itemsize(dtype) * sum(numels)
@@ -224,6 +276,8 @@ def optimizer_state_bytes(kind: str, numels: tuple[int, ...], dtype: torch.dtype
         total = 0
         for n in numels:
             total += 2 * n + 2 * 4 * -(-n // _BNB_BLOCK) if n >= _BNB_MIN_8BIT_SIZE else 8 * n
+        if any(n >= _BNB_MIN_8BIT_SIZE for n in numels):
+            total += 2 * 256 * 4  # the two 256-entry float32 quantization maps, shared by all tensors
         return total
     raise ValueError(f"unknown optimizer {kind!r}: choose one of {', '.join(OPTIMIZER_KINDS)}")
 
@@ -267,6 +321,14 @@ class MemoryPlan:
     @property
     def fits(self) -> bool:
         return self.gpu_fits and self.host_fits
+
+    def summary(self) -> str:
+        """One line: the planned peak against the memory it was planned for."""
+        parts = []
+        if self.device_type == "cuda":
+            parts.append(f"GPU {format_bytes(self.gpu_bytes)} of {format_bytes(self.device_total_bytes)}")
+        parts.append(f"host {format_bytes(self.host_bytes)} of {format_bytes(self.host_total_bytes)}")
+        return "memory plan: " + ", ".join(parts)
 
     def to_dict(self) -> dict:
         return {
@@ -329,9 +391,9 @@ def plan_memory(
 
     counts = count_parameters(model_config, lora_r, tuple(lora_targets) if lora_r > 0 else ())
     params = counts.total * s
+    # peft keeps adapters of a bf16/fp16 model in float32 (autocast_adapter_dtype=True).
+    lora_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     if lora_r > 0:
-        # peft keeps adapters of a bf16/fp16 model in float32 (autocast_adapter_dtype=True).
-        lora_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
         trainable, train_dtype = counts.lora, lora_dtype
         params += sum(counts.lora) * _itemsize(lora_dtype)
     else:
@@ -354,7 +416,8 @@ def plan_memory(
         listed = sum(1 for k in range(n_chunks) if k * chunk // page_size > page_budget)
         page_lists = 4 * batch_size * h_sel * -(-chunk // select_block) * page_budget * full_layers * listed
 
-    per_layer, per_model = saved_bytes_per_token(shape, dtype)
+    lora_shape = LoraShape(lora_r, tuple(lora_targets), lora_dtype) if lora_r > 0 else None
+    per_layer, per_model = saved_bytes_per_token(shape, dtype, lora_shape)
     if layer_checkpointing:
         ck_layer, ck_model = checkpointed_bytes_per_token(shape, dtype)
         saved = tokens * (shape.num_layers * ck_layer + ck_model)

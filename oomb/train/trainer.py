@@ -175,7 +175,7 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     inputs = build_inputs(cfg, model_config(cfg))  # data, tokenizer, positions: checked before the model
     if cfg.data.document_mask:
         check_document_mask_support()
-    check_memory(cfg, device, dtype)  # the plan must fit before the model or a checkpoint is touched
+    plan = check_memory(cfg, device, dtype)  # the plan must fit before the model or a checkpoint is touched
     model = build(cfg, device, dtype)
     out = prepare_out_dir(cfg)
     model.train()
@@ -204,6 +204,8 @@ def train(cfg: Config, console: Console | None = None) -> Path:
         f"tokens ({cfg.data.task}), {cfg.train.optimizer}, "
         f"chunk {cfg.train.chunk_size}, page {cfg.train.page_size}; writing {out}/metrics.jsonl"
     )
+    if plan is not None:
+        console.print(plan.summary() + " (oomb plan prints the breakdown)")
     tokens_per_step = cfg.train.grad_accum * cfg.train.batch_size * cfg.data.seq_len
     columns = [
         TextColumn("step {task.completed}/{task.total}"), BarColumn(),

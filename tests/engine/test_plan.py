@@ -6,11 +6,13 @@ import torch
 from tiny_models import FAMILIES, tiny_model
 
 from oomb.engine.plan import (
+    LoraShape,
     ModelShape,
     checkpointed_bytes_per_token,
     count_parameters,
     largest_context,
     measure_saved_activations,
+    optimizer_state_bytes,
     plan_memory,
     saved_bytes_per_token,
 )
@@ -129,3 +131,45 @@ def test_bad_settings_raise():
         plan_memory(cfg, seq_len=0)
     with pytest.raises(ValueError, match="unknown optimizer 'sgd'"):
         plan_memory(cfg, seq_len=128, optimizer="sgd")
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "k_proj", "v_proj", "o_proj"),
+                                     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_activation_formula_with_lora_matches_measured(family, targets):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model(family).to(torch.bfloat16),
+                                peft.LoraConfig(r=8, target_modules=list(targets))).get_base_model()
+    adapter_dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert adapter_dtypes == {torch.float32}  # what plan_memory assumes for a bf16 model
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 96))
+    measured = measure_saved_activations(model, ids)
+    per_layer, per_model = saved_bytes_per_token(ModelShape.from_config(model.config), torch.bfloat16,
+                                                 LoraShape(8, targets, torch.float32))
+    expected = 2 * 96 * (model.config.num_hidden_layers * per_layer + per_model)
+    if family == "gpt_oss":  # its MoE term is full fine-tuning's: an upper bound under LoRA
+        assert measured <= expected <= 1.25 * measured, (measured, expected)
+    else:
+        assert expected == measured
+
+
+def test_optimizer_state_bytes_match_real_optimizers():
+    model = tiny_model("llama")
+    params = [p for p in model.parameters()]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    numels = tuple(p.numel() for p in params)
+    kinds = {"adamw": lambda ps: torch.optim.AdamW(ps)}
+    try:
+        import bitsandbytes as bnb
+
+        kinds["adamw8bit"] = lambda ps: bnb.optim.AdamW8bit(ps)
+    except ImportError:
+        pass
+    for kind, make in kinds.items():
+        opt = make(params)
+        opt.step()
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for state in opt.state.values() for t in state.values() if torch.is_tensor(t) and t.numel() > 1}
+        assert optimizer_state_bytes(kind, numels, torch.float32) == sum(held.values()), kind

@@ -40,6 +40,10 @@ def test_train_refuses_a_run_that_does_not_fit_and_writes_nothing(tmp_path, caps
     assert not out.exists()
     assert main(["train", f"out_dir={out}", "data.seq_len=256", "train.memory_check=false", *FAST]) == 0
     assert (out / "metrics.jsonl").is_file()
+    assert "memory plan:" not in capsys.readouterr().out
+    _limit_host(monkeypatch, 64 * 2**30)  # fits: the run starts and says what was planned
+    assert main(["train", f"out_dir={tmp_path / 'fits'}", "data.seq_len=256", *FAST]) == 0
+    assert "memory plan: host 4.0" in capsys.readouterr().out
 
 
 def test_refusal_names_the_settings_that_would_fit(monkeypatch):
