@@ -245,9 +245,12 @@ def _count_parameters(config_json: str, model_type: str, lora_r: int, lora_targe
 
     fields = json.loads(config_json)
     fields.pop("model_type", None)
-    config = AutoConfig.for_model(model_type, **fields)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError, KeyError, ImportError, RuntimeError) as e:
+        raise ValueError(f"cannot build a {model_type!r} model from its config to count its parameters: {e}") from e
     tensors = tuple(p.numel() for p in model.parameters())
     lora: list[int] = []
     if lora_r > 0:

@@ -59,8 +59,11 @@ def plan_for_config(cfg: Config, device_type: str, dtype: torch.dtype, *, gpu_by
     config = model_config(cfg)
     settings = _settings(cfg, device_type, dtype)
     limits = dict(device_total_bytes=gpu_bytes, host_total_bytes=host_bytes)
-    plan = plan_memory(config, seq_len=cfg.data.seq_len, **settings, **limits)
-    return plan, largest_context(config, **settings, **limits)
+    try:
+        plan = plan_memory(config, seq_len=cfg.data.seq_len, **settings, **limits)
+        return plan, largest_context(config, **settings, **limits)
+    except ValueError as e:
+        raise ConfigError(f"memory plan: {e}; train.memory_check=false skips the plan") from e
 
 
 def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dict) -> list[str]:

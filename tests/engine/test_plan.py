@@ -5,6 +5,8 @@ import pytest
 import torch
 from tiny_models import FAMILIES, tiny_model
 
+import oomb
+from oomb.engine import store_for_model
 from oomb.engine.plan import (
     LoraShape,
     ModelShape,
@@ -15,6 +17,7 @@ from oomb.engine.plan import (
     optimizer_state_bytes,
     plan_memory,
     saved_bytes_per_token,
+    store_spec,
 )
 from oomb.train.presets import preset_config
 
@@ -173,3 +176,17 @@ def test_optimizer_state_bytes_match_real_optimizers():
         held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for state in opt.state.values() for t in state.values() if torch.is_tensor(t) and t.numel() > 1}
         assert optimizer_state_bytes(kind, numels, torch.float32) == sum(held.values()), kind
+
+
+def test_planned_store_is_the_store_the_engine_allocates():
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, model.config.vocab_size, (2, 300))  # 19 pages of 16 per sequence, the last ragged
+    oomb.chunked_backward(model, ids, chunk_size=64, page_size=16)
+    store = store_for_model(model)
+    plan = plan_memory(model.config, seq_len=300, batch_size=2, chunk_size=64, page_size=16, dtype=torch.float32,
+                       device_type="cpu")
+    assert store.spec == store_spec(model.config, page_size=16, dtype=torch.float32, grad_dtype=None, device="cpu")
+    page_table = 2 * 19 * 4
+    assert store.capacity_pages == 2 * 19
+    assert _items(plan)["paged store"] == store.nbytes() + page_table
+    oomb.release_memory(model)
