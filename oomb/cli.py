@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 
 _BENCHES = {"core": "oomb.bench.core", "attention": "oomb.bench.attention", "tune": "oomb.bench.tune_attention",
-            "sparse": "oomb.bench.sparse"}
+            "sparse": "oomb.bench.sparse", "offload": "oomb.bench.offload"}
 
 
 def main(argv: list[str] | None = None) -> int:

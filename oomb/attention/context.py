@@ -14,6 +14,7 @@ import torch
 
 from oomb.cache import PagedKVStore
 from oomb.kernels import AttentionBackend
+from oomb.offload import OffloadedKVStore
 from oomb.sparse import PageSelection
 
 STEP_KWARG = "oomb_step"
@@ -23,7 +24,7 @@ Stage = Literal["fill", "recompute"]
 
 @dataclass
 class StepContext:
-    store: PagedKVStore
+    store: PagedKVStore | OffloadedKVStore
     backend: AttentionBackend
     stage: Stage = "fill"
     # Layer indices whose attention ran during the current chunk's forward; the engine
@@ -36,8 +37,14 @@ class StepContext:
     # (layer index, first token of the chunk): chosen in stage 1, reused in stage 2.
     selection: PageSelection | None = None
     page_lists: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
+    # The past pages a layer's kernels read for a chunk (same keys; None = all of them): what an
+    # offloaded store must bring to the device. Known once the layer ran on the chunk.
+    past_pages: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
+    # Each layer's sliding window (None = full attention), learned as the layers run.
+    layer_windows: dict[int, int | None] = field(default_factory=dict)
 
     def drop_page_lists(self, chunk_start: int) -> None:
         """Forget the page lists of the chunk that starts at ``chunk_start`` (after its backward)."""
-        for key in [key for key in self.page_lists if key[1] == chunk_start]:
-            del self.page_lists[key]
+        for table in (self.page_lists, self.past_pages):
+            for key in [key for key in table if key[1] == chunk_start]:
+                del table[key]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from oomb.attention.context import StepContext
+from oomb.kernels.reference import _first_visible_page
 from oomb.sparse import select_pages
 
 
@@ -32,7 +33,7 @@ def visibility(step: StepContext, layer_idx: int, q: torch.Tensor, sliding_windo
         key = (layer_idx, q0)
         if key not in step.page_lists:
             step.page_lists[key] = select_pages(
-                q, store.layer(layer_idx).mean_k, store.page_table, q0 // store.spec.page_size,
+                q, store.mean_keys(layer_idx), store.page_table, q0 // store.spec.page_size,
                 store.spec.page_size, policy, doc_start,
             )
         page_select = step.page_lists[key]
@@ -41,37 +42,83 @@ def visibility(step: StepContext, layer_idx: int, q: torch.Tensor, sliding_windo
     return kwargs
 
 
+def past_pages(step: StepContext, layer_idx: int) -> tuple[bool, torch.Tensor | None]:
+    """(known, pages): the past pages (sequence page indices; None = all) the layer's kernels read
+    for the newest chunk. Unknown for a sparse layer whose selection is not made yet."""
+    store = step.store
+    q0 = store.last_chunk().start
+    key = (layer_idx, q0)
+    if key in step.past_pages:
+        return True, step.past_pages[key]
+    if layer_idx not in step.layer_windows:
+        return False, None
+    window = step.layer_windows[layer_idx]
+    if window is not None:
+        page_size = store.spec.page_size
+        first = _first_visible_page(store.num_tokens, store.num_tokens - q0, page_size, window)
+        pages = torch.arange(first, q0 // page_size, device=store.page_table.device)
+    elif step.selection is None:
+        pages = None
+    else:
+        return False, None  # chosen when the layer runs on this chunk
+    step.past_pages[key] = pages
+    return True, pages
+
+
+def _record_past_pages(step: StepContext, layer_idx: int, sliding_window: int | None, vis: dict) -> torch.Tensor | None:
+    step.layer_windows[layer_idx] = sliding_window
+    key = (layer_idx, step.store.last_chunk().start)
+    if key not in step.past_pages and vis.get("page_select") is not None:
+        step.past_pages[key] = torch.unique(vis["page_select"])  # every page some block or head reads
+    return past_pages(step, layer_idx)[1]
+
+
+def _attend(step: StepContext, layer_idx: int, q, k, v, sinks, scale, sliding_window):
+    """Fetch the layer's working set, write the chunk's K/V, attend; returns (out, lse, vis)."""
+    store = step.store
+    vis = visibility(step, layer_idx, q, sliding_window)
+    pools, table = store.fetch(layer_idx, _record_past_pages(step, layer_idx, sliding_window, vis), grads=False)
+    store.write(layer_idx, k, v)
+    out, lse = step.backend.forward(
+        q, pools.k, pools.v, table, store.num_tokens,
+        scale=scale, sliding_window=sliding_window, sinks=sinks, **vis,
+    )
+    store.writeback(layer_idx, grads=False)
+    known, pages = past_pages(step, layer_idx + 1)
+    if known:
+        store.prefetch(layer_idx + 1, pages, grads=False)  # the next layer's pages, while this one computes
+    return out, lse, vis
+
+
 class PagedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, step: StepContext, layer_idx: int, scale: float, sliding_window):
-        store = step.store
-        store.write(layer_idx, k, v)
-        pools = store.layer(layer_idx)
-        vis = visibility(step, layer_idx, q, sliding_window)
-        out, lse = step.backend.forward(
-            q, pools.k, pools.v, store.page_table, store.num_tokens,
-            scale=scale, sliding_window=sliding_window, sinks=sinks, **vis,
-        )
+        out, lse, vis = _attend(step, layer_idx, q, k, v, sinks, scale, sliding_window)
         ctx.vis = vis
         ctx.save_for_backward(q, out, lse, sinks)
         ctx.step, ctx.layer_idx, ctx.scale, ctx.sliding_window = step, layer_idx, scale, sliding_window
-        ctx.record = store.last_chunk()
-        ctx.kv_len = store.num_tokens
+        ctx.record = step.store.last_chunk()
+        ctx.kv_len = step.store.num_tokens
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, out, lse, sinks = ctx.saved_tensors
-        store = ctx.step.store
+        step, layer_idx = ctx.step, ctx.layer_idx
+        store = step.store
         if store.last_chunk() != ctx.record:
             raise RuntimeError("the paged store changed between this chunk's forward and backward")
-        pools = store.layer(ctx.layer_idx)
-        dq, d_sinks = ctx.step.backend.backward(
+        pools, table = store.fetch(layer_idx, past_pages(step, layer_idx)[1], grads=True)
+        dq, d_sinks = step.backend.backward(
             d_out.contiguous(), q, out, lse, pools.k, pools.v, pools.dk, pools.dv,
-            store.page_table, ctx.kv_len,
+            table, ctx.kv_len,
             scale=ctx.scale, sliding_window=ctx.sliding_window, sinks=sinks, **ctx.vis,
         )
-        dk, dv = store.read_grad(ctx.layer_idx, ctx.record)
+        dk, dv = store.read_grad(layer_idx, ctx.record)
+        store.writeback(layer_idx, grads=True)
+        known, pages = past_pages(step, layer_idx - 1)
+        if known and layer_idx > 0:
+            store.prefetch(layer_idx - 1, pages, grads=True)  # backward runs the layers in reverse
         if d_sinks is not None:
             d_sinks = d_sinks.to(sinks.dtype)
         return dq, dk.to(q.dtype), dv.to(q.dtype), d_sinks, None, None, None, None
@@ -91,13 +138,5 @@ def paged_attention(
     """The chunk's attention output [B, H, C, D] over everything stored before it and itself."""
     if step.stage == "fill":
         # Stage 1 runs under no_grad: write and attend, nothing saved.
-        store = step.store
-        store.write(layer_idx, k, v)
-        pools = store.layer(layer_idx)
-        out, _ = step.backend.forward(
-            q, pools.k, pools.v, store.page_table, store.num_tokens,
-            scale=scale, sliding_window=sliding_window, sinks=sinks,
-            **visibility(step, layer_idx, q, sliding_window),
-        )
-        return out
+        return _attend(step, layer_idx, q, k, v, sinks, scale, sliding_window)[0]
     return PagedAttention.apply(q, k, v, sinks, step, layer_idx, scale, sliding_window)

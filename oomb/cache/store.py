@@ -3,7 +3,7 @@
 Layout (one set of pools per attention layer, page ids shared by all layers)::
 
     k_pool, v_pool, dk_pool, dv_pool : [num_pages, H_kv, page_size, D]
-    mean_k                           : [num_pages, H_kv, D]  float32
+    mean_k                           : [num_pages, H_kv, D]  (the K dtype)
     page_table                       : [B, max_pages]        int32 (block table)
 
     sequence b, absolute position p  ->  page_table[b, p // page_size], slot p % page_size
@@ -48,8 +48,9 @@ class StoreSpec:
         return self.num_layers * self.num_kv_heads * per_head_token
 
     def bytes_per_page(self) -> int:
-        """One page id across all layers: K, V, dK, dV and the fp32 mean key."""
-        return self.bytes_per_token() * self.page_size + self.num_layers * self.num_kv_heads * self.head_dim * 4
+        """One page id across all layers: K, V, dK, dV and the mean key (in K's dtype)."""
+        mean_key = self.num_layers * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
+        return self.bytes_per_token() * self.page_size + mean_key
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -64,7 +65,7 @@ class LayerPools:
     v: torch.Tensor  # [num_pages, H_kv, page_size, D]
     dk: torch.Tensor  # [num_pages, H_kv, page_size, D], grad_dtype
     dv: torch.Tensor  # [num_pages, H_kv, page_size, D], grad_dtype
-    mean_k: torch.Tensor  # [num_pages, H_kv, D] float32: mean key over a page's valid slots
+    mean_k: torch.Tensor  # [num_pages, H_kv, D]: mean key over a page's valid slots (fp32 sum, stored in K's dtype)
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ class PagedKVStore:
                 v=torch.empty(shape, dtype=s.dtype, device=s.device),
                 dk=torch.empty(shape, dtype=s.grad_dtype, device=s.device),
                 dv=torch.empty(shape, dtype=s.grad_dtype, device=s.device),
-                mean_k=torch.empty((num_pages, s.num_kv_heads, s.head_dim), dtype=torch.float32, device=s.device),
+                mean_k=torch.empty((num_pages, s.num_kv_heads, s.head_dim), dtype=s.dtype, device=s.device),
             )
             for _ in range(s.num_layers)
         ]
@@ -243,6 +244,23 @@ class PagedKVStore:
     def layer(self, layer_idx: int) -> LayerPools:
         return self._layers[layer_idx]
 
+    # The working-set protocol the attention function goes through. Everything lives on the
+    # device here, so it is trivial; the offloaded store (oomb.offload) moves pages instead.
+    def fetch(self, layer_idx: int, past_pages: torch.Tensor | None, *, grads: bool) -> tuple[LayerPools, torch.Tensor]:
+        """Pools and block table through which a kernel reads ``past_pages`` (sequence page indices
+        before the newest chunk; None = all of them) and the newest chunk of one layer."""
+        return self._layers[layer_idx], self.page_table
+
+    def prefetch(self, layer_idx: int, past_pages: torch.Tensor | None, *, grads: bool) -> None:
+        """Start bringing what ``fetch`` will ask for next (nothing to do when all pages are here)."""
+
+    def writeback(self, layer_idx: int, *, grads: bool) -> None:
+        """The kernels of this layer are queued: new K/V (or updated gradients) may go home."""
+
+    def mean_keys(self, layer_idx: int) -> torch.Tensor:
+        """[num_pages, H_kv, D] per-page mean keys (K's dtype), indexed through ``page_table``."""
+        return self._layers[layer_idx].mean_k
+
     def _chunk_page_ids(self, record: ChunkRecord) -> torch.Tensor:
         return self.page_table[:, record.first_page : record.first_page + record.num_pages].long()
 
@@ -266,7 +284,7 @@ class PagedKVStore:
         pools.k[ids] = kp
         pools.v[ids] = tokens_to_tiles(v, s.page_size)
         valid = _valid_per_page(record, s.page_size, k.device).repeat(self.batch_size)  # [B*n_pages]
-        pools.mean_k[ids] = kp.float().sum(dim=2) / valid.view(-1, 1, 1)
+        pools.mean_k[ids] = (kp.float().sum(dim=2) / valid.view(-1, 1, 1)).to(s.dtype)
 
     def read(self, layer_idx: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of tokens [start, end) as [B, H_kv, end-start, D] (a copy)."""

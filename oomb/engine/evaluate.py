@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from oomb.attention import STEP_KWARG, StepContext, oomb_attention
+from oomb.attention import StepContext, oomb_attention
 from oomb.engine.loss import IGNORE_INDEX
-from oomb.engine.step import _store_for, _unwrap_peft, _validate
+from oomb.engine.step import _store_for, _unwrap_peft, _validate, document_starts, run_chunk, selection_policy
 from oomb.kernels import get_backend
+from oomb.sparse import PageSelection
 
 _ROW_BLOCK = 2048
 _VOCAB_BLOCK = 8192
@@ -61,6 +62,10 @@ def chunked_eval(
     chunk_size: int = 4096,
     page_size: int = 128,
     backend: str = "auto",
+    doc_ids: torch.Tensor | None = None,
+    page_budget: int | None = None,
+    selection: PageSelection | None = None,
+    offload: bool = False,
 ) -> EvalResult:
     """Per-token NLL and argmax correctness of a long sequence, one chunk of activations at a time.
 
@@ -72,6 +77,8 @@ def chunked_eval(
         chunk_size: tokens per chunk (a multiple of ``page_size``).
         page_size: tokens per page of the K/V store.
         backend: attention kernels: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        doc_ids, page_budget, selection, offload: packed documents, page-sparse attention and
+            pages in host memory, as in ``chunked_backward`` (evaluate a model the way it was trained).
 
     Runs under ``torch.no_grad`` with the model in eval mode (its mode is restored after).
     Positions without a target skip the LM head, so an evaluation that scores a few
@@ -81,23 +88,26 @@ def chunked_eval(
     was_training = model.training
     model.eval()  # no dropout: evaluation is deterministic
     try:
-        return _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend)
+        return _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend, doc_ids,
+                             selection_policy(page_budget, selection), offload)
     finally:
         model.train(was_training)
 
 
 @torch.no_grad()
-def _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend) -> EvalResult:
+def _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend, doc_ids, selection,
+                  offload) -> EvalResult:
     targets = _validate(model, input_ids, labels, chunk_size, page_size)
+    doc_start = document_starts(doc_ids, input_ids) if doc_ids is not None else None
     batch, seq_len = input_ids.shape
     device = input_ids.device
     # The store keeps gradient pages too (as in training); sharing the training step's
     # store means evaluating between training steps reallocates nothing.
-    store = _store_for(model, device, page_size, None)
+    store = _store_for(model, device, page_size, None, offload)
     store.reserve(batch, seq_len)
-    step = StepContext(store=store, backend=get_backend(backend, device.type), stage="fill")
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
-    expected_layers = set(range(model.config.num_hidden_layers))
+    step = StepContext(store=store, backend=get_backend(backend, device.type), stage="fill", doc_start=doc_start,
+                       selection=selection)
+    head = model.get_output_embeddings()
 
     nll = torch.full((batch, seq_len), float("nan"), dtype=torch.float32, device=device)
     correct = torch.zeros((batch, seq_len), dtype=torch.bool, device=device)
@@ -106,18 +116,7 @@ def _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend) -> E
             for start in range(0, seq_len, chunk_size):
                 end = min(start + chunk_size, seq_len)
                 store.append_chunk(end - start)
-                step.layers_seen.clear()
-                positions = torch.arange(start, end, device=device).expand(batch, -1)
-                hidden = decoder(
-                    input_ids=input_ids[:, start:end], position_ids=positions, use_cache=False,
-                    **{STEP_KWARG: step},
-                ).last_hidden_state
-                if step.layers_seen != expected_layers:
-                    missing = sorted(expected_layers - step.layers_seen)
-                    raise RuntimeError(
-                        f"attention layers {missing[:8]} did not go through oomb's attention: this model "
-                        "computes attention outside transformers' AttentionInterface and cannot be run by oomb"
-                    )
+                hidden = run_chunk(model, step, input_ids, start, end)
                 chunk_targets = targets[:, start:end]
                 rows = (chunk_targets != IGNORE_INDEX).nonzero(as_tuple=True)  # host sync, once per chunk
                 if rows[0].numel():
@@ -125,6 +124,7 @@ def _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend) -> E
                                                                chunk_targets[rows])
                     nll[:, start:end][rows] = row_nll
                     correct[:, start:end][rows] = row_correct
+                step.drop_page_lists(start)  # each chunk runs once: its page lists are not needed again
     finally:
         store.clear()  # pool usage returns to zero, also after an error
     return EvalResult(nll=nll, correct=correct, targets=targets)

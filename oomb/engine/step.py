@@ -20,10 +20,11 @@ from oomb.attention import STEP_KWARG, StepContext, check_attention_support, oom
 from oomb.cache import PagedKVStore, StoreSpec
 from oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy_sum
 from oomb.kernels import get_backend
+from oomb.offload import OffloadedKVStore
 from oomb.sparse import PageSelection
 
 # One store per model, reused across steps so the pools are allocated once.
-_STORES: weakref.WeakKeyDictionary[torch.nn.Module, PagedKVStore] = weakref.WeakKeyDictionary()
+_STORES: weakref.WeakKeyDictionary[torch.nn.Module, PagedKVStore | OffloadedKVStore] = weakref.WeakKeyDictionary()
 
 
 def chunked_backward(
@@ -39,6 +40,7 @@ def chunked_backward(
     doc_ids: torch.Tensor | None = None,
     page_budget: int | None = None,
     selection: PageSelection | None = None,
+    offload: bool = False,
 ) -> torch.Tensor:
     """Exact loss and parameter gradients of a long sequence, one chunk of activations at a time.
 
@@ -61,6 +63,8 @@ def chunked_backward(
             chunk's past (plus the chunk itself); None = dense (exact). See oomb.sparse.
         selection: how pages are chosen (block size, sink/local pages, per-head lists);
             ``page_budget`` overrides its budget when both are given.
+        offload: keep K, V and their gradient pages in (pinned) host memory, with only the layer
+            being computed and the next one on the device (oomb.offload). Same gradients.
 
     Accumulates d(loss)/d(param) into ``.grad`` like ``loss.backward()`` and returns the
     mean loss over target tokens as a detached scalar. A peft model (LoRA) is accepted:
@@ -69,34 +73,21 @@ def chunked_backward(
     model = _unwrap_peft(model)
     targets = _validate(model, input_ids, labels, chunk_size, page_size)
     doc_start = document_starts(doc_ids, input_ids) if doc_ids is not None else None
-    if page_budget is not None:
-        selection = dataclasses.replace(selection or PageSelection(), page_budget=page_budget)
+    selection = selection_policy(page_budget, selection)
     n_targets = int((targets != IGNORE_INDEX).sum())  # host sync, once per step
     if n_targets == 0:
         raise ValueError("no position has a target: every label is -100 (or the sequence has one token)")
 
     batch, seq_len = input_ids.shape
-    store = _store_for(model, input_ids.device, page_size, grad_dtype)
+    store = _store_for(model, input_ids.device, page_size, grad_dtype, offload)
     store.reserve(batch, seq_len)
     step = StepContext(store=store, backend=get_backend(backend, input_ids.device.type), doc_start=doc_start,
                        selection=selection)
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    head = model.get_output_embeddings()
     bounds = [(s, min(s + chunk_size, seq_len)) for s in range(0, seq_len, chunk_size)]
-    expected_layers = set(range(model.config.num_hidden_layers))
 
     def run_decoder(start: int, end: int) -> torch.Tensor:
-        step.layers_seen.clear()
-        positions = torch.arange(start, end, device=input_ids.device).expand(batch, -1)
-        hidden = decoder(
-            input_ids=input_ids[:, start:end], position_ids=positions, use_cache=False, **{STEP_KWARG: step}
-        ).last_hidden_state
-        if step.layers_seen != expected_layers:
-            missing = sorted(expected_layers - step.layers_seen)
-            raise RuntimeError(
-                f"attention layers {missing[:8]} did not go through oomb's attention: this model computes "
-                "attention outside transformers' AttentionInterface and cannot be trained with oomb"
-            )
-        return hidden
+        return run_chunk(model, step, input_ids, start, end)
 
     total = torch.zeros((), dtype=torch.float32, device=input_ids.device)
     try:
@@ -127,6 +118,34 @@ def chunked_backward(
     finally:
         store.clear()  # pool usage returns to zero, also after an error mid-step
     return total
+
+
+def run_chunk(model: PreTrainedModel, step: StepContext, input_ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """The decoder's hidden states [B, end - start, hidden] of tokens [start, end), attention through oomb.
+
+    The store must already hold the chunk's pages (append_chunk). Raises if a layer's attention
+    bypassed oomb (a model computing attention outside transformers' AttentionInterface).
+    """
+    step.layers_seen.clear()
+    positions = torch.arange(start, end, device=input_ids.device).expand(input_ids.shape[0], -1)
+    hidden = model.get_decoder()(
+        input_ids=input_ids[:, start:end], position_ids=positions, use_cache=False, **{STEP_KWARG: step}
+    ).last_hidden_state
+    expected = set(range(model.config.num_hidden_layers))
+    if step.layers_seen != expected:
+        missing = sorted(expected - step.layers_seen)
+        raise RuntimeError(
+            f"attention layers {missing[:8]} did not go through oomb's attention: this model computes "
+            "attention outside transformers' AttentionInterface and cannot be run by oomb"
+        )
+    return hidden
+
+
+def selection_policy(page_budget: int | None, selection: PageSelection | None) -> PageSelection | None:
+    """The page-selection policy of a step: ``page_budget`` overrides the budget of ``selection``."""
+    if page_budget is not None:
+        return dataclasses.replace(selection or PageSelection(), page_budget=page_budget)
+    return selection
 
 
 def document_starts(doc_ids: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -165,8 +184,9 @@ def store_for_model(model: torch.nn.Module) -> PagedKVStore | None:
 
 
 def _store_for(
-    model: PreTrainedModel, device: torch.device, page_size: int, grad_dtype: torch.dtype | None
-) -> PagedKVStore:
+    model: PreTrainedModel, device: torch.device, page_size: int, grad_dtype: torch.dtype | None,
+    offload: bool = False,
+) -> PagedKVStore | OffloadedKVStore:
     cfg = model.config
     dtype = model.get_input_embeddings().weight.dtype
     spec = StoreSpec(
@@ -178,10 +198,11 @@ def _store_for(
         grad_dtype=grad_dtype or dtype,
         device=torch.device(device),
     )
+    kind = OffloadedKVStore if offload else PagedKVStore
     store = _STORES.get(model)
-    if store is None or store.spec != spec:
+    if store is None or store.spec != spec or type(store) is not kind:
         release_memory(model)  # free the old pools before allocating new ones
-        store = PagedKVStore(spec)
+        store = kind(spec)
         _STORES[model] = store
     return store
 

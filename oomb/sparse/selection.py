@@ -50,7 +50,7 @@ class PageSelection:
 @torch.no_grad()
 def select_pages(
     q: torch.Tensor,  # [B, H, C, D] the chunk's queries (after RoPE)
-    mean_k: torch.Tensor,  # [num_pages, H_kv, D] float32 per-page mean key (the store's)
+    mean_k: torch.Tensor,  # [num_pages, H_kv, D] per-page mean key (the store's)
     page_table: torch.Tensor,  # [B, >= n_past] int32
     n_past: int,  # pages stored before the chunk
     page_size: int,
@@ -75,7 +75,7 @@ def select_pages(
     counts[-1] = c - (n_qb - 1) * policy.block
     q_mean = qf.view(b, h_kv, n_qb, policy.block, d).sum(dim=3) / (counts.view(1, 1, n_qb, 1) * (h // h_kv))
 
-    k_mean = mean_k[page_table[:, :n_past].long()]  # [B, n_past, H_kv, D]
+    k_mean = mean_k[page_table[:, :n_past].long()].float()  # [B, n_past, H_kv, D]
     scores = torch.einsum("bhqd,bphd->bhqp", q_mean, k_mean)  # [B, H_kv, n_qb, n_past]
     if not policy.per_head:
         scores = scores.sum(dim=1, keepdim=True)

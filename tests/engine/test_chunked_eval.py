@@ -94,3 +94,18 @@ def test_refuses_bad_input_before_work():
         chunked_eval(model, torch.zeros(1, 8, dtype=torch.long), chunk_size=24, page_size=16)
     with pytest.raises(ValueError, match="labels must have the shape"):
         chunked_eval(model, torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_eval_with_documents_and_pages_matches_training_loss():
+    # chunked_eval with doc_ids and a page budget scores the same loss chunked_backward trains on.
+    import oomb
+    from oomb.sparse import PageSelection
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 200))
+    doc_ids = torch.zeros_like(ids)
+    doc_ids[:, 90:] = 1
+    kw = dict(chunk_size=32, page_size=8, doc_ids=doc_ids, selection=PageSelection(page_budget=4, block=16))
+    loss = oomb.chunked_backward(model, ids, **kw)
+    result = chunked_eval(model, ids, **kw)
+    assert abs(result.mean_nll() - loss.item()) <= 1e-5 * loss.item()
