@@ -6,7 +6,7 @@
 What a step holds at its peak (stage 2, the recompute forward + backward of one chunk):
 
     parameters + gradients + optimizer states          (fixed)
-    paged store: K, V, dK, dV pages + fp32 mean keys   (grows with the context: StoreSpec's page math)
+    paged store: K, V, dK, dV pages + mean keys        (grows with the context: StoreSpec's page math)
     sparse page lists of every chunk                   (kept from stage 1 to stage 2)
     saved activations of one chunk, all layers         (formula below, measured per family)
     + max(fused loss workspace, one layer's backward temporaries)
@@ -458,7 +458,7 @@ def plan_memory(
         item("gradients", grads, trainable_note),
         item("optimizer states", states, optimizer),
         item("paged store", store, f"{batch_size} x {pages_per_seq} pages x {spec.bytes_per_page():,} B "
-             f"(K, V, dK, dV, fp32 mean keys) + page table"),
+             f"(K, V, dK, dV, mean keys) + page table"),
         item("sparse page lists", page_lists, "dense" if page_budget is None else
              f"budget {page_budget}, block {select_block}"),
         item("saved activations", saved, saved_note),

@@ -41,7 +41,7 @@ def test_breakdown_equals_hand_computed_bytes_for_the_tiny_preset():
     assert got["gradients"] == 4 * n_params
     assert got["optimizer states"] == 8 * n_params  # AdamW: two fp32 moments (fp32 model)
     # 32 pages of 128 tokens; a page = 2 layers x 2 KV heads x 32 dims x 128 slots x (K, V, dK, dV: 4 x 4 B)
-    # + the fp32 mean key of each layer and head; + the int32 page table.
+    # + the mean key of each layer and head (K's dtype: fp32 here); + the int32 page table.
     page = 2 * 2 * 32 * 128 * 16 + 2 * 2 * 32 * 4
     assert got["paged store"] == 32 * page + 32 * 4
     assert got["sparse page lists"] == 0
