@@ -1,4 +1,4 @@
-"""`oomb` command line: `oomb train [CONFIG.yaml] [key=value ...]`, `oomb eval MODEL ...`, `oomb bench ...`."""
+"""`oomb` command line: `oomb train [CONFIG.yaml] [key=value ...]`, `oomb plan ...`, `oomb eval`, `oomb bench`."""
 
 from __future__ import annotations
 
@@ -25,6 +25,13 @@ def main(argv: list[str] | None = None) -> int:
                          help="an optional YAML config file first, then dotted overrides like train.steps=100")
     train_p.add_argument("--list-keys", action="store_true", help="print every config key with its default")
     train_p.add_argument("--list-presets", action="store_true", help="print the built-in model presets")
+    plan_p = sub.add_parser("plan", help="the memory one training step of a config needs, and the longest "
+                            "context that fits", description="Same config and key=value overrides as `oomb train`. "
+                            "Exit status 1 when the run does not fit. See docs/memory.md.")
+    plan_p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
+    plan_p.add_argument("--gpu-memory", help="plan for a GPU of this size (e.g. 141GiB) instead of this machine's")
+    plan_p.add_argument("--host-memory", help="plan for this much host memory (e.g. 125GiB) instead of this machine's")
+    plan_p.add_argument("--json", action="store_true", help="print the plan as JSON")
     eval_p = sub.add_parser("eval", help="perplexity by position and retrieval accuracy of a model or checkpoint",
                             description="Evaluate a model: perplexity by position on held-out documents "
                             "(--perplexity) and retrieval accuracy over lengths x depths (--retrieval). "
@@ -39,10 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     bench_p.add_argument("name", choices=sorted(_BENCHES), help="which benchmark")
     bench_p.add_argument("bench_args", nargs=argparse.REMAINDER, help="its options (see oomb bench NAME --help)")
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "plan" and all("=" in e and not e.startswith("-") for e in extra):
+        args.args += extra  # key=value after an option: `oomb plan cfg.yaml --gpu-memory 141GiB train.x=1`
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     console = Console(stderr=False)
     if args.command == "train":
         return _train(args, console)
+    if args.command == "plan":
+        return _plan(args, console)
     if args.command == "eval":
         return _eval(args, sys.argv[1:] if argv is None else argv, console)
     import importlib
@@ -79,6 +92,21 @@ def _train(args, console: Console) -> int:
         console.print(Text.assemble(("stopped: ", "red"), str(e)), highlight=False, soft_wrap=True)
         return e.exit_code
     return 0
+
+
+def _plan(args, console: Console) -> int:
+    from oomb.train.config import ConfigError
+    from oomb.train.memory import run_plan
+    from oomb.train.trainer import load_run_config
+
+    overrides = list(args.args)
+    config_path = overrides.pop(0) if overrides and "=" not in overrides[0] else None
+    try:
+        cfg = load_run_config(config_path, overrides)
+        return run_plan(cfg, console, gpu_memory=args.gpu_memory, host_memory=args.host_memory, as_json=args.json)
+    except ConfigError as e:
+        console.print(f"[red]config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        return 2
 
 
 def _eval(args, argv: list[str], console: Console) -> int:

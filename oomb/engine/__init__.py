@@ -1,14 +1,18 @@
-"""The two-stage chunked step, its fused loss, and forward-only chunked evaluation."""
+"""The two-stage chunked step, its fused loss, forward-only chunked evaluation, and the memory planner."""
 
 from oomb.engine.evaluate import EvalResult, chunked_eval
 from oomb.engine.loss import linear_cross_entropy_sum
+from oomb.engine.plan import MemoryPlan, largest_context, plan_memory
 from oomb.engine.step import chunked_backward, release_memory, store_for_model
 
 __all__ = [
     "EvalResult",
+    "MemoryPlan",
     "chunked_backward",
     "chunked_eval",
+    "largest_context",
     "linear_cross_entropy_sum",
+    "plan_memory",
     "release_memory",
     "store_for_model",
 ]

@@ -120,6 +120,8 @@ class TrainConfig:
     """Page-sparse attention: one page list per KV head instead of one shared by all heads."""
     offload: bool = False
     """Keep K/V pages and their gradients in pinned host memory, two layers on the GPU (same gradients)."""
+    memory_check: bool = True
+    """Before building the model, refuse a run whose memory plan (see `oomb plan`) does not fit this machine."""
 
 
 @dataclass

@@ -57,6 +57,7 @@ from oomb.train.faults import (
     resume_command,
 )
 from oomb.train.inputs import build_inputs, model_config
+from oomb.train.memory import check_memory
 from oomb.train.monitor import TensorBoardLog, memory_fields, plot_run
 from oomb.train.optim import build_optimizer, check_optimizer
 from oomb.train.presets import build_model, preset_names
@@ -272,6 +273,7 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     inputs = build_inputs(cfg, model_config(cfg))  # data, tokenizer, positions: checked before the model
     if cfg.data.document_mask:
         check_document_mask_support()
+    plan = check_memory(cfg, device, dtype)  # the plan must fit before the model or a checkpoint is touched
     model = build(cfg, device, dtype)
     out = prepare_out_dir(cfg)
     model.train()
@@ -299,6 +301,8 @@ def train(cfg: Config, console: Console | None = None) -> Path:
         f"tokens ({cfg.data.task}), {cfg.train.optimizer}, "
         f"chunk {cfg.train.chunk_size}, page {cfg.train.page_size}; writing {out}/metrics.jsonl"
     )
+    if plan is not None:
+        console.print(plan.summary() + " (oomb plan prints the breakdown)")
     run = _Run(cfg, out, model, optimizer, scheduler, inputs, device,
                saved_step=start if resume_from is not None else None)
     tokens_per_step = cfg.train.grad_accum * cfg.train.batch_size * cfg.data.seq_len

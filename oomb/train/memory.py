@@ -1,0 +1,185 @@
+"""The memory plan of a run config: `oomb plan`, and the check `oomb train` makes before any work.
+
+    plan_for_config(cfg, device, dtype)   ->  MemoryPlan (oomb.engine.plan) with this machine's memory
+    check_memory(cfg, device, dtype)      ->  raises ConfigError when the plan does not fit, saying the
+                                              estimate, the memory available, the longest context that
+                                              fits and which settings would make this one fit
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import psutil
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from oomb.engine.plan import MemoryPlan, largest_context, plan_memory
+from oomb.engine.plan import format_bytes as _gib
+from oomb.train.config import Config, ConfigError
+from oomb.train.inputs import model_config
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'141GiB', '80 GB', '1.5TiB', '150e9' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(f"{text!r} is not a memory size; write e.g. 141GiB, 80GB or 150e9")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def available_memory(device: torch.device) -> tuple[int | None, int]:
+    """(GPU bytes free for this run or None off CUDA, host bytes available to this process)."""
+    host = psutil.virtual_memory().available + psutil.Process(os.getpid()).memory_info().rss
+    if device.type != "cuda":
+        return None, host
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device), host
+
+
+def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
+    t = cfg.train
+    return dict(
+        batch_size=t.batch_size, chunk_size=t.chunk_size, page_size=t.page_size, dtype=dtype,
+        lora_r=cfg.lora.r, lora_targets=tuple(x.strip() for x in cfg.lora.targets.split(",") if x.strip()),
+        optimizer=t.optimizer, layer_checkpointing=t.layer_checkpointing, device_type=device_type,
+        page_budget=t.page_budget, select_block=t.select_block, per_head_selection=t.select_per_head,
+        offload=t.offload and device_type == "cuda",
+    )
+
+
+def plan_for_config(cfg: Config, device_type: str, dtype: torch.dtype, *, gpu_bytes: int | None,
+                    host_bytes: int | None) -> tuple[MemoryPlan, int]:
+    """The run's plan against the given memory, and the longest data.seq_len that would fit."""
+    config = model_config(cfg)
+    settings = _settings(cfg, device_type, dtype)
+    limits = dict(device_total_bytes=gpu_bytes, host_total_bytes=host_bytes)
+    try:
+        plan = plan_memory(config, seq_len=cfg.data.seq_len, **settings, **limits)
+        return plan, largest_context(config, **settings, **limits)
+    except ValueError as e:
+        raise ConfigError(f"memory plan: {e}; train.memory_check=false skips the plan") from e
+
+
+def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dict) -> list[str]:
+    """Single setting changes that make the plan fit, cheapest in speed or quality first."""
+    config = model_config(cfg)
+    base = _settings(cfg, device_type, dtype)
+    t = cfg.train
+    candidates: list[tuple[str, dict]] = []
+    if not t.layer_checkpointing:
+        candidates.append(("train.layer_checkpointing=true", {"layer_checkpointing": True}))
+    chunk = t.chunk_size // 2
+    while chunk >= t.page_size and chunk % t.page_size == 0:
+        candidates.append((f"train.chunk_size={chunk}", {"chunk_size": chunk}))
+        chunk //= 2
+    if t.optimizer == "adamw":
+        candidates.append(("train.optimizer=adamw8bit", {"optimizer": "adamw8bit"}))
+    if cfg.lora.r == 0:
+        candidates.append(("lora.r=16", {"lora_r": 16}))
+    if device_type == "cuda" and not t.offload:
+        candidates.append(("train.offload=true", {"offload": True}))
+    found, chunk_found = [], False
+    for text, change in candidates:
+        if "chunk_size" in change and chunk_found:
+            continue
+        plan = plan_memory(config, seq_len=cfg.data.seq_len, **{**base, **change}, **limits)
+        if plan.fits:
+            found.append(f"{text} ({_gib(plan.gpu_bytes if device_type == 'cuda' else plan.host_bytes)})")
+            chunk_found = chunk_found or "chunk_size" in change
+    return found
+
+
+def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype) -> MemoryPlan | None:
+    """Refuse a run whose plan does not fit this machine (train.memory_check=false skips it)."""
+    if not cfg.train.memory_check:
+        return None
+    gpu, host = available_memory(device)
+    plan, longest = plan_for_config(cfg, device.type, dtype, gpu_bytes=gpu, host_bytes=host)
+    if plan.fits:
+        return plan
+    where = []
+    if not plan.gpu_fits:
+        where.append(f"{_gib(plan.gpu_bytes)} of GPU memory but {device} has {_gib(gpu)} free")
+    if not plan.host_fits:
+        where.append(f"{_gib(plan.host_bytes)} of host memory but {_gib(host)} is available")
+    biggest = sorted(plan.items, key=lambda i: -(i.gpu_bytes if device.type == "cuda" else i.host_bytes))[:4]
+    parts = ", ".join(f"{i.name} {_gib(i.gpu_bytes if device.type == 'cuda' else i.host_bytes)}" for i in biggest)
+    limits = dict(device_total_bytes=gpu, host_total_bytes=host)
+    fixes = _alternatives(cfg, device.type, dtype, limits)
+    message = (
+        f"this run needs {' and '.join(where)} (largest items: {parts}). "
+        + (f"The longest data.seq_len that fits with these settings is {longest:,}. " if longest
+           else "No data.seq_len fits with these settings. ")
+        + (f"Or keep data.seq_len={cfg.data.seq_len:,} and set {'; or '.join(fixes)}. " if fixes else "")
+        + "`oomb plan` with the same config prints the full breakdown; "
+        "train.memory_check=false skips this check."
+    )
+    raise ConfigError(message)
+
+
+def print_plan(plan: MemoryPlan, longest: int, console: Console, *, gpu_source: str, host_source: str) -> None:
+    """The breakdown table, the totals against the memory available and the longest context."""
+    gpu = plan.device_type == "cuda"
+    table = Table(title=f"oomb plan: {plan.settings['family']}, {plan.settings['seq_len']:,} tokens "
+                  f"x {plan.settings['batch_size']}, chunk {plan.settings['chunk_size']}, "
+                  f"{plan.settings['dtype']}, {plan.settings['optimizer']}"
+                  + (", layer checkpointing" if plan.settings["layer_checkpointing"] else ""))
+    table.add_column("item")
+    if gpu:
+        table.add_column("GPU", justify="right")
+    table.add_column("host", justify="right")
+    table.add_column("what", overflow="fold")
+    for i in plan.items:
+        row = [i.name] + ([_gib(i.gpu_bytes)] if gpu else []) + [_gib(i.host_bytes), i.note]
+        table.add_row(*row)
+    table.add_section()
+    table.add_row("total", *([_gib(plan.gpu_bytes)] if gpu else []), _gib(plan.host_bytes), "")
+    console.print(table)
+    if gpu:
+        verdict = "fits" if plan.gpu_fits else "does NOT fit"
+        console.print(f"GPU: {_gib(plan.gpu_bytes)} of {_gib(plan.device_total_bytes)} ({gpu_source}): {verdict}")
+    verdict = "fits" if plan.host_fits else "does NOT fit"
+    console.print(f"host: {_gib(plan.host_bytes)} of {_gib(plan.host_total_bytes)} ({host_source}): {verdict}")
+    console.print(f"longest data.seq_len that fits with these settings: {longest:,} tokens")
+    for note in plan.notes:
+        console.print(f"note: {note}")
+
+
+def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memory: str | None,
+             as_json: bool) -> int:
+    """`oomb plan`: 0 when the run fits, 1 when it does not.
+
+    Plans for CUDA when train.device asks for it, when it is auto and a GPU is visible, or when
+    --gpu-memory names the GPU to plan for; else for a CPU run (host memory only).
+    """
+    from oomb.train.trainer import check_config, resolve_dtype
+
+    check_config(cfg)
+    name = cfg.train.device
+    if name not in ("auto", "cpu") and not name.startswith("cuda"):
+        raise ConfigError(f"train.device={name!r}: use auto, cpu, cuda or cuda:N")
+    cuda_here = torch.cuda.is_available()
+    on_cuda = name.startswith("cuda") or (name == "auto" and (cuda_here or gpu_memory is not None))
+    device = torch.device(name if name.startswith("cuda") else "cuda" if on_cuda else "cpu")
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    if on_cuda and gpu_memory is None and not cuda_here:
+        raise ConfigError("no CUDA device here: give the memory of the GPU to plan for, e.g. --gpu-memory 141GiB")
+    gpu_here, host_here = available_memory(device if cuda_here else torch.device("cpu"))
+    gpu = parse_bytes(gpu_memory) if gpu_memory is not None else gpu_here if on_cuda else None
+    host = parse_bytes(host_memory) if host_memory is not None else host_here
+    plan, longest = plan_for_config(cfg, device.type, dtype, gpu_bytes=gpu, host_bytes=host)
+    if as_json:
+        print(json.dumps({**plan.to_dict(), "largest_seq_len": longest}, indent=2))
+    else:
+        print_plan(plan, longest, console,
+                   gpu_source="--gpu-memory" if gpu_memory is not None else f"free on {device}",
+                   host_source="--host-memory" if host_memory is not None else "available on this machine")
+    return 0 if plan.fits else 1

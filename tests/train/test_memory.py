@@ -1,0 +1,102 @@
+"""`oomb plan`, and `oomb train` refusing a run whose memory plan does not fit."""
+
+import json
+
+import pytest
+import torch
+
+import oomb.train.memory as memory
+from oomb.cli import main
+from oomb.engine.plan import HOST_PROCESS_BYTES, largest_context, plan_memory
+from oomb.train.config import ConfigError
+from oomb.train.presets import preset_config
+from oomb.train.trainer import load_run_config
+
+FAST = ["train.chunk_size=128", "train.page_size=64", "train.device=cpu", "train.steps=1", "train.export=false"]
+TINY = dict(batch_size=1, chunk_size=128, page_size=64, dtype=torch.float32, device_type="cpu",
+            lora_r=0, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"), optimizer="adamw",
+            layer_checkpointing=False)
+
+
+def _limit_host(monkeypatch, host_bytes):
+    monkeypatch.setattr(memory, "available_memory", lambda device: (None, host_bytes))
+
+
+def test_train_refuses_a_run_that_does_not_fit_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    host = HOST_PROCESS_BYTES + 96 * 2**20
+    _limit_host(monkeypatch, host)
+    longest = largest_context(preset_config("tiny"), host_total_bytes=host, **TINY)
+    assert 256 <= longest < 65536
+    out = tmp_path / "out"
+    assert main(["train", f"out_dir={out}", "data.seq_len=65536", *FAST]) == 2
+    msg = capsys.readouterr().out.replace("\n", "")
+    assert "config error:" in msg and "this run needs" in msg and "of host memory but 4.09 GiB is available" in msg
+    assert f"The longest data.seq_len that fits with these settings is {longest:,}." in msg
+    assert "train.memory_check=false skips this check" in msg and "oomb plan" in msg
+    assert not out.exists()
+    # The check is a setting: switched off, a run that the plan refuses starts (and here finishes).
+    _limit_host(monkeypatch, 1)
+    assert main(["train", f"out_dir={out}", "data.seq_len=256", *FAST]) == 2
+    assert not out.exists()
+    assert main(["train", f"out_dir={out}", "data.seq_len=256", "train.memory_check=false", *FAST]) == 0
+    assert (out / "metrics.jsonl").is_file()
+    assert "memory plan:" not in capsys.readouterr().out
+    _limit_host(monkeypatch, 64 * 2**30)  # fits: the run starts and says what was planned
+    assert main(["train", f"out_dir={tmp_path / 'fits'}", "data.seq_len=256", *FAST]) == 0
+    assert "memory plan: host 4.0" in capsys.readouterr().out
+
+
+def test_refusal_names_the_settings_that_would_fit(monkeypatch):
+    cfg = load_run_config(None, ["model.preset=qwen2.5-0.5b", "data.seq_len=65536", "train.chunk_size=8192",
+                                        "train.device=cpu", "model.dtype=bfloat16"])
+    settings = dict(TINY, chunk_size=8192, page_size=128, dtype=torch.bfloat16)
+    need = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings).host_bytes
+    _limit_host(monkeypatch, need - 2**30)
+    with pytest.raises(ConfigError) as err:
+        memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16)
+    msg = str(err.value)
+    assert "Or keep data.seq_len=65,536 and set train.layer_checkpointing=true" in msg
+    for fix in ("train.layer_checkpointing=true", "train.optimizer=adamw8bit", "lora.r=16"):
+        change = {"train.layer_checkpointing=true": {"layer_checkpointing": True},
+                  "train.optimizer=adamw8bit": {"optimizer": "adamw8bit"}, "lora.r=16": {"lora_r": 16}}[fix]
+        fits = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=65536, **{**settings, **change},
+                           host_total_bytes=need - 2**30).fits
+        assert (fix in msg) == fits, fix
+
+
+def test_plan_cli_prints_the_tiny_preset(capsys):
+    assert main(["plan", "--host-memory", "64GiB", "data.seq_len=4096", "train.device=cpu"]) == 0
+    text = capsys.readouterr().out
+    for line in ("parameters", "paged store", "saved activations", "chunk workspace", "total",
+                 "(--host-memory): fits", "longest data.seq_len that fits with these settings:"):
+        assert line in text, line
+    assert main(["plan", "--json", "--host-memory", "64GiB", "data.seq_len=4096", "train.device=cpu"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = plan_memory(preset_config("tiny"), seq_len=4096, chunk_size=1024, page_size=128, dtype=torch.float32,
+                       device_type="cpu", host_total_bytes=64 * 2**30)
+    assert got["items"] == want.to_dict()["items"] and got["host_bytes"] == want.host_bytes
+    assert got["largest_seq_len"] == largest_context(preset_config("tiny"), chunk_size=1024, page_size=128,
+                                                     dtype=torch.float32, device_type="cpu",
+                                                     host_total_bytes=64 * 2**30)
+    assert main(["plan", "--host-memory", "1GiB", "train.device=cpu"]) == 1  # does not fit: exit status 1
+    assert "does NOT fit" in capsys.readouterr().out
+
+
+def test_plan_cli_for_another_gpu(capsys):
+    args = ["plan", "train.device=cuda", "model.preset=qwen2.5-7b", "data.seq_len=1048576", "train.chunk_size=4096",
+            "--gpu-memory", "141GiB", "--host-memory", "125GiB", "--json"]
+    if not torch.cuda.is_available():
+        assert main(args[:-5]) == 2  # no GPU here and no --gpu-memory: asks for one
+        assert "--gpu-memory 141GiB" in capsys.readouterr().out.replace("\n", "")
+    assert main(args) == 1
+    got = json.loads(capsys.readouterr().out)
+    assert got["device_type"] == "cuda" and got["device_total_bytes"] == 141 * 2**30
+    assert 0 < got["largest_seq_len"] < 1048576
+    assert main(["plan", "--gpu-memory", "lots"]) == 2
+    assert "is not a memory size" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text,nbytes", [("141GiB", 141 * 2**30), ("80 GB", 80 * 10**9), ("150e9", 150 * 10**9),
+                                         ("1.5TiB", 3 * 2**39)])
+def test_parse_bytes(text, nbytes):
+    assert memory.parse_bytes(text) == nbytes
