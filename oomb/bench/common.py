@@ -25,3 +25,14 @@ def run_benchmark(name: str, args, run: Callable[[object], dict], print_table: C
             json.dump(report, f, indent=2)
     print_table(report)
     return 0
+
+
+def add_step_arguments(parser, *, budget: bool = True) -> None:
+    """The options every step benchmark shares: model, chunking, repeats, output."""
+    parser.add_argument("--preset", default="qwen2.5-7b")
+    if budget:
+        parser.add_argument("--budget", type=int, default=64, help="pages per query block (sparse rows)")
+    parser.add_argument("--chunk", type=int, default=4096)
+    parser.add_argument("--page", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", default=None, help="write the JSON report here")

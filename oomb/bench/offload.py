@@ -23,7 +23,7 @@ import sys
 import torch
 
 import oomb
-from oomb.bench.common import int_list, run_benchmark
+from oomb.bench.common import add_step_arguments, int_list, run_benchmark
 from oomb.bench.core import _time_steps
 from oomb.engine import store_for_model
 
@@ -118,15 +118,10 @@ def _print_table(report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="oomb bench offload", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="qwen2.5-7b")
     p.add_argument("--dense-lengths", type=int_list, default=[65536])
     p.add_argument("--sparse-lengths", type=int_list, default=[131072])
     p.add_argument("--growth-lengths", type=int_list, default=[65536, 262144])
-    p.add_argument("--budget", type=int, default=64)
-    p.add_argument("--chunk", type=int, default=4096)
-    p.add_argument("--page", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--out", default=None, help="write the JSON report here")
+    add_step_arguments(p)
     return run_benchmark("offload", p.parse_args(argv), run, _print_table)
 
 

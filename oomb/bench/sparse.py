@@ -27,7 +27,7 @@ import torch
 
 import oomb
 from oomb.bench.attention import H_KV, C, D, H, _bench, _paged_inputs, attention_flops
-from oomb.bench.common import int_list, run_benchmark
+from oomb.bench.common import add_step_arguments, int_list, run_benchmark
 from oomb.bench.core import _time_steps
 from oomb.engine import store_for_model
 from oomb.sparse import PageSelection, select_pages
@@ -248,13 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split-contexts", type=int_list, default=[],
                    help="kv_len values at which to time each kernel and sweep backward tiles (sparse)")
     p.add_argument("--profile-step", type=int, default=0, help="profile the kernels of one sparse step this long")
-    p.add_argument("--preset", default="qwen2.5-7b")
-    p.add_argument("--budget", type=int, default=64, help="pages per query block")
     p.add_argument("--block", type=int, default=128, help="queries per selection block")
-    p.add_argument("--chunk", type=int, default=4096)
-    p.add_argument("--page", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--out", default=None, help="write the JSON report here")
+    add_step_arguments(p)
     return run_benchmark("sparse", p.parse_args(argv), run, _print_table)
 
 

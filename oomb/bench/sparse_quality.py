@@ -47,7 +47,7 @@ from oomb.engine import chunked_eval
 from oomb.sparse import PageSelection
 from oomb.train.checkpoint import write_text_atomic
 from oomb.train.data import PasskeyTask
-from oomb.train.evaluate import HELD_OUT_STEP, answer_labels, answers_correct
+from oomb.train.evaluate import HELD_OUT_STEP, answer_labels, answers_correct, finite_json
 
 # The gradient study's sequences: task sequences number GRAD_STEP * grad_samples + i, apart from
 # the training sequences (small numbers) and the retrieval evaluation's (HELD_OUT_STEP * samples + i).
@@ -387,7 +387,7 @@ def run(s: Study, out: Path, device: torch.device, command: str, log=print) -> d
 
     def save() -> None:
         report["seconds"] = time.perf_counter() - started
-        write_text_atomic(out / "sparse_quality.json", json.dumps(_finite(report), indent=2) + "\n")
+        write_text_atomic(out / "sparse_quality.json", json.dumps(finite_json(report), indent=2) + "\n")
         write_text_atomic(out / "sparse_quality.md", markdown(report))
 
     model = build_model(s, device, dtype)
@@ -435,16 +435,6 @@ def run(s: Study, out: Path, device: torch.device, command: str, log=print) -> d
     save()
     return report
 
-
-def _finite(value):
-    """NaN and infinities as null, so the JSON is strict."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
 
 
 # ----------------------------------------------------------------------------- report

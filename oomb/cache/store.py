@@ -79,7 +79,57 @@ class ChunkRecord:
     page_ids: tuple[int, ...]  # B * num_pages ids, sequence-major
 
 
-class PagedKVStore:
+class ChunkLedger:
+    """The chunk bookkeeping every store shares: chunks appended at the end, freed newest first."""
+
+    spec: StoreSpec
+    batch_size: int
+    num_tokens: int
+    _chunks: list[ChunkRecord]
+
+    @property
+    def chunks(self) -> tuple[ChunkRecord, ...]:
+        return tuple(self._chunks)
+
+    def last_chunk(self) -> ChunkRecord:
+        if not self._chunks:
+            raise RuntimeError("the store holds no chunk")
+        return self._chunks[-1]
+
+    def _check_reserve(self, batch_size: int, num_tokens: int) -> None:
+        if self._chunks:
+            raise RuntimeError("reserve() needs an empty store: free the previous step's chunks first")
+        if batch_size <= 0 or num_tokens <= 0:
+            raise ValueError(f"batch_size and num_tokens must be positive, got {batch_size}, {num_tokens}")
+
+    def _check_append(self, num_tokens: int) -> tuple[int, int]:
+        """(first page, number of pages) of the next chunk, after checking it may be appended."""
+        if self.batch_size == 0:
+            raise RuntimeError("call reserve() before append_chunk()")
+        if num_tokens <= 0:
+            raise ValueError(f"a chunk needs at least one token, got {num_tokens}")
+        page_size = self.spec.page_size
+        if self.num_tokens % page_size:
+            raise RuntimeError(
+                f"the store holds {self.num_tokens} tokens, not a multiple of page_size={page_size}: "
+                "only the last chunk of a sequence may end inside a page"
+            )
+        return self.num_tokens // page_size, -(-num_tokens // page_size)
+
+    def _check_write(self, k: torch.Tensor, v: torch.Tensor) -> ChunkRecord:
+        """The newest chunk, after checking ``k``/``v`` [B, H_kv, T, D] fit its pages."""
+        s = self.spec
+        record = self.last_chunk()
+        expected = (self.batch_size, s.num_kv_heads, record.end - record.start, s.head_dim)
+        for name, t in (("keys", k), ("values", v)):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} of shape {tuple(t.shape)} do not fit the chunk's pages {expected}")
+            if t.dtype != s.dtype:
+                raise TypeError(f"{name} are {t.dtype} but the store holds {s.dtype}")
+        return record
+
+
+class PagedKVStore(ChunkLedger):
     """Preallocated K/V (+gradient) pools with a shared block table.
 
     The API is the whole contract the engine and attention need:
@@ -110,10 +160,6 @@ class PagedKVStore:
     def num_used_pages(self) -> int:
         return self._allocator.num_used
 
-    @property
-    def chunks(self) -> tuple[ChunkRecord, ...]:
-        return tuple(self._chunks)
-
     def pages_for(self, batch_size: int, num_tokens: int) -> int:
         return batch_size * -(-num_tokens // self.spec.page_size)
 
@@ -127,10 +173,7 @@ class PagedKVStore:
         The store must be empty. Growing an empty pool frees the old tensors before
         allocating new ones, so growth never holds two pools at once.
         """
-        if self._chunks:
-            raise RuntimeError("reserve() needs an empty store: free the previous step's chunks first")
-        if batch_size <= 0 or num_tokens <= 0:
-            raise ValueError(f"batch_size and num_tokens must be positive, got {batch_size}, {num_tokens}")
+        self._check_reserve(batch_size, num_tokens)
         needed = self.pages_for(batch_size, num_tokens)
         if needed > self.capacity_pages:
             # Drop the old pools first (peak memory = the new pools only); if the allocation
@@ -175,17 +218,7 @@ class PagedKVStore:
         sequence may be ragged). Gradient pages of the new chunk are zeroed.
         """
         s = self.spec
-        if self.batch_size == 0:
-            raise RuntimeError("call reserve() before append_chunk()")
-        if num_tokens <= 0:
-            raise ValueError(f"a chunk needs at least one token, got {num_tokens}")
-        if self.num_tokens % s.page_size:
-            raise RuntimeError(
-                f"the store holds {self.num_tokens} tokens, not a multiple of page_size={s.page_size}: "
-                "only the last chunk of a sequence may end inside a page"
-            )
-        n_pages = -(-num_tokens // s.page_size)
-        first_page = self.num_tokens // s.page_size
+        first_page, n_pages = self._check_append(num_tokens)
         if first_page + n_pages > self.page_table.shape[1]:
             grown = torch.zeros(
                 (self.batch_size, first_page + n_pages), dtype=torch.int32, device=s.device
@@ -215,11 +248,6 @@ class PagedKVStore:
         self._chunks.append(record)
         self.num_tokens = record.end
         return record
-
-    def last_chunk(self) -> ChunkRecord:
-        if not self._chunks:
-            raise RuntimeError("the store holds no chunk")
-        return self._chunks[-1]
 
     def free_last_chunk(self) -> None:
         """Free the newest chunk's pages (all layers); the store then ends where it began."""
@@ -271,13 +299,7 @@ class PagedKVStore:
         computed over valid slots only.
         """
         s = self.spec
-        record = self.last_chunk()
-        expected = (self.batch_size, s.num_kv_heads, record.end - record.start, s.head_dim)
-        for name, t in (("keys", k), ("values", v)):
-            if tuple(t.shape) != expected:
-                raise ValueError(f"{name} of shape {tuple(t.shape)} do not fit the chunk's pages {expected}")
-            if t.dtype != s.dtype:
-                raise TypeError(f"{name} are {t.dtype} but the store holds {s.dtype}")
+        record = self._check_write(k, v)
         pools = self._layers[layer_idx]
         ids = self._chunk_page_ids(record).reshape(-1)
         kp = tokens_to_tiles(k, s.page_size)

@@ -37,6 +37,7 @@ import torch
 
 from oomb.cache import ChunkRecord, LayerPools, StoreSpec
 from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
+from oomb.cache.store import ChunkLedger, _valid_per_page
 
 _KINDS = ("k", "v", "dk", "dv")
 
@@ -58,7 +59,7 @@ class _Slot:
     pending_scatter: list = field(default_factory=list)  # host writes waiting for staging_done
 
 
-class OffloadedKVStore:
+class OffloadedKVStore(ChunkLedger):
     """Drop-in for ``PagedKVStore`` whose pages live in host memory (see the module docstring)."""
 
     def __init__(self, spec: StoreSpec, *, num_slots: int = 2) -> None:
@@ -82,10 +83,6 @@ class OffloadedKVStore:
 
     # ------------------------------------------------------------------ capacity
     @property
-    def chunks(self) -> tuple[ChunkRecord, ...]:
-        return tuple(self._chunks)
-
-    @property
     def num_used_pages(self) -> int:
         return self.batch_size * -(-self.num_tokens // self.spec.page_size)
 
@@ -99,10 +96,7 @@ class OffloadedKVStore:
 
     def reserve(self, batch_size: int, num_tokens: int) -> None:
         """Make room for ``batch_size`` sequences of ``num_tokens`` (host pools grow, never shrink)."""
-        if self._chunks:
-            raise RuntimeError("reserve() needs an empty store: free the previous step's chunks first")
-        if batch_size <= 0 or num_tokens <= 0:
-            raise ValueError(f"batch_size and num_tokens must be positive, got {batch_size}, {num_tokens}")
+        self._check_reserve(batch_size, num_tokens)
         s = self.spec
         max_pages = -(-num_tokens // s.page_size)
         if not self._host or batch_size != self.batch_size or max_pages > self._max_pages:
@@ -135,18 +129,7 @@ class OffloadedKVStore:
 
     # ------------------------------------------------------------------ chunks
     def append_chunk(self, num_tokens: int) -> ChunkRecord:
-        s = self.spec
-        if self.batch_size == 0:
-            raise RuntimeError("call reserve() before append_chunk()")
-        if num_tokens <= 0:
-            raise ValueError(f"a chunk needs at least one token, got {num_tokens}")
-        if self.num_tokens % s.page_size:
-            raise RuntimeError(
-                f"the store holds {self.num_tokens} tokens, not a multiple of page_size={s.page_size}: "
-                "only the last chunk of a sequence may end inside a page"
-            )
-        first_page = self.num_tokens // s.page_size
-        n_pages = -(-num_tokens // s.page_size)
+        first_page, n_pages = self._check_append(num_tokens)
         if first_page + n_pages > self._max_pages:
             raise RuntimeError(f"the store was reserved for {self._max_pages} pages per sequence; "
                                f"reserve() for the whole sequence before appending")
@@ -164,11 +147,6 @@ class OffloadedKVStore:
         for slot in self._slots:
             slot.key = None  # a slot's layout includes the newest chunk
         return record
-
-    def last_chunk(self) -> ChunkRecord:
-        if not self._chunks:
-            raise RuntimeError("the store holds no chunk")
-        return self._chunks[-1]
 
     def free_last_chunk(self) -> None:
         record = self.last_chunk()
@@ -255,13 +233,7 @@ class OffloadedKVStore:
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the newest chunk's K/V [B, H_kv, T, D] into the layer's slot (``fetch`` first)."""
         s = self.spec
-        record = self.last_chunk()
-        expected = (self.batch_size, s.num_kv_heads, record.end - record.start, s.head_dim)
-        for name, t in (("keys", k), ("values", v)):
-            if tuple(t.shape) != expected:
-                raise ValueError(f"{name} of shape {tuple(t.shape)} do not fit the chunk's pages {expected}")
-            if t.dtype != s.dtype:
-                raise TypeError(f"{name} are {t.dtype} but the store holds {s.dtype}")
+        record = self._check_write(k, v)
         slot = self._slot_of(layer_idx)
         if slot.key is None or slot.key[0] != layer_idx:
             raise RuntimeError(f"write() for layer {layer_idx} before fetch(): its slot holds another layer")
@@ -270,8 +242,7 @@ class OffloadedKVStore:
         for kind, tiles in (("k", kt), ("v", vt)):
             view = slot.pools[kind][: self.batch_size * slot.rows].view(self.batch_size, slot.rows, *tiles.shape[1:])
             view[:, slot.num_past : slot.num_past + n] = tiles.view(self.batch_size, n, *tiles.shape[1:])
-        valid = torch.full((n,), float(s.page_size), device=k.device)
-        valid[-1] = (record.end - record.start) - (n - 1) * s.page_size
+        valid = _valid_per_page(record, s.page_size, k.device)
         ids = self._chunk_ids
         mean = kt.float().sum(dim=2) / valid.repeat(self.batch_size).view(-1, 1, 1)
         self._mean_k[layer_idx][ids] = mean.to(s.dtype)  # as the device store keeps it

@@ -53,15 +53,12 @@ class LoadedModel:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from oomb.train.trainer import resolve_device as resolve
+
     try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise EvalError(f"--device {name!r} is not a device name (use auto, cpu, cuda or cuda:N)") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise EvalError("--device asks for CUDA but no CUDA device is visible; use --device cpu")
-    return device
+        return resolve(name, option="--device")
+    except ConfigError as e:
+        raise EvalError(str(e)) from e
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -576,20 +573,20 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
     if retrieval_on:
         plot_retrieval(results["retrieval"], out / "retrieval.png", f"{title}: {task_name} accuracy")
         files.append("retrieval.png")
-    write_text_atomic(out / "results.json", json.dumps(_finite(results), indent=2, allow_nan=False) + "\n")
+    write_text_atomic(out / "results.json", json.dumps(finite_json(results), indent=2, allow_nan=False) + "\n")
     _print_tables(results, console)
     console.print(f"wrote {', '.join(files)} to {out}", highlight=False)
     return out
 
 
-def _finite(value):
-    """NaN and infinities as null, so results.json is strict JSON."""
+def finite_json(value):
+    """NaN and infinities as null, so the JSON is strict."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite_json(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_finite(v) for v in value]
+        return [finite_json(v) for v in value]
     return value
 
 

@@ -65,15 +65,17 @@ from oomb.train.presets import build_model, preset_names
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, option: str = "train.device") -> torch.device:
+    """``auto`` -> cuda when visible, else cpu; ``option`` names the setting in error messages."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError as e:
-        raise ConfigError(f"train.device={name!r} is not a device name (use auto, cpu, cuda or cuda:N)") from e
+        raise ConfigError(f"{option} {name!r} is not a device name (use auto, cpu, cuda or cuda:N)") from e
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device asks for CUDA but no CUDA device is visible; use train.device=cpu")
+        sep = "=" if option.startswith("train.") else " "
+        raise ConfigError(f"{option} asks for CUDA but no CUDA device is visible; use {option}{sep}cpu")
     return device
 
 
