@@ -435,7 +435,8 @@ def plan_memory(
         layer_types = getattr(model_config, "layer_types", None) or ["full_attention"] * shape.num_layers
         full_layers = sum(t == "full_attention" for t in layer_types)
         n_chunks = -(-seq_len // chunk)
-        listed = sum(1 for k in range(n_chunks) if k * chunk // page_size > page_budget)
+        # Chunk k has k * chunk // page_size past pages: lists exist from k = ceil((budget + 1) * page / chunk).
+        listed = max(0, n_chunks - -(-(page_budget + 1) * page_size // chunk))
         page_lists = 4 * batch_size * h_sel * -(-chunk // select_block) * page_budget * full_layers * listed
 
     lora_shape = LoraShape(lora_r, tuple(lora_targets), lora_dtype) if lora_r > 0 else None
