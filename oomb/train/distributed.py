@@ -121,6 +121,15 @@ def barrier(ctx: DistributedContext | None) -> None:
         dist.barrier()
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on at least one (one tiny all-reduce)."""
+    value = torch.tensor([int(flag)], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        value = value.cuda()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 # --- data -------------------------------------------------------------------------------------
 
 

@@ -342,7 +342,7 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
     tensorboard = (TensorBoardLog(out, resumed_after=start if cfg.resume is not None else None)
                    if cfg.train.tensorboard and main_rank else None)
     started = time.perf_counter()
-    stop = StopRequest().install(model)
+    stop = StopRequest().install(model, at_chunks=ctx is None)  # under torchrun: at step ends, all ranks agreed
     skipped = 0
     try:
         metrics_path = out / "metrics.jsonl" if main_rank else os.devnull  # one rank writes the run's metrics
@@ -419,7 +419,7 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
                 last = step + 1 == cfg.train.steps
                 if last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
                     run.save(step + 1)
-                if stop.requested and not last:
+                if (stop.requested if ctx is None else distributed.any_rank(stop.requested)) and not last:
                     run.stop_on_signal(stop, step + 1)
     finally:
         stop.uninstall()
@@ -498,8 +498,9 @@ class _Run:
     def stop_on_signal(self, stop: StopRequest, done: int, dropped: int | None = None, data_state: dict | None = None):
         ckpt = find_checkpoint(self.out) if self.saved_step == done else self.save(done, data_state)
         what = f"step {dropped} was in progress and is dropped; " if dropped is not None else ""
+        by = stop.name or "a signal to another rank"  # under torchrun, every rank stops when one is signalled
         raise RunStopped(
-            f"interrupted by {stop.name} after step {done} of {self.cfg.train.steps} ({what}checkpoint {ckpt}).\n"
+            f"interrupted by {by} after step {done} of {self.cfg.train.steps} ({what}checkpoint {ckpt}).\n"
             f"Continue with:\n  {resume_command(self.out)}", EXIT_INTERRUPTED)
 
     def stop_out_of_memory(self, step: int, where: str, error: str, use, *, model_intact: bool = True,
@@ -515,6 +516,8 @@ class _Run:
                     f"they are not saved; {self._newest_checkpoint()}.")
         elif self.saved_step == step:
             kept = f"The model and optimizer are as after step {step}; {self._newest_checkpoint()}."
+        elif self.ctx is not None:  # a save needs every rank, and the others are inside the step's collectives
+            kept = f"Step {step} is not saved (under torchrun one rank cannot save alone); {self._newest_checkpoint()}."
         else:
             try:
                 kept = (f"The model and optimizer are as after step {step} and were saved to "
@@ -532,10 +535,15 @@ class _Run:
 
     def nonfinite(self, step: int, loss, grad_norm, batches) -> dict:
         """Locate the first non-finite value; stop (train.on_nonfinite=stop) or return what to log (skip)."""
-        parameter = first_nonfinite_grad(self.model)
-        self.optimizer.zero_grad(set_to_none=True)
         t = self.cfg.train
         site = None
+        if self.ctx is not None:  # every rank gets here (global loss and norm); locating would need them in step
+            parameter = "not located under torchrun (run one process from the last checkpoint to locate it)"
+            self.optimizer.zero_grad(set_to_none=True)
+            site, batches = "not located under torchrun", []
+        else:
+            parameter = first_nonfinite_grad(self.model)
+            self.optimizer.zero_grad(set_to_none=True)
         try:
             for m, batch in enumerate(batches):  # the grad_accum batches in the order they ran
                 doc_ids = batch.doc_ids.to(self.device) if self.cfg.data.document_mask else None

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from oomb.cli import main
+from oomb.train.checkpoint import find_checkpoint, verify_checkpoint
 
 HERE = Path(__file__).resolve().parent
 STEPS = 4
@@ -110,3 +113,39 @@ def test_gradients_cross_the_network_once_per_step(tmp_path):
     assert counts["groups"] == 3  # 2 decoder layers + the root (embeddings, final norm, LM head)
     for step in counts["steps"]:
         assert step == {"all_gather_single": counts["groups"], "reduce_scatter_single": counts["groups"]}, counts
+
+
+def _worker_with_rank(launcher: int, rank: int) -> int:
+    for task in Path(f"/proc/{launcher}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in env:
+                return int(child)
+    raise AssertionError(f"no worker of rank {rank} under torchrun (pid {launcher})")
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """SIGTERM to rank 1 alone: both ranks finish the step, save it together and stop (no rank left waiting)."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "-m", "oomb.cli", "train", "data.seq_len=1024", "train.chunk_size=128",
+                             "train.page_size=64", "train.device=cpu", "train.steps=200", "train.export=false",
+                             f"out_dir={out}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 120
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.05)
+        os.kill(_worker_with_rank(proc.pid, 1), signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, stdout[-2000:]
+    assert "interrupted by SIGTERM" in stdout + stderr
+    done = len((out / "metrics.jsonl").read_text().splitlines())
+    assert 1 <= done < 200
+    ckpt = find_checkpoint(out)
+    verify_checkpoint(ckpt)
+    assert json.loads((ckpt / "state.json").read_text())["step"] == done
