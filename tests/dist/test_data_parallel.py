@@ -149,3 +149,29 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     ckpt = find_checkpoint(out)
     verify_checkpoint(ckpt)
     assert json.loads((ckpt / "state.json").read_text())["step"] == done
+
+
+def test_packed_text_with_document_masks_and_an_untied_head_matches_one_process(tmp_path):
+    """data.task=text (a stateful corpus position) with doc_ids, on a model folder whose LM head is its own."""
+    from tiny_models import tiny_model
+
+    folder = tmp_path / "model"
+    tiny_model("llama", vocab_size=300).save_pretrained(folder)  # untied LM head; byte-level tokenizer
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(8):
+        (texts / f"doc{i}.txt").write_text(f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * (i % 3 + 1))
+    args = ["data.seq_len=256", "train.chunk_size=128", "train.page_size=64", "train.lr=0.01", "train.warmup_steps=1",
+            "train.device=cpu", "train.steps=3", f"model.path={folder}", "data.task=text", f"data.paths=[{texts}]",
+            "data.document_mask=true"]
+    torchrun("-m", "oomb.cli", "train", *args, f"out_dir={tmp_path / 'two'}")
+    assert main(["train", *args, "train.batch_size=2", f"out_dir={tmp_path / 'one'}"]) == 0
+    got, expected = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert sorted(got) == [1, 2, 3]
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), (step, got, expected)
+    a = load_file(tmp_path / "two" / "export" / "model.safetensors")
+    b = load_file(tmp_path / "one" / "export" / "model.safetensors")
+    assert a.keys() == b.keys() and "lm_head.weight" in a
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    assert (tmp_path / "two" / "export" / "tokenizer_config.json").is_file()
