@@ -223,6 +223,11 @@ def accumulate_gradients(model, batches, ctx: DistributedContext, cfg: Config) -
     divisor = float(every.sum()) / ctx.world_size
     loss = torch.zeros((), dtype=torch.float32, device=ctx.device)
     model.unshard()  # the root's group (embeddings, norm, LM head): no forward of the root gathers it
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(model.get_output_embeddings().weight, DTensor):  # the fused cross-entropy needs all of it
+        raise RuntimeError("the LM head's weight is still sharded after unshard(): it is not in the root's "
+                           "FSDP2 group, so the fused cross-entropy cannot use it")
     _gradient_sync(model, False)
     try:
         for m, batch in enumerate(batches):
