@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -41,6 +42,8 @@ def chunked_backward(
     page_budget: int | None = None,
     selection: PageSelection | None = None,
     offload: bool = False,
+    loss_divisor: float | None = None,
+    before_last_backward: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Exact loss and parameter gradients of a long sequence, one chunk of activations at a time.
 
@@ -65,6 +68,12 @@ def chunked_backward(
             ``page_budget`` overrides its budget when both are given.
         offload: keep K, V and their gradient pages in (pinned) host memory, with only the layer
             being computed and the next one on the device (oomb.offload). Same gradients.
+        loss_divisor: what the summed token loss is divided by (default: the number of target
+            tokens of ``input_ids``). Data parallel training passes the target count of every
+            rank's batches, so that the gradients of all ranks add up to the global mean's.
+        before_last_backward: called once, just before the backward of the step's last chunk
+            (c_0, stage 2's final backward): data parallel training turns gradient
+            reduction on there, so gradients cross the network once per step, not per chunk.
 
     Accumulates d(loss)/d(param) into ``.grad`` like ``loss.backward()`` and returns the
     mean loss over target tokens as a detached scalar. A peft model (LoRA) is accepted:
@@ -77,6 +86,9 @@ def chunked_backward(
     n_targets = int((targets != IGNORE_INDEX).sum())  # host sync, once per step
     if n_targets == 0:
         raise ValueError("no position has a target: every label is -100 (or the sequence has one token)")
+    if loss_divisor is not None and not loss_divisor > 0:
+        raise ValueError(f"loss_divisor must be positive, got {loss_divisor}")
+    divisor = n_targets if loss_divisor is None else loss_divisor
 
     batch, seq_len = input_ids.shape
     store = _store_for(model, input_ids.device, page_size, grad_dtype, offload)
@@ -110,7 +122,9 @@ def chunked_backward(
                     head.bias,
                     targets[:, start:end].reshape(-1),
                     impl=loss_impl,
-                ) / n_targets
+                ) / divisor
+                if start == 0 and before_last_backward is not None:
+                    before_last_backward()
                 loss.backward()
                 total += loss.detach()
                 step.drop_page_lists(start)

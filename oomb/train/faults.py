@@ -99,11 +99,17 @@ class StopRequest:
         if self.signum is not None:
             raise StepAbandoned(self.name)
 
-    def install(self, model: torch.nn.Module) -> StopRequest:
-        """Catch the signals (main thread only: Python allows handlers nowhere else) and check at chunks."""
+    def install(self, model: torch.nn.Module, at_chunks: bool = True) -> StopRequest:
+        """Catch the signals (main thread only: Python allows handlers nowhere else) and check at chunks.
+
+        ``at_chunks=False``: no check inside steps; the caller reads ``requested`` between steps
+        (data parallel ranks must agree where to stop, or one would wait in a collective forever).
+        """
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
+        if not at_chunks:
+            return self
         # Every chunk's forward starts with the token embedding: a boundary between chunks.
         self._hook = model.get_input_embeddings().register_forward_pre_hook(lambda module, args: self.check())
         return self

@@ -27,6 +27,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 import oomb
 from oomb.engine import release_memory
 from oomb.engine.diagnose import locate_nonfinite
+from oomb.train import distributed
 from oomb.train.checkpoint import (
     CheckpointError,
     checkpoint_state,
@@ -265,37 +266,62 @@ def train(cfg: Config, console: Console | None = None) -> Path:
 
     Raises ConfigError before any work for bad settings or paths, and RunStopped for a
     failure it handled during the run (the message says what is on disk and how to resume).
+    Under torchrun (WORLD_SIZE > 1) the ranks train data parallel: oomb.train.distributed.
     """
-    console = console or Console()
     check_config(cfg)
+    ctx = distributed.setup(cfg)  # None in a single process
+    try:
+        return _train(cfg, console, ctx)
+    finally:
+        distributed.teardown(ctx)
+
+
+def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedContext | None) -> Path:
+    main_rank = ctx is None or ctx.is_main  # the rank that prints and writes the run's files
+    console = (console or Console()) if main_rank else Console(quiet=True)
     resume_from = check_paths(cfg)
-    device = resolve_device(cfg.train.device)
+    if resume_from is not None:
+        try:
+            distributed.check_checkpoint_format(resume_from, ctx)
+        except CheckpointError as e:
+            raise ConfigError(f"cannot resume: {e}") from e
+    device = ctx.device if ctx is not None else resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     check_optimizer(cfg.train.optimizer, device)
-    inputs = build_inputs(cfg, model_config(cfg))  # data, tokenizer, positions: checked before the model
+    if ctx is None:
+        inputs = build_inputs(cfg, model_config(cfg))  # data, tokenizer, positions: checked before the model
+    else:  # each rank its own rows of the sequences drawn for all ranks
+        inputs = distributed.build_rank_inputs(cfg, model_config(cfg), ctx, build_inputs)
     if cfg.data.document_mask:
         check_document_mask_support()
     plan = check_memory(cfg, device, dtype)  # the plan must fit before the model or a checkpoint is touched
     model = build(cfg, device, dtype)
-    out = prepare_out_dir(cfg)
+    out = prepare_out_dir(cfg) if ctx is None else distributed.prepare_out_dir(ctx, cfg, prepare_out_dir)
     model.train()
     if cfg.train.layer_checkpointing:  # transformers' own; exact inside oomb's chunks (tested)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if ctx is not None:
+        model = distributed.shard_model(model)  # before the optimizer: its states are sharded too
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg.train.optimizer, params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     start = 0
     if resume_from is not None:
         try:
-            start = load_checkpoint(resume_from, model, optimizer, scheduler, verify=False)  # verified above
+            if ctx is None:
+                start = load_checkpoint(resume_from, model, optimizer, scheduler, verify=False)  # verified above
+            else:
+                start = distributed.load_checkpoint(ctx, resume_from, model, optimizer, scheduler)
             inputs.load_state_dict(checkpoint_state(resume_from).get("data", {}))
         except CheckpointError as e:
             raise ConfigError(f"cannot resume from {resume_from}: {e}") from e
-        _roll_back_metrics(out / "metrics.jsonl", start)
+        if main_rank:
+            _roll_back_metrics(out / "metrics.jsonl", start)
         console.print(f"resuming {out} after step {start} from {resume_from}")
     else:
         cfg.out_dir = str(out)
-        (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+        if main_rank:
+            (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
     n_params = sum(p.numel() for p in params)
     console.print(
         f"[bold]oomb train[/]: {cfg.model.path or cfg.model.preset} ({n_params / 1e6:.2f}M params, {dtype}) on "
@@ -306,20 +332,21 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     if plan is not None:
         console.print(plan.summary() + " (oomb plan prints the breakdown)")
     run = _Run(cfg, out, model, optimizer, scheduler, inputs, device,
-               saved_step=start if resume_from is not None else None)
-    tokens_per_step = cfg.train.grad_accum * cfg.train.batch_size * cfg.data.seq_len
+               saved_step=start if resume_from is not None else None, ctx=ctx)
+    tokens_per_step = cfg.train.grad_accum * cfg.train.batch_size * cfg.data.seq_len * (ctx.world_size if ctx else 1)
     columns = [
         TextColumn("step {task.completed}/{task.total}"), BarColumn(),
         TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
         TextColumn("{task.fields[memory]}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
     ]
     tensorboard = (TensorBoardLog(out, resumed_after=start if cfg.resume is not None else None)
-                   if cfg.train.tensorboard else None)
+                   if cfg.train.tensorboard and main_rank else None)
     started = time.perf_counter()
-    stop = StopRequest().install(model)
+    stop = StopRequest().install(model, at_chunks=ctx is None)  # under torchrun: at step ends, all ranks agreed
     skipped = 0
     try:
-        with open(out / "metrics.jsonl", "a") as metrics, Progress(*columns, console=console) as progress:
+        metrics_path = out / "metrics.jsonl" if main_rank else os.devnull  # one rank writes the run's metrics
+        with open(metrics_path, "a") as metrics, Progress(*columns, console=console) as progress:
             bar = progress.add_task("train", total=cfg.train.steps, completed=start, loss=float("nan"), tps=0.0,
                                     memory="")
             loss_value = float("nan")
@@ -330,7 +357,7 @@ def train(cfg: Config, console: Console | None = None) -> Path:
                 rng_before = rng_state()
                 abandoned, out_of_memory = False, None
                 try:
-                    loss, grad_norm = _forward_backward(model, params, batches, device, cfg)
+                    loss, grad_norm = _forward_backward(model, params, batches, device, cfg, ctx)
                 except StepAbandoned:
                     abandoned = True
                 except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
@@ -349,7 +376,9 @@ def train(cfg: Config, console: Console | None = None) -> Path:
                     nonfinite = run.nonfinite(step, loss, grad_norm, batches)  # stops, or skip
                     skipped += 1
                 else:
-                    if cfg.train.grad_clip > 0:
+                    if cfg.train.grad_clip > 0 and ctx is not None:
+                        distributed.clip_gradients(params, cfg.train.grad_clip, grad_norm)
+                    elif cfg.train.grad_clip > 0:
                         torch.nn.utils.clip_grads_with_norm_(params, cfg.train.grad_clip, grad_norm)
                     try:
                         optimizer.step()
@@ -390,14 +419,17 @@ def train(cfg: Config, console: Console | None = None) -> Path:
                 last = step + 1 == cfg.train.steps
                 if last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
                     run.save(step + 1)
-                if stop.requested and not last:
+                if (stop.requested if ctx is None else distributed.any_rank(stop.requested)) and not last:
                     run.stop_on_signal(stop, step + 1)
     finally:
         stop.uninstall()
         if tensorboard is not None:
             tensorboard.close()
-    plot_run(out)
-    if cfg.train.export:
+    if main_rank:
+        plot_run(out)
+    if cfg.train.export and ctx is not None:
+        distributed.export_model(ctx, model, out, tokenizer=inputs.tokenizer)
+    elif cfg.train.export:
         export_model(model, out, merge_lora=cfg.lora.merge_on_export, tokenizer=inputs.tokenizer)
     console.print(f"done: {cfg.train.steps} steps in {time.perf_counter() - started:.1f} s; "
                   f"final loss {loss_value:.4f}; "
@@ -406,8 +438,10 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     return out
 
 
-def _forward_backward(model, params, batches, device, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_backward(model, params, batches, device, cfg: Config, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's loss and the global gradient norm (not yet clipped); gradients land in ``.grad``."""
+    if ctx is not None:  # sharded gradients, reduced once; loss and norm the same on every rank
+        return distributed.accumulate_gradients(model, batches, ctx, cfg), distributed.total_norm(params)
     loss = accumulate_gradients(model, params, batches, device, cfg)
     grads = [p.grad for p in params if p.grad is not None]
     return loss, torch.nn.utils.get_total_norm(grads)
@@ -421,9 +455,9 @@ def _first_line(error: BaseException) -> str:
 class _Run:
     """What the failure paths of one run need: its objects, and the newest step on disk."""
 
-    def __init__(self, cfg, out, model, optimizer, scheduler, inputs, device, saved_step):
+    def __init__(self, cfg, out, model, optimizer, scheduler, inputs, device, saved_step, ctx=None):
         self.cfg, self.out, self.model, self.optimizer, self.scheduler = cfg, out, model, optimizer, scheduler
-        self.inputs, self.device = inputs, device
+        self.inputs, self.device, self.ctx = inputs, device, ctx
         self.saved_step: int | None = saved_step  # step of the newest checkpoint this run wrote or resumed
 
     def _newest_checkpoint(self) -> str:
@@ -441,7 +475,12 @@ class _Run:
         if data_state is None:
             data_state = self.inputs.state_dict()
         try:
-            ckpt = save_checkpoint(self.out, step, self.model, self.optimizer, self.scheduler, data_state=data_state)
+            if self.ctx is None:
+                ckpt = save_checkpoint(self.out, step, self.model, self.optimizer, self.scheduler,
+                                       data_state=data_state)
+            else:
+                ckpt = distributed.save_checkpoint(self.ctx, self.out, step, self.model, self.optimizer,
+                                                   self.scheduler, data_state=data_state)
         except OSError as e:
             raise RunStopped(
                 f"could not write checkpoint step {step} in {self.out / 'checkpoints'}: {e}.\n"
@@ -450,7 +489,8 @@ class _Run:
                 f"  {resume_command(self.out)}", EXIT_CHECKPOINT_WRITE) from None
         self.saved_step = step
         try:
-            rotate_checkpoints(self.out, self.cfg.train.keep_last)
+            if self.ctx is None or self.ctx.is_main:
+                rotate_checkpoints(self.out, self.cfg.train.keep_last)
         except OSError as e:  # the new checkpoint is complete; an old one stays for now
             Console(stderr=True).print(f"warning: could not delete an old checkpoint: {e}", highlight=False)
         return ckpt
@@ -458,8 +498,9 @@ class _Run:
     def stop_on_signal(self, stop: StopRequest, done: int, dropped: int | None = None, data_state: dict | None = None):
         ckpt = find_checkpoint(self.out) if self.saved_step == done else self.save(done, data_state)
         what = f"step {dropped} was in progress and is dropped; " if dropped is not None else ""
+        by = stop.name or "a signal to another rank"  # under torchrun, every rank stops when one is signalled
         raise RunStopped(
-            f"interrupted by {stop.name} after step {done} of {self.cfg.train.steps} ({what}checkpoint {ckpt}).\n"
+            f"interrupted by {by} after step {done} of {self.cfg.train.steps} ({what}checkpoint {ckpt}).\n"
             f"Continue with:\n  {resume_command(self.out)}", EXIT_INTERRUPTED)
 
     def stop_out_of_memory(self, step: int, where: str, error: str, use, *, model_intact: bool = True,
@@ -475,6 +516,8 @@ class _Run:
                     f"they are not saved; {self._newest_checkpoint()}.")
         elif self.saved_step == step:
             kept = f"The model and optimizer are as after step {step}; {self._newest_checkpoint()}."
+        elif self.ctx is not None:  # a save needs every rank, and the others are inside the step's collectives
+            kept = f"Step {step} is not saved (under torchrun one rank cannot save alone); {self._newest_checkpoint()}."
         else:
             try:
                 kept = (f"The model and optimizer are as after step {step} and were saved to "
@@ -492,10 +535,15 @@ class _Run:
 
     def nonfinite(self, step: int, loss, grad_norm, batches) -> dict:
         """Locate the first non-finite value; stop (train.on_nonfinite=stop) or return what to log (skip)."""
-        parameter = first_nonfinite_grad(self.model)
-        self.optimizer.zero_grad(set_to_none=True)
         t = self.cfg.train
         site = None
+        if self.ctx is not None:  # every rank gets here (global loss and norm); locating would need them in step
+            parameter = "not located under torchrun (run one process from the last checkpoint to locate it)"
+            self.optimizer.zero_grad(set_to_none=True)
+            site, batches = "not located under torchrun", []
+        else:
+            parameter = first_nonfinite_grad(self.model)
+            self.optimizer.zero_grad(set_to_none=True)
         try:
             for m, batch in enumerate(batches):  # the grad_accum batches in the order they ran
                 doc_ids = batch.doc_ids.to(self.device) if self.cfg.data.document_mask else None

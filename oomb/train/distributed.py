@@ -1,0 +1,371 @@
+"""Data parallel `oomb train` under torchrun: FSDP2 sharding, one gradient reduction per step, DCP checkpoints.
+
+    torchrun --nproc_per_node N -m oomb.cli train CONFIG.yaml out_dir=runs/x
+
+Each rank trains its own sequences with ``chunked_backward``; parameters, gradients and
+optimizer states are sharded over the ranks with FSDP2 (``fully_shard``). docs/distributed.md
+says how to launch and what each choice costs; in short, for P parameters of b bytes on W ranks:
+
+- Parameters stay gathered for the whole step (``reshard_after_forward=False``, and resharding
+  after backward turned off for every backward but the step's last). A chunked step runs the
+  model forward twice per chunk; gathering per forward would move 2 * m * P * b bytes per rank
+  for m chunks. Gathered once, a step moves P * b (all-gather) + P * 4 or P * b (reduce-scatter
+  of the gradients) per rank, whatever the sequence length. The price: the full parameters and
+  their full (unreduced) gradients are resident during the step, P * b + P * b bytes, as on one
+  GPU; what stays sharded between steps are the parameters, the reduced gradients and the
+  optimizer states (P * b / W, and 2 * P * b / W for AdamW), which is what lets the optimizer
+  states of a model that does not fit one GPU fit across W.
+- Gradients are reduced once per step: ``set_requires_gradient_sync(False)`` for every chunk
+  backward but the last chunk of the last batch (``chunked_backward(before_last_backward=...)``
+  turns it on there). Unreduced gradients accumulate in the gathered (unsharded) gradient
+  buffers meanwhile.
+- The decoder and the LM head form one FSDP2 group (the layers one group each): the chunked
+  step calls the decoder and reads the head's weight for the fused cross-entropy, never the
+  causal LM's own forward, so the head's weight must be gathered together with the decoder.
+
+Loss normalisation: the step's loss is the mean over every target token of every rank's
+batches (as one process running all ranks' sequences as one batch); each rank divides its
+summed token loss by T / W (T: the step's target tokens over all ranks) and FSDP2's
+reduce-scatter averages over the W ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from oomb.train.checkpoint import (
+    CHECKPOINTS,
+    LATEST,
+    CheckpointError,
+    _fsync_dir,
+    _fsync_file,
+    _load_plain,
+    _publish_dir,
+    _sha256,
+    checkpoint_dir,
+    checkpoint_state,
+    rng_state,
+    set_rng_state,
+    write_text_atomic,
+)
+from oomb.train.config import Config, ConfigError
+
+FORMAT = "dcp-fsdp2"  # state.json "format" of a checkpoint written by ranks together
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """This process's place in a torchrun job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(cfg: Config) -> DistributedContext | None:
+    """Join the torchrun job (WORLD_SIZE > 1 in the environment); None for a single process.
+
+    gloo on CPU, nccl on CUDA with device cuda:LOCAL_RANK. Settings that the data parallel
+    path does not support are refused here, before the process group starts.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    name = cfg.train.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise ConfigError(f"train.device={cfg.train.device!r} under torchrun: use auto, cpu or cuda (each rank "
+                          "takes cuda:LOCAL_RANK itself)")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
+    if cfg.lora.r > 0:
+        raise ConfigError("lora.r > 0 is not supported under torchrun yet (data parallel shards full fine-tuning "
+                          "only); run LoRA in one process")
+    if cfg.train.optimizer != "adamw":
+        raise ConfigError(f"train.optimizer={cfg.train.optimizer} under torchrun: only adamw (torch) works on "
+                          "FSDP2's sharded parameters")
+    device = torch.device("cuda", local_rank) if name == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    if dist.get_world_size() != world or dist.get_rank() != rank:
+        raise RuntimeError(f"process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
+                           f"the environment says {rank} of {world}")
+    return DistributedContext(rank, world, local_rank, device)
+
+
+def teardown(ctx: DistributedContext | None) -> None:
+    if ctx is not None and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(ctx: DistributedContext | None) -> None:
+    if ctx is not None:
+        dist.barrier()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on at least one (one tiny all-reduce)."""
+    value = torch.tensor([int(flag)], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        value = value.cuda()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+# --- data -------------------------------------------------------------------------------------
+
+
+class RankInputs:
+    """This rank's rows of the batches drawn for all ranks together.
+
+    The wrapped inputs draw ``world_size * batch_size`` sequences per batch (the same on every
+    rank, from the seed); rank r keeps rows [r * batch_size, (r + 1) * batch_size). Ranks see
+    disjoint sequences, the data position (``state_dict``) is the same on every rank, so a resume
+    is exact, and the step's sequences are those of one process with ``batch_size * world_size``.
+    """
+
+    def __init__(self, inputs, ctx: DistributedContext, batch_size: int) -> None:
+        self.inputs, self.tokenizer = inputs, inputs.tokenizer
+        self.rows = slice(ctx.rank * batch_size, (ctx.rank + 1) * batch_size)
+
+    def batches(self, step: int) -> list:
+        return [_rows(batch, self.rows) for batch in self.inputs.batches(step)]
+
+    def state_dict(self) -> dict:
+        return self.inputs.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inputs.load_state_dict(state)
+
+
+def _rows(batch, rows: slice):
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    return dataclasses.replace(batch, **{k: v[rows] for k, v in fields.items() if isinstance(v, torch.Tensor)})
+
+
+def build_rank_inputs(cfg: Config, config, ctx: DistributedContext, build_inputs):
+    """``build_inputs`` for all ranks' sequences (batch_size * world_size), sliced to this rank's."""
+    everyone = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                  batch_size=cfg.train.batch_size * ctx.world_size))
+    return RankInputs(build_inputs(everyone, config), ctx, cfg.train.batch_size)
+
+
+# --- model and step ---------------------------------------------------------------------------
+
+
+def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 in place: each decoder layer one group, then the causal LM (embeddings, final norm, head) the root.
+
+    ``reshard_after_forward=False`` everywhere: the step's many forwards reuse the gathered
+    parameters (see the module docstring for the cost). The chunked step calls the decoder and
+    reads the LM head's weight, never the causal LM's forward: one forward of one token here
+    makes FSDP2 take the causal LM as its root (it takes the first module to run forward), and
+    ``accumulate_gradients`` gathers the root's group explicitly (``unshard``) before each step.
+    Gradients of the root's group are reduced by FSDP2's end-of-backward callback, which runs
+    the post-backward of every group, also of those whose forward did not run.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    layers = getattr(decoder, "layers", None)
+    if layers is None or head is None:
+        raise ConfigError(f"{type(model).__name__}: data parallel training needs a decoder with .layers and an "
+                          "LM head (a transformers *ForCausalLM model)")
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.int64, device=device), use_cache=False)
+    for module in model.modules():  # back to the sharded parameters (what the optimizer must hold)
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
+def _gradient_sync(model: torch.nn.Module, on: bool) -> None:
+    """Reduce (and reshard after backward) in the coming backwards, or accumulate unreduced and keep gathered."""
+    model.set_requires_gradient_sync(on)  # recurses into the layers' groups
+    model.set_reshard_after_backward(on)
+
+
+def accumulate_gradients(model, batches, ctx: DistributedContext, cfg: Config) -> torch.Tensor:
+    """The step's gradients, reduced once and sharded; returns the mean loss over all ranks' target tokens."""
+    import oomb
+    from oomb.train.config import page_selection
+
+    counts = torch.tensor([int((b.labels[:, 1:] != -100).sum()) for b in batches], dtype=torch.float64)
+    every = [torch.zeros_like(counts) for _ in range(ctx.world_size)]
+    dist.all_gather(every, counts)  # the same decision on every rank: none starts a backward alone
+    every = torch.stack(every)
+    if bool((every == 0).any()):
+        rank, m = (int(i) for i in (every == 0).nonzero()[0])
+        raise ValueError(f"batch {m + 1} of rank {rank} has no target token (every label is -100): every rank's "
+                         "batches need targets under torchrun")
+    divisor = float(every.sum()) / ctx.world_size
+    loss = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    model.unshard()  # the root's group (embeddings, norm, LM head): no forward of the root gathers it
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(model.get_output_embeddings().weight, DTensor):  # the fused cross-entropy needs all of it
+        raise RuntimeError("the LM head's weight is still sharded after unshard(): it is not in the root's "
+                           "FSDP2 group, so the fused cross-entropy cannot use it")
+    _gradient_sync(model, False)
+    try:
+        for m, batch in enumerate(batches):
+            last = m == len(batches) - 1
+            extra = {"doc_ids": batch.doc_ids.to(ctx.device)} if cfg.data.document_mask else {}
+            loss += oomb.chunked_backward(
+                model, batch.input_ids.to(ctx.device), batch.labels.to(ctx.device),
+                chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, selection=page_selection(cfg),
+                offload=cfg.train.offload, loss_divisor=divisor,
+                before_last_backward=(lambda: _gradient_sync(model, True)) if last else None, **extra,
+            )
+    finally:
+        _gradient_sync(model, True)
+    dist.all_reduce(loss)  # sum over ranks of sum_tokens / (T / W)
+    return loss / ctx.world_size
+
+
+def total_norm(params) -> torch.Tensor:
+    """The global gradient norm of sharded (DTensor) gradients, as a plain tensor on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def clip_gradients(params, max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the sharded gradients by min(1, max_norm / norm), as torch's clip_grads_with_norm_."""
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    grads = [p.grad for p in params if p.grad is not None]
+    torch._foreach_mul_([g.to_local() for g in grads], scale.to(grads[0].device))
+
+
+# --- checkpoints and export -------------------------------------------------------------------
+
+
+def prepare_out_dir(ctx: DistributedContext, cfg: Config, prepare) -> Path:
+    """Rank 0 makes the run folder (``prepare``: the trainer's prepare_out_dir); every rank gets its path."""
+    barrier(ctx)  # every rank has checked the paths before rank 0 creates anything
+    box = [str(prepare(cfg)) if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def save_checkpoint(ctx: DistributedContext, out_dir: Path, step: int, model, optimizer, scheduler,
+                    data_state: dict | None = None) -> Path:
+    """Every rank writes its shards (torch.distributed.checkpoint) into ``step-N.tmp``; rank 0 publishes.
+
+    Layout: ``dcp/`` (DCP's files), ``rng-rank{r}.pt`` per rank, ``scheduler.pt``, ``state.json``
+    (format, world size, step, data position) and ``manifest.json`` (size and sha256 of every
+    file, what ``verify_checkpoint`` checks). The folder is renamed into place only after every
+    rank's files are fsynced (a barrier), then ``latest`` is replaced: a crash leaves the
+    previous checkpoint as it was.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = checkpoint_dir(out_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if ctx.is_main:
+        if tmp.exists():  # debris of an earlier crash while writing this very step
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier(ctx)
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp / "dcp")
+        rng = tmp / f"rng-rank{ctx.rank}.pt"
+        torch.save(rng_state(), rng)
+        _fsync_file(rng)
+        for f in (tmp / "dcp").iterdir():
+            _fsync_file(f)
+        barrier(ctx)
+        if ctx.is_main:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            state = {"step": step, "torch": torch.__version__, "format": FORMAT, "world_size": ctx.world_size}
+            if data_state is not None:
+                state["data"] = data_state
+            (tmp / "state.json").write_text(json.dumps(state))
+            files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+            manifest = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in files}
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            for name in ("scheduler.pt", "state.json", "manifest.json"):
+                _fsync_file(tmp / name)
+            _fsync_dir(tmp / "dcp")
+            _publish_dir(tmp, final)
+            write_text_atomic(out_dir / CHECKPOINTS / LATEST, final.name)
+    except BaseException:
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    barrier(ctx)
+    return final
+
+
+def check_checkpoint_format(ckpt: Path, ctx: DistributedContext | None) -> None:
+    """Refuse, before loading, a checkpoint written by a different number of processes."""
+    state = checkpoint_state(ckpt)
+    sharded = state.get("format") == FORMAT
+    if ctx is None and sharded:
+        raise CheckpointError(f"{ckpt} was written by {state['world_size']} ranks under torchrun: resume it with "
+                              f"torchrun --nproc_per_node {state['world_size']}")
+    if ctx is not None and not sharded:
+        raise CheckpointError(f"{ckpt} was written by one process: resume it without torchrun")
+    if ctx is not None and state["world_size"] != ctx.world_size:
+        raise CheckpointError(f"{ckpt} was written by {state['world_size']} ranks, this job has {ctx.world_size}: "
+                              f"resume with torchrun --nproc_per_node {state['world_size']}")
+
+
+def load_checkpoint(ctx: DistributedContext, ckpt: Path, model, optimizer, scheduler) -> int:
+    """Restore this rank's shards, the scheduler and this rank's RNG; returns the step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    check_checkpoint_format(ckpt, ctx)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=ckpt / "dcp")
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    scheduler.load_state_dict(_load_plain(ckpt / "scheduler.pt"))
+    set_rng_state(_load_plain(ckpt / f"rng-rank{ctx.rank}.pt"))
+    return checkpoint_state(ckpt)["step"]
+
+
+def export_model(ctx: DistributedContext, model, out_dir: Path, *, tokenizer=None) -> Path:
+    """Gather the full weights on rank 0 and write one transformers folder (``export/``), atomically."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # A tied weight (LM head = embeddings) appears under both names; keep the name one process saves.
+    kept = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    full = {name: tensor for name, tensor in full.items() if name in kept}
+    final, tmp = out_dir / "export", out_dir / "export.tmp"
+    if ctx.is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _publish_dir(tmp, final)
+    barrier(ctx)
+    return final

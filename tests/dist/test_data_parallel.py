@@ -1,0 +1,177 @@
+"""Data parallel `oomb train` on 2 CPU ranks (gloo, torchrun): the same training as one process.
+
+Reference: one process running both ranks' sequences (train.batch_size=2 where each rank has 1).
+Both normalise the step's loss the same way: the mean over every target token of the step's
+sequences (all ranks, all train.grad_accum batches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from oomb.cli import main
+from oomb.train.checkpoint import find_checkpoint, verify_checkpoint
+
+HERE = Path(__file__).resolve().parent
+STEPS = 4
+RUN = ["data.seq_len=512", "train.chunk_size=128", "train.page_size=64", "train.lr=0.01", "train.warmup_steps=1",
+       "train.device=cpu", f"train.steps={STEPS}", "train.grad_accum=2", "train.save_every=2", "train.keep_last=0"]
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           *args], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(2-rank run, 1-process run) of the same 4 steps, each with checkpoints at steps 2 and 4 and an export."""
+    root = tmp_path_factory.mktemp("dp")
+    torchrun("-m", "oomb.cli", "train", *RUN, f"out_dir={root / 'two'}")
+    assert main(["train", *RUN, "train.batch_size=2", f"out_dir={root / 'one'}"]) == 0
+    return root / "two", root / "one"
+
+
+def test_two_ranks_train_like_one_process_with_both_sequences(runs):
+    two, one = runs
+    got, expected = losses(two), losses(one)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), (step, got, expected)
+    a, b = load_file(two / "export" / "model.safetensors"), load_file(one / "export" / "model.safetensors")
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= 1e-5, worst
+
+
+def test_checkpoint_of_two_ranks_resumes_on_two_ranks(runs, tmp_path):
+    two, _ = runs
+    copy = tmp_path / "two"
+    shutil.copytree(two, copy)
+    ckpt = copy / "checkpoints" / "step-00000002"
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["world_size"] == 2 and state["format"] == "dcp-fsdp2"
+    assert {p.name for p in ckpt.iterdir()} >= {"dcp", "rng-rank0.pt", "rng-rank1.pt", "manifest.json"}
+    torchrun("-m", "oomb.cli", "train", f"resume={ckpt}")
+    got, expected = losses(copy), losses(two)
+    assert sorted(got) == list(range(1, STEPS + 1))  # steps 3 and 4 once each, rolled back and run again
+    for step in (3, 4):
+        assert got[step] == pytest.approx(expected[step], rel=1e-6), (step, got, expected)
+
+
+def test_export_loads_in_transformers_with_the_trained_weights(runs, tmp_path):
+    """The export's logits equal those of the final sharded checkpoint's weights in a fresh model."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    from oomb.train.presets import build_model
+
+    two, _ = runs
+    dcp_to_torch_save(two / "checkpoints" / "step-00000004" / "dcp", tmp_path / "full.pt")
+    trained = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
+    model = build_model("tiny", dtype=torch.float32, device="cpu")
+    model.load_state_dict(trained)
+    exported = AutoModelForCausalLM.from_pretrained(two / "export", local_files_only=True)
+    ids = torch.randint(0, model.config.vocab_size, (2, 96))
+    with torch.no_grad():
+        expected, got = model(input_ids=ids).logits, exported(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    fresh = build_model("tiny", dtype=torch.float32, device="cpu")
+    assert not torch.allclose(fresh(input_ids=ids).logits, got, atol=1e-3)  # the trained weights, not the init
+
+
+def test_one_process_refuses_a_checkpoint_of_two_ranks(runs, capsys):
+    two, _ = runs
+    assert main(["train", f"resume={two}"]) != 0
+    assert "torchrun --nproc_per_node 2" in capsys.readouterr().out
+
+
+def test_gradients_cross_the_network_once_per_step(tmp_path):
+    """Each FSDP2 group gathers its parameters once and reduce-scatters its gradients once per step,
+    though each step runs 2 batches of 4 chunks (16 forwards and 8 backwards per group)."""
+    out = tmp_path / "collectives.json"
+    torchrun(str(HERE / "count_collectives.py"), str(out))
+    counts = json.loads(out.read_text())
+    assert counts["groups"] == 3  # 2 decoder layers + the root (embeddings, final norm, LM head)
+    for step in counts["steps"]:
+        assert step == {"all_gather_single": counts["groups"], "reduce_scatter_single": counts["groups"]}, counts
+
+
+def _worker_with_rank(launcher: int, rank: int) -> int:
+    for task in Path(f"/proc/{launcher}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in env:
+                return int(child)
+    raise AssertionError(f"no worker of rank {rank} under torchrun (pid {launcher})")
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """SIGTERM to rank 1 alone: both ranks finish the step, save it together and stop (no rank left waiting)."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "-m", "oomb.cli", "train", "data.seq_len=1024", "train.chunk_size=128",
+                             "train.page_size=64", "train.device=cpu", "train.steps=200", "train.export=false",
+                             f"out_dir={out}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 120
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.05)
+        os.kill(_worker_with_rank(proc.pid, 1), signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, stdout[-2000:]
+    assert "interrupted by SIGTERM" in stdout + stderr
+    done = len((out / "metrics.jsonl").read_text().splitlines())
+    assert 1 <= done < 200
+    ckpt = find_checkpoint(out)
+    verify_checkpoint(ckpt)
+    assert json.loads((ckpt / "state.json").read_text())["step"] == done
+
+
+def test_packed_text_with_document_masks_and_an_untied_head_matches_one_process(tmp_path):
+    """data.task=text (a stateful corpus position) with doc_ids, on a model folder whose LM head is its own."""
+    from tiny_models import tiny_model
+
+    folder = tmp_path / "model"
+    tiny_model("llama", vocab_size=300).save_pretrained(folder)  # untied LM head; byte-level tokenizer
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(8):
+        (texts / f"doc{i}.txt").write_text(f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * (i % 3 + 1))
+    args = ["data.seq_len=256", "train.chunk_size=128", "train.page_size=64", "train.lr=0.01", "train.warmup_steps=1",
+            "train.device=cpu", "train.steps=3", f"model.path={folder}", "data.task=text", f"data.paths=[{texts}]",
+            "data.document_mask=true"]
+    torchrun("-m", "oomb.cli", "train", *args, f"out_dir={tmp_path / 'two'}")
+    assert main(["train", *args, "train.batch_size=2", f"out_dir={tmp_path / 'one'}"]) == 0
+    got, expected = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert sorted(got) == [1, 2, 3]
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), (step, got, expected)
+    a = load_file(tmp_path / "two" / "export" / "model.safetensors")
+    b = load_file(tmp_path / "one" / "export" / "model.safetensors")
+    assert a.keys() == b.keys() and "lm_head.weight" in a
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    assert (tmp_path / "two" / "export" / "tokenizer_config.json").is_file()
