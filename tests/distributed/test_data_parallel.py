@@ -160,7 +160,8 @@ def test_packed_text_with_document_masks_and_an_untied_head_matches_one_process(
     texts = tmp_path / "texts"
     texts.mkdir()
     for i in range(8):
-        (texts / f"doc{i}.txt").write_text(f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * (i % 3 + 1))
+        sentence = "The quick brown fox jumps over the lazy dog. "
+        (texts / f"doc{i}.txt").write_text(f"Document {i}. " + sentence * (i % 3 + 1))
     args = ["data.seq_len=256", "train.chunk_size=128", "train.page_size=64", "train.lr=0.01", "train.warmup_steps=1",
             "train.device=cpu", "train.steps=3", f"model.path={folder}", "data.task=text", f"data.paths=[{texts}]",
             "data.document_mask=true"]

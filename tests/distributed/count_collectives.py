@@ -1,6 +1,6 @@
 """Run under torchrun: count FSDP2's collectives in data parallel chunked steps (tests only).
 
-    torchrun --nproc_per_node 2 tests/dist/count_collectives.py OUT.json
+    torchrun --nproc_per_node 2 tests/distributed/count_collectives.py OUT.json
 
 Two optimizer steps of the tiny preset, 2 batches (train.grad_accum) of 1024 tokens in 4 chunks
 each; rank 0 writes the all-gathers and reduce-scatters of each step and the number of FSDP2
