@@ -907,7 +907,7 @@ def _kv_descriptors(k_pool, v_pool, tiles: Tiles, block_n: int):
     return k_desc, v_desc, True
 
 
-def _visibility_args(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block, tiles):
+def _visibility_args(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block):
     """Kernel arguments for documents and page selection (placeholders when absent)."""
     b, h, c, _ = q.shape
     check_visibility_args(q, h_kv, kv_len, page_size, doc_start, page_select, select_block)
@@ -953,7 +953,7 @@ def paged_attention_forward(
     q, page_table = _last_dim_contiguous(q), _last_dim_contiguous(page_table)
     sinks = sinks.contiguous() if sinks is not None else None
     t = choose_tiles(d, page_size, q.dtype)
-    docs, sel = _visibility_args(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block, t)
+    docs, sel = _visibility_args(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block)
     out = _empty((b, h, c, d), q.dtype, q.device)
     lse = _empty((b, h, c), torch.float32, q.device)
     lo_key, window = _window_args(kv_len, c, page_size, sliding_window)
@@ -1023,7 +1023,7 @@ def paged_attention_backward(
     q, d_out, out = _last_dim_contiguous(q), _last_dim_contiguous(d_out), _last_dim_contiguous(out)
     lse, page_table = _last_dim_contiguous(lse), _last_dim_contiguous(page_table)
     t = choose_tiles(d, page_size, q.dtype)
-    docs, sel = _visibility_args(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block, t)
+    docs, sel = _visibility_args(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block)
     lo_key, window = _window_args(kv_len, c, page_size, sliding_window)
     if sel is not None:
         lo_key = kv_len - c  # the dense passes cover the chunk's own keys; the past comes from the page lists

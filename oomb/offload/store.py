@@ -31,6 +31,7 @@ same order, only at other addresses.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -79,7 +80,6 @@ class OffloadedKVStore(ChunkLedger):
         self.num_tokens = 0
         self.page_table = torch.zeros((0, 0), dtype=torch.int32, device=spec.device)
         self._chunks: list[ChunkRecord] = []
-        self._chunk_ids = torch.empty(0, dtype=torch.long)
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -141,8 +141,6 @@ class OffloadedKVStore(ChunkLedger):
         record = ChunkRecord(start=self.num_tokens, end=self.num_tokens + num_tokens, first_page=first_page,
                              num_pages=n_pages, page_ids=ids)
         self._chunks.append(record)
-        # On the device once per chunk: built from a Python list, a copy per layer would stall the host.
-        self._chunk_ids = torch.tensor(ids, dtype=torch.long).to(self.spec.device)
         self.num_tokens = record.end
         for slot in self._slots:
             slot.key = None  # a slot's layout includes the newest chunk
@@ -151,9 +149,6 @@ class OffloadedKVStore(ChunkLedger):
     def free_last_chunk(self) -> None:
         record = self.last_chunk()
         self._chunks.pop()
-        if self._chunks:
-            prev = self._chunks[-1]
-            self._chunk_ids = torch.tensor(prev.page_ids, dtype=torch.long).to(self.spec.device)
         self.num_tokens = record.start
         for slot in self._slots:
             slot.key = None
@@ -243,7 +238,9 @@ class OffloadedKVStore(ChunkLedger):
             view = slot.pools[kind][: self.batch_size * slot.rows].view(self.batch_size, slot.rows, *tiles.shape[1:])
             view[:, slot.num_past : slot.num_past + n] = tiles.view(self.batch_size, n, *tiles.shape[1:])
         valid = _valid_per_page(record, s.page_size, k.device)
-        ids = self._chunk_ids
+        # The chunk's mean-key rows, read off the device block table (b * max_pages + p): a tensor
+        # built from record.page_ids would be a pageable copy that waits for the queued kernels.
+        ids = self.page_table[:, record.first_page : record.first_page + n].reshape(-1).long()
         mean = kt.float().sum(dim=2) / valid.repeat(self.batch_size).view(-1, 1, 1)
         self._mean_k[layer_idx][ids] = mean.to(s.dtype)  # as the device store keeps it
 
@@ -365,8 +362,6 @@ class OffloadedKVStore(ChunkLedger):
     def _on_copy_stream(self, wait):
         """Context: run copies on the copy stream after ``wait`` (an event of the compute stream)."""
         if not self._cuda:
-            import contextlib
-
             return contextlib.nullcontext()
         if wait is not None:
             self._copy_stream.wait_event(wait)
