@@ -8,9 +8,12 @@
    step 4, then resumed. Both must end with the reference's losses, step for step.
 3. A run that cannot fit (Qwen2.5-7B, 16 sequences of 128K tokens per step, pages on the GPU):
    refused by the memory planner before any work; the message is saved.
-4. A forced out-of-memory error inside a step: one step of Qwen2.5-7B at 8K tokens (checkpoint
-   1), then the run resumed with the planner switched off and 12 sequences of 128K tokens per
-   step (pages on the GPU, ~170 GiB): the error is reported, checkpoint 1 stays intact and loads.
+4. A forced out-of-memory error inside a step: one step of ``--oom-preset`` (Qwen2.5-1.5B) at 8K
+   tokens (checkpoint 1), then the run resumed with the planner switched off and one 128K-token
+   chunk (train.chunk_size=131072: the store fits, one chunk's activations do not): the error
+   is reported in the middle of the step, checkpoint 1 stays intact and loads.
+
+Checkpoints rotate (train.keep_last=2) so the runs stay within the machine's disk.
 
 Writes faults.json (exit codes, losses, messages) and the logs of every run.
 """
@@ -62,12 +65,14 @@ def main() -> int:
     p.add_argument("--preset", default="qwen2.5-0.5b")
     p.add_argument("--seq-len", type=int, default=131072)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--skip-oom", action="store_true", help="leave out part 4 (it builds Qwen2.5-7B)")
+    p.add_argument("--oom-preset", default="qwen2.5-1.5b", help="the model of part 4")
+    p.add_argument("--skip-oom", action="store_true", help="leave out part 4")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "out")) / "faults"
     out.mkdir(parents=True, exist_ok=True)
     common = [f"model.preset={args.preset}", f"data.seq_len={args.seq_len}", f"train.steps={args.steps}",
-              "train.save_every=1", "train.page_budget=64", "train.export=false", "train.warmup_steps=1"]
+              "train.save_every=1", "train.keep_last=2", "train.page_budget=64", "train.export=false",
+              "train.warmup_steps=1"]
     report: dict = {"settings": vars(args)}
 
     ref = out / "reference"
@@ -92,11 +97,11 @@ def main() -> int:
 
     if not args.skip_oom:
         oom_dir = out / "oom"
-        first = run(oomb_train([f"out_dir={oom_dir}", "model.preset=qwen2.5-7b", "data.seq_len=8192",
+        first = run(oomb_train([f"out_dir={oom_dir}", f"model.preset={args.oom_preset}", "data.seq_len=8192",
                                 "train.steps=2", "train.save_every=1", "train.export=false"]), out / "oom-step1.log")
-        # The run continues from its step-1 checkpoint (drop step 2's checkpoint and metrics line).
+        # The run continues from its step-1 checkpoint with one 128K-token chunk per step.
         code = run(oomb_train([f"resume={oom_dir / 'checkpoints' / 'step-00000001'}", "data.seq_len=131072",
-                               "train.batch_size=12", "train.memory_check=false"]), out / "oom.log")
+                               "train.chunk_size=131072", "train.memory_check=false"]), out / "oom.log")
         verify = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
                                  "from oomb.train.checkpoint import verify_checkpoint; "
                                  "verify_checkpoint(Path(sys.argv[1])); print('checkpoint intact')",

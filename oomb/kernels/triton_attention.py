@@ -486,6 +486,29 @@ def _dkdv_blocks(
 
 
 @triton.jit
+def _dkdv_rows(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row,
+    h_kv,  # KV head (interleaved rows, G > 1) or the query head itself (G == 1)
+    sq_h, sq_c, sdo_h, sdo_c, sl_h,
+    i0, i1, i2, i3, m_start, row_end, n_pos, q0, C, window, qk_scale,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """The three runs of row tiles of _row_block_ranges: causal diagonal (masked), full, edge (masked)."""
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c, sdo_h,
+                          sdo_c, sl_h, i0, i1, m_start, row_end, n_pos, q0, C, window, qk_scale,
+                          G, HEAD_DIM, BLOCK_M, True, HAS_WINDOW, HAS_DOCS, DOT_PREC)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c, sdo_h,
+                          sdo_c, sl_h, i1, i2, m_start, row_end, n_pos, q0, C, window, qk_scale,
+                          G, HEAD_DIM, BLOCK_M, False, HAS_WINDOW, HAS_DOCS, DOT_PREC)
+    if HAS_WINDOW or HAS_DOCS:
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c,
+                              sdo_h, sdo_c, sl_h, i2, i3, m_start, row_end, n_pos, q0, C, window, qk_scale,
+                              G, HEAD_DIM, BLOCK_M, True, HAS_WINDOW, HAS_DOCS, DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
 def _add_into_grad_pages(DK_POOL, DV_POOL, dk, dv, table_row, n0, n_pages, h_kv, sg_page, sg_head, sg_slot, kv_ok,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Read-modify-write of one key block's gradient slots (they hold other chunks' sums)."""
@@ -519,6 +542,7 @@ def _bwd_dkdv_kernel(
     H_KV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, LOG2_C: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)  # tl.dot minimum
     pid_n = tl.program_id(0)
@@ -546,22 +570,24 @@ def _bwd_dkdv_kernel(
         # Queries whose document starts at or before the block's last (first) key: a prefix of the chunk.
         c_end = _count_le(doc_row, C, n1, LOG2_C)
         c_full = _count_le(doc_row, C, n0, LOG2_C)
-    i0, i1, i2, i3 = _row_block_ranges(n0, n1, q0, C, window, c_end, c_full, G, BLOCK_M, HAS_WINDOW, HAS_DOCS)
     q_base = Q + b * sq_b
     do_base = DO + b * sdo_b
     lse_base = LSE + b * sl_b
     delta_base = DELTA + b * (H_KV * G) * C
-    row_end = C * G
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c, sdo_h,
-                          sdo_c, sl_h, i0, i1, 0, row_end, n_pos, q0, C, window, qk_scale,
-                          G, HEAD_DIM, BLOCK_M, True, HAS_WINDOW, HAS_DOCS, DOT_PREC)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c, sdo_h,
-                          sdo_c, sl_h, i1, i2, 0, row_end, n_pos, q0, C, window, qk_scale,
-                          G, HEAD_DIM, BLOCK_M, False, HAS_WINDOW, HAS_DOCS, DOT_PREC)
-    if HAS_WINDOW or HAS_DOCS:
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c,
-                              sdo_h, sdo_c, sl_h, i2, i3, 0, row_end, n_pos, q0, C, window, qk_scale,
-                              G, HEAD_DIM, BLOCK_M, True, HAS_WINDOW, HAS_DOCS, DOT_PREC)
+    if HEAD_MAJOR:
+        # One query head at a time: row tiles of BLOCK_M consecutive positions of that head
+        # (contiguous rows of Q and dO), the group's heads summed into the same dK/dV.
+        i0, i1, i2, i3 = _row_block_ranges(n0, n1, q0, C, window, c_end, c_full, 1, BLOCK_M, HAS_WINDOW, HAS_DOCS)
+        for g in range(G):
+            head = h_kv * G + g
+            dk, dv = _dkdv_rows(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, head, sq_h, sq_c,
+                                sdo_h, sdo_c, sl_h, i0, i1, i2, i3, 0, C, n_pos, q0, C, window, qk_scale,
+                                1, HEAD_DIM, BLOCK_M, HAS_WINDOW, HAS_DOCS, DOT_PREC)
+    else:
+        i0, i1, i2, i3 = _row_block_ranges(n0, n1, q0, C, window, c_end, c_full, G, BLOCK_M, HAS_WINDOW, HAS_DOCS)
+        dk, dv = _dkdv_rows(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c,
+                            sdo_h, sdo_c, sl_h, i0, i1, i2, i3, 0, C * G, n_pos, q0, C, window, qk_scale,
+                            G, HEAD_DIM, BLOCK_M, HAS_WINDOW, HAS_DOCS, DOT_PREC)
     # Add into the gradient pages; slots past kv_len are left as they are.
     _add_into_grad_pages(DK_POOL, DV_POOL, dk * scale, dv, table_row, n0, n_pages, h_kv, sg_page, sg_head, sg_slot,
                          kv_ok, HEAD_DIM, BLOCK_N, PAGE_SIZE)
@@ -582,7 +608,7 @@ def _bwd_dkdv_sparse_kernel(
     C, kv_len, n_pages, n_qb, sel_block, qk_scale, scale,
     H_KV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr, HEAD_MAJOR: tl.constexpr,
 ):
     """dK/dV of the past pages under page selection: a program owns one key block of one past page
     and visits only the query blocks that selected the page. Pages nobody selected are not written."""
@@ -616,11 +642,19 @@ def _bwd_dkdv_sparse_kernel(
         if HAS_DOCS:
             hit = hit & (tl.load(doc_row + c0) <= n1)  # the block's earliest document starts after these keys
         if hit:
-            row_end = tl.minimum(c0 + sel_block, C) * G
-            n_tiles = tl.cdiv(row_end - c0 * G, BLOCK_M)
-            dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c,
-                                  sdo_h, sdo_c, sl_h, 0, n_tiles, c0 * G, row_end, n_pos, q0, C, 0, qk_scale,
-                                  G, HEAD_DIM, BLOCK_M, HAS_DOCS, False, HAS_DOCS, DOT_PREC)
+            c1 = tl.minimum(c0 + sel_block, C)
+            if HEAD_MAJOR:
+                n_tiles = tl.cdiv(c1 - c0, BLOCK_M)
+                for g in range(G):
+                    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row,
+                                          h_kv * G + g, sq_h, sq_c, sdo_h, sdo_c, sl_h, 0, n_tiles, c0, c1, n_pos,
+                                          q0, C, 0, qk_scale, 1, HEAD_DIM, BLOCK_M, HAS_DOCS, False, HAS_DOCS,
+                                          DOT_PREC)
+            else:
+                n_tiles = tl.cdiv((c1 - c0) * G, BLOCK_M)
+                dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h,
+                                      sq_c, sdo_h, sdo_c, sl_h, 0, n_tiles, c0 * G, c1 * G, n_pos, q0, C, 0,
+                                      qk_scale, G, HEAD_DIM, BLOCK_M, HAS_DOCS, False, HAS_DOCS, DOT_PREC)
             n_hit += 1
     if n_hit > 0:
         kv_ok = (n_pos < kv_len)[:, None]
@@ -803,6 +837,9 @@ class Tiles:
     bwd_stages: int
     delta_c: int = 64
     tma: bool = False  # K/V tiles of the forward and dQ loops through TMA descriptors (Hopper+)
+    # dK/dV row tiles of one query head at a time (contiguous Q/dO rows) instead of rows that
+    # interleave the GQA group's heads position by position.
+    dkdv_head_major: bool = False
 
 
 def _interpreting() -> bool:
@@ -819,7 +856,7 @@ def choose_tiles(head_dim: int, page_size: int, dtype: torch.dtype) -> Tiles:
     """
     if _interpreting():
         # The interpreter costs ~ms per block iteration whatever the tile: small tiles, few programs.
-        return Tiles(16, 16, 1, 1, 16, 16, 16, 16, 1, 1, delta_c=16)
+        return Tiles(16, 16, 1, 1, 16, 16, 16, 16, 1, 1, delta_c=16, dkdv_head_major=True)
     if dtype == torch.float32:
         # Exact fp32 products run on FMA units, not tensor cores: a correctness path with small tiles.
         return Tiles(32, 32, 8, 2, 16, 32, 32, 32, 8, 2)
@@ -830,8 +867,11 @@ def choose_tiles(head_dim: int, page_size: int, dtype: torch.dtype) -> Tiles:
     # page 128, results/h200/2026-12-02-tune-attention-64k.json); 64 elsewhere (not measured).
     dq_n = 128 if page_size % 128 == 0 else 64
     # d=128, bf16/fp16, measured on the H200 for a non-paged kernel (see FACTS.md): forward 128/128,
-    # 8 warps, 3 stages; backward 32/128/128/64, 8 warps, 3 stages. d=64 uses the same (4 warps spill).
-    return Tiles(128, fwd_n, 8, 3, 32, 128, 128, dq_n, 8, 3, tma=True)
+    # 8 warps, 3 stages; backward 8 warps, 3 stages. d=64 uses the same (4 warps spill).
+    # dK/dV: one query head at a time in 64-row tiles: the kernel 22.3 -> 14.9 ms, forward+backward
+    # 323 -> 395 TFLOP/s (H200, kv 64K, page 128, 28/4 heads; 32-row head-major tiles 16.9 ms,
+    # interleaved 64-row tiles 24.0 ms; results/h200/2026-12-02-tune-attention-64k-run3.json).
+    return Tiles(128, fwd_n, 8, 3, 64, 128, 128, dq_n, 8, 3, tma=True, dkdv_head_major=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -1054,7 +1094,7 @@ def paged_attention_backward(
         c, kv_len, n_pages, lo_key, window, scale * LOG2E, scale,
         H_KV=h_kv, G=g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n,
         HAS_WINDOW=has_window, HAS_DOCS=docs is not None, LOG2_C=c.bit_length(), DOT_PREC=prec,
-        num_warps=t.bwd_warps, num_stages=t.bwd_stages,
+        HEAD_MAJOR=t.dkdv_head_major, num_warps=t.bwd_warps, num_stages=t.bwd_stages,
     )
     if sel is not None and lo_key > 0:
         n_past = lo_key // page_size
@@ -1066,7 +1106,7 @@ def paged_attention_backward(
             hits.stride(0), hits.stride(1) if hits.shape[1] > 1 else 0, hits.stride(2),
             c, kv_len, n_pages, hits.shape[3], select_block, scale * LOG2E, scale,
             H_KV=h_kv, G=g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=t.dkdv_m, BLOCK_N=block_n,
-            HAS_DOCS=docs is not None, DOT_PREC=prec,
+            HAS_DOCS=docs is not None, DOT_PREC=prec, HEAD_MAJOR=t.dkdv_head_major,
             num_warps=t.bwd_warps, num_stages=t.bwd_stages,
         )
 

@@ -33,11 +33,12 @@ DEVICE = "cuda" if _CUDA else "cpu"
 TOL = {"fp32": 1e-5, "bf16_grad_pool": 1e-2, "gpu_bf16": 1e-2, "gpu_lse": 1e-3}
 
 # Tile variants (interpreter-sized) that exercise each way of addressing a key block.
-SMALL = T.Tiles(16, 16, 1, 1, 16, 16, 16, 16, 1, 1, delta_c=16)
+SMALL = T.Tiles(16, 16, 1, 1, 16, 16, 16, 16, 1, 1, delta_c=16, dkdv_head_major=True)
 TILES = {
     "default": None,
     "wide": dataclasses.replace(SMALL, fwd_m=32, fwd_n=32, dkdv_m=32, dkdv_n=32, dq_m=32, dq_n=32),
     "tma": dataclasses.replace(SMALL, tma=True),
+    "interleaved": dataclasses.replace(SMALL, dkdv_head_major=False),  # GQA rows mixed position by position
 }
 
 CASES = [
@@ -53,6 +54,8 @@ CASES = [
     pytest.param(1, 4, 2, 20, 61, 16, 24, None, True, "default", id="page-size-24"),
     pytest.param(2, 4, 2, 20, 77, 16, 32, 30, True, "tma", id="tma-window-sinks"),
     pytest.param(1, 2, 1, 16, 48, 64, 16, None, False, "default", id="head-dim-64"),
+    pytest.param(1, 6, 2, 21, 83, 16, 16, None, False, "interleaved", id="interleaved-gqa-ragged"),
+    pytest.param(2, 6, 2, 9, 70, 16, 8, 25, True, "interleaved", id="interleaved-window-sinks-multipage"),
 ]
 
 
@@ -209,6 +212,8 @@ MASK_CASES = [
     pytest.param(1, 6, 2, 20, 84, 16, 16, None, True, None, (2, 8, 2), "default", id="select-per-head-ragged"),
     pytest.param(1, 4, 2, 32, 160, 16, 32, None, False, None, (2, 16, 2), "wide", id="select-two-blocks-per-page"),
     pytest.param(2, 4, 2, 32, 128, 16, 16, None, False, 6, (2, 16, 3), "tma", id="select-docs-tma"),
+    pytest.param(1, 6, 2, 20, 84, 16, 16, None, False, 5, (2, 8, 2), "interleaved", id="select-docs-interleaved"),
+    pytest.param(1, 4, 2, 20, 77, 16, 16, 11, True, 4, None, "interleaved", id="docs-window-interleaved"),
 ]
 
 
