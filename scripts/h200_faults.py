@@ -1,6 +1,6 @@
 """Issue 8's demonstration on a GPU machine, in one process tree; results under $OUT (or ./out).
 
-    python scripts/h200_faults.py [--seq-len 131072] [--preset qwen2.5-0.5b] [--steps 6]
+    python scripts/h200_faults.py [--seq-len 131072] [--preset qwen2.5-0.5b] [--steps 4]
 
 1. A reference run of ``--steps`` steps at ``--seq-len`` tokens (sparse attention, so a step
    takes seconds), with a checkpoint every step.
@@ -64,44 +64,49 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen2.5-0.5b")
     p.add_argument("--seq-len", type=int, default=131072)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=4)
     p.add_argument("--oom-preset", default="qwen2.5-1.5b", help="the model of part 4")
     p.add_argument("--skip-oom", action="store_true", help="leave out part 4")
+    p.add_argument("--only-oom", action="store_true", help="part 4 alone (it takes the whole GPU: run it alone)")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "out")) / "faults"
     out.mkdir(parents=True, exist_ok=True)
     common = [f"model.preset={args.preset}", f"data.seq_len={args.seq_len}", f"train.steps={args.steps}",
-              "train.save_every=1", "train.keep_last=2", "train.page_budget=64", "train.export=false",
+              "train.save_every=1", "train.keep_last=2", "train.page_budget=64", "train.chunk_size=4096",
+              "train.export=false",
               "train.warmup_steps=1"]
     report: dict = {"settings": vars(args)}
 
-    ref = out / "reference"
-    report["reference_exit"] = run(oomb_train([f"out_dir={ref}", *common]), out / "reference.log")
-    reference = losses(ref)
-    report["reference_losses"] = reference
+    if not args.only_oom:
+        ref = out / "reference"
+        report["reference_exit"] = run(oomb_train([f"out_dir={ref}", *common]), out / "reference.log")
+        reference = losses(ref)
+        report["reference_losses"] = reference
 
-    for name, sig, step in (("sigint", signal.SIGINT, 3), ("sigkill", signal.SIGKILL, 4)):
-        run_dir = out / name
-        code = run_until_step(oomb_train([f"out_dir={run_dir}", *common]), out / f"{name}.log", run_dir, step, sig)
-        resumed = run(oomb_train([f"resume={run_dir}"]), out / f"{name}-resume.log")
-        got = losses(run_dir)
-        report[name] = {"exit": code, "resume_exit": resumed, "losses": got,
-                        "same_as_reference": all(abs(got[s] - reference[s]) <= 1e-6 * abs(reference[s])
-                                                 for s in reference if s in got) and got.keys() == reference.keys()}
+        for name, sig, step in (("sigint", signal.SIGINT, 3), ("sigkill", signal.SIGKILL, 4)):
+            run_dir = out / name
+            code = run_until_step(oomb_train([f"out_dir={run_dir}", *common]), out / f"{name}.log", run_dir, step, sig)
+            resumed = run(oomb_train([f"resume={run_dir}"]), out / f"{name}-resume.log")
+            got = losses(run_dir)
+            report[name] = {"exit": code, "resume_exit": resumed, "losses": got,
+                            "same_as_reference": all(abs(got[s] - reference[s]) <= 1e-6 * abs(reference[s])
+                                                     for s in reference if s in got) and got.keys() == reference.keys()}
 
-    refused = subprocess.run(oomb_train([f"out_dir={out / 'refused'}", "model.preset=qwen2.5-7b",
-                                         "data.seq_len=131072", "train.batch_size=16", "train.steps=1"]),
-                             capture_output=True, text=True, timeout=600)
-    report["planner_refusal"] = {"exit": refused.returncode, "message": refused.stdout[-3000:] + refused.stderr[-2000:],
-                                 "run_folder_created": (out / "refused").exists()}
+        refused = subprocess.run(oomb_train([f"out_dir={out / 'refused'}", "model.preset=qwen2.5-7b",
+                                             "data.seq_len=131072", "train.batch_size=16", "train.steps=1"]),
+                                 capture_output=True, text=True, timeout=600)
+        report["planner_refusal"] = {"exit": refused.returncode,
+                                     "message": refused.stdout[-3000:] + refused.stderr[-2000:],
+                                     "run_folder_created": (out / "refused").exists()}
 
     if not args.skip_oom:
         oom_dir = out / "oom"
         first = run(oomb_train([f"out_dir={oom_dir}", f"model.preset={args.oom_preset}", "data.seq_len=8192",
-                                "train.steps=2", "train.save_every=1", "train.export=false"]), out / "oom-step1.log")
+                                "train.steps=1", "train.save_every=1", "train.export=false"]), out / "oom-step1.log")
         # The run continues from its step-1 checkpoint with one 128K-token chunk per step.
         code = run(oomb_train([f"resume={oom_dir / 'checkpoints' / 'step-00000001'}", "data.seq_len=131072",
-                               "train.chunk_size=131072", "train.memory_check=false"]), out / "oom.log")
+                               "train.chunk_size=131072", "train.steps=2", "train.memory_check=false"]),
+                   out / "oom.log")
         verify = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
                                  "from oomb.train.checkpoint import verify_checkpoint; "
                                  "verify_checkpoint(Path(sys.argv[1])); print('checkpoint intact')",
@@ -109,7 +114,7 @@ def main() -> int:
         report["forced_oom"] = {"first_exit": first, "exit": code, "log_tail": (out / "oom.log").read_text()[-3000:],
                                 "checkpoint_check": (verify.stdout + verify.stderr)[-500:]}
 
-    (out / "faults.json").write_text(json.dumps(report, indent=2))
+    (out / ("faults-oom.json" if args.only_oom else "faults.json")).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k not in ("reference_losses",)}, indent=1)[:6000])
     return 0
 
