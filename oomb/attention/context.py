@@ -42,9 +42,13 @@ class StepContext:
     past_pages: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
     # Each layer's sliding window (None = full attention), learned as the layers run.
     layer_windows: dict[int, int | None] = field(default_factory=dict)
+    # Attention outputs kept from stage 1 for stage 2 (same keys -> (out, lse)), when on: stage 2's
+    # forward then reuses them instead of attending again (the pages and queries are the same).
+    cache_attention: bool = False
+    attention_outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def drop_page_lists(self, chunk_start: int) -> None:
         """Forget the page lists of the chunk that starts at ``chunk_start`` (after its backward)."""
-        for table in (self.page_lists, self.past_pages):
+        for table in (self.page_lists, self.past_pages, self.attention_outputs):
             for key in [key for key in table if key[1] == chunk_start]:
                 del table[key]

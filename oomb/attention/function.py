@@ -93,7 +93,14 @@ def _attend(step: StepContext, layer_idx: int, q, k, v, sinks, scale, sliding_wi
 class PagedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, step: StepContext, layer_idx: int, scale: float, sliding_window):
-        out, lse, vis = _attend(step, layer_idx, q, k, v, sinks, scale, sliding_window)
+        cached = step.attention_outputs.pop((layer_idx, step.store.last_chunk().start), None)
+        if cached is not None:
+            # Stage 1 attended these queries over these pages already (the chunk's K/V are in its
+            # pages since then): reuse its output instead of attending again.
+            out, lse = cached
+            vis = visibility(step, layer_idx, q, sliding_window)
+        else:
+            out, lse, vis = _attend(step, layer_idx, q, k, v, sinks, scale, sliding_window)
         ctx.vis = vis
         ctx.save_for_backward(q, out, lse, sinks)
         ctx.step, ctx.layer_idx, ctx.scale, ctx.sliding_window = step, layer_idx, scale, sliding_window
@@ -137,6 +144,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """The chunk's attention output [B, H, C, D] over everything stored before it and itself."""
     if step.stage == "fill":
-        # Stage 1 runs under no_grad: write and attend, nothing saved.
-        return _attend(step, layer_idx, q, k, v, sinks, scale, sliding_window)[0]
+        # Stage 1 runs under no_grad: write and attend; nothing saved unless outputs are cached.
+        out, lse, _ = _attend(step, layer_idx, q, k, v, sinks, scale, sliding_window)
+        if step.cache_attention:
+            step.attention_outputs[(layer_idx, step.store.last_chunk().start)] = (out, lse)
+        return out
     return PagedAttention.apply(q, k, v, sinks, step, layer_idx, scale, sliding_window)

@@ -89,15 +89,22 @@ def run(args) -> dict:
 
     vocab = cfg.vocab_size
     warmed = False
-    runs = [(n, False) for n in args.lengths] + [(n, True) for n in args.ckpt_lengths]
-    for n, layer_ckpt in runs:
-        system = "oomb+layer-ckpt" if layer_ckpt else "oomb"
+    # (tokens, row name, layer checkpointing, chunked_backward options)
+    sparse = {"page_budget": args.budget}
+    runs = ([(n, "oomb", False, {}) for n in args.lengths]
+            + [(n, "oomb+layer-ckpt", True, {}) for n in args.ckpt_lengths]
+            + [(n, "oomb+cached-attn", False, {"cache_attention": True}) for n in args.cache_lengths]
+            + [(n, "oomb-sparse", False, sparse) for n in args.sparse_lengths]
+            + [(n, "oomb-sparse+cached-attn", False, {**sparse, "cache_attention": True})
+               for n in args.sparse_cache_lengths])
+    for n, system, layer_ckpt, options in runs:
         ids = torch.randint(0, vocab, (1, n), device=device)
         if layer_ckpt:  # transformers' per-layer checkpointing inside each chunk
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-        def step(ids=ids):
-            oomb.chunked_backward(model, ids, chunk_size=args.chunk, page_size=args.page, backend=args.backend)
+        def step(ids=ids, options=options):
+            oomb.chunked_backward(model, ids, chunk_size=args.chunk, page_size=args.page, backend=args.backend,
+                                  **options)
 
         try:
             if not warmed:
@@ -108,7 +115,7 @@ def run(args) -> dict:
             times = _time_steps(step, args.repeats)
             # No local name for the store: a live reference would keep its pools through the next length.
             record(system, n, times, extra={
-                "chunk_size": args.chunk, "page_size": args.page, "backend": args.backend,
+                "chunk_size": args.chunk, "page_size": args.page, "backend": args.backend, "options": options,
                 "store_gib": store_for_model(model).nbytes() / 2**30,
                 "store_bytes_per_token": store_for_model(model).spec.bytes_per_token(),
                 "params_plus_grads_gib": 2 * param_bytes / 2**30,
@@ -190,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int_list, default=[16384, 32768, 65536])
     p.add_argument("--ckpt-lengths", type=int_list, default=[],
                    help="also time oomb with per-layer checkpointing inside chunks at these lengths")
+    p.add_argument("--cache-lengths", type=int_list, default=[],
+                   help="also time oomb with cache_attention=True (stage 1 outputs reused) at these lengths")
+    p.add_argument("--sparse-lengths", type=int_list, default=[], help="also time page-sparse oomb (--budget)")
+    p.add_argument("--sparse-cache-lengths", type=int_list, default=[],
+                   help="also time page-sparse oomb with cache_attention=True")
+    p.add_argument("--budget", type=int, default=64, help="pages per block of 128 queries for the sparse rows")
     p.add_argument("--hf-lengths", type=int_list, default=[], help="also time transformers at these lengths")
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--page", type=int, default=128)

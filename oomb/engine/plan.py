@@ -364,6 +364,7 @@ def plan_memory(
     optimizer: str = "adamw",
     layer_checkpointing: bool = False,
     offload: bool = False,
+    cache_attention: bool = False,
     device_type: str = "cuda",
     loss_impl: str = "auto",
     device_total_bytes: int | None = None,
@@ -439,6 +440,13 @@ def plan_memory(
         listed = max(0, n_chunks - -(-(page_budget + 1) * page_size // chunk))
         page_lists = 4 * batch_size * h_sel * -(-chunk // select_block) * page_budget * full_layers * listed
 
+    attention_outputs = 0
+    if cache_attention:
+        # chunked_backward(cache_attention=True): out [B, H, C, D] in the model's dtype and lse [B, H, C]
+        # float32 of every attention layer for every chunk of stage 1 (all but the last), until stage 2.
+        stage1_tokens = batch_size * (-(-seq_len // chunk) - 1) * chunk
+        attention_outputs = stage1_tokens * shape.num_layers * shape.heads * (shape.head_dim * s + 4)
+
     lora_shape = LoraShape(lora_r, tuple(lora_targets), lora_dtype) if lora_r > 0 else None
     per_layer, per_model = saved_bytes_per_token(shape, dtype, lora_shape)
     if layer_checkpointing:
@@ -482,6 +490,8 @@ def plan_memory(
         item("paged store (device part)", store, "mean keys, block tables, two layer slots"),
         item("sparse page lists", page_lists, "dense" if page_budget is None else
              f"budget {page_budget}, block {select_block}"),
+        item("attention output cache", attention_outputs, "off" if not cache_attention else
+             "out + lse of every stage-1 chunk and layer (train.cache_attention)"),
         item("saved activations", saved, saved_note),
         item("chunk workspace", workspace, f"larger of fused loss {_gib(loss_ws)} and layer backward {_gib(layer_ws)}"),
         item("optimizer update", update_extra, f"{_gib(update)} workspace, counted beyond the chunk's activations"),
@@ -496,7 +506,8 @@ def plan_memory(
         "family": shape.family, "seq_len": seq_len, "batch_size": batch_size, "chunk_size": chunk_size,
         "page_size": page_size, "dtype": _name(dtype), "grad_dtype": _name(grad_dtype), "page_budget": page_budget,
         "select_block": select_block, "lora_r": lora_r, "optimizer": optimizer,
-        "layer_checkpointing": layer_checkpointing, "offload": offload, "device_type": device_type,
+        "layer_checkpointing": layer_checkpointing, "offload": offload, "cache_attention": cache_attention,
+        "device_type": device_type,
     }
     return MemoryPlan(items=items, settings=settings, device_type=device_type,
                       device_total_bytes=device_total_bytes if gpu else None,

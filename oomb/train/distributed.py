@@ -236,7 +236,7 @@ def accumulate_gradients(model, batches, ctx: DistributedContext, cfg: Config) -
             loss += oomb.chunked_backward(
                 model, batch.input_ids.to(ctx.device), batch.labels.to(ctx.device),
                 chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, selection=page_selection(cfg),
-                offload=cfg.train.offload, loss_divisor=divisor,
+                offload=cfg.train.offload, cache_attention=cfg.train.cache_attention, loss_divisor=divisor,
                 before_last_backward=(lambda: _gradient_sync(model, True)) if last else None, **extra,
             )
     finally:

@@ -51,7 +51,7 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
         lora_r=cfg.lora.r, lora_targets=tuple(x.strip() for x in cfg.lora.targets.split(",") if x.strip()),
         optimizer=t.optimizer, layer_checkpointing=t.layer_checkpointing, device_type=device_type,
         page_budget=t.page_budget, select_block=t.select_block, per_head_selection=t.select_per_head,
-        offload=t.offload and device_type == "cuda",
+        offload=t.offload and device_type == "cuda", cache_attention=t.cache_attention,
     )
 
 
@@ -74,6 +74,8 @@ def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dic
     base = _settings(cfg, device_type, dtype)
     t = cfg.train
     candidates: list[tuple[str, dict]] = []
+    if t.cache_attention:  # costs only speed
+        candidates.append(("train.cache_attention=false", {"cache_attention": False}))
     if not t.layer_checkpointing:
         candidates.append(("train.layer_checkpointing=true", {"layer_checkpointing": True}))
     chunk = t.chunk_size // 2
@@ -85,7 +87,8 @@ def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dic
     if cfg.lora.r == 0:
         candidates.append(("lora.r=16", {"lora_r": 16}))
     if device_type == "cuda" and not t.offload:
-        candidates.append(("train.offload=true", {"offload": True}))
+        candidates.append(("train.offload=true" + (" train.cache_attention=false" if t.cache_attention else ""),
+                           {"offload": True, "cache_attention": False}))
     found, chunk_found = [], False
     for text, change in candidates:
         if "chunk_size" in change and chunk_found:

@@ -108,6 +108,9 @@ def check_config(cfg: Config) -> None:
     if cfg.model.path is None and cfg.model.preset not in preset_names():
         raise ConfigError(f"unknown model preset {cfg.model.preset!r}; built-in presets: {', '.join(preset_names())}")
     page_selection(cfg)  # page-sparse attention settings
+    if t.cache_attention and t.offload:
+        raise ConfigError("train.cache_attention=true keeps attention outputs on the GPU and train.offload=true moves "
+                          "pages off it: choose one")
 
 
 def check_paths(cfg: Config) -> Path | None:
@@ -590,7 +593,7 @@ def accumulate_gradients(model, params, batches, device: torch.device, cfg: Conf
         loss += counts[m] / total * oomb.chunked_backward(
             model, batch.input_ids.to(device), batch.labels.to(device),
             chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, selection=page_selection(cfg),
-            offload=cfg.train.offload, **extra,
+            offload=cfg.train.offload, cache_attention=cfg.train.cache_attention, **extra,
         )
     if counts[-1] != total:
         _scale_gradients(params, counts[-1] / total)

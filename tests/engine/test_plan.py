@@ -214,3 +214,30 @@ def test_offload_moves_the_pages_to_the_host():
     longer = plan_memory(cfg, **{**kw, "seq_len": 1 << 21}, offload=True, page_budget=64)
     grows = (longer.gpu_bytes - sparse_long.gpu_bytes) / (1 << 20) * 1e4
     assert grows < 0.05 * page_bytes / 128 * 1e4
+
+
+def test_planned_attention_cache_is_what_the_engine_keeps(monkeypatch):
+    from oomb.attention.context import StepContext
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, model.config.vocab_size, (2, 300))  # chunks 64 x 4 + 44: stage 1 holds 4 chunks
+    held = []
+    original = StepContext.drop_page_lists
+
+    def record(self, chunk_start):  # first called after the last chunk's backward: stage 1's outputs are all kept
+        if not held:
+            held.append(sum(t.numel() * t.element_size() for pair in self.attention_outputs.values() for t in pair))
+        original(self, chunk_start)
+
+    monkeypatch.setattr(StepContext, "drop_page_lists", record)
+    oomb.chunked_backward(model, ids, chunk_size=64, page_size=16, cache_attention=True)
+    plan = plan_memory(model.config, seq_len=300, batch_size=2, chunk_size=64, page_size=16, dtype=torch.float32,
+                       device_type="cpu", cache_attention=True)
+    c = model.config
+    heads, head_dim = c.num_attention_heads, c.hidden_size // c.num_attention_heads
+    assert held[0] == 2 * 256 * c.num_hidden_layers * heads * (head_dim * 4 + 4)  # out fp32 + lse fp32
+    assert _items(plan)["attention output cache"] == held[0]
+    off = plan_memory(model.config, seq_len=300, batch_size=2, chunk_size=64, page_size=16, dtype=torch.float32,
+                      device_type="cpu")
+    assert _items(off)["attention output cache"] == 0
+    oomb.release_memory(model)
