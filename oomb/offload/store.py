@@ -27,11 +27,17 @@ stream and are ordered with events:
 Without CUDA (tests) every copy is synchronous and the same code runs. Gradients are
 bit-identical to the device-resident store: the kernels see the same values in the
 same order, only at other addresses.
+
+Debugging: ``OOMB_OFFLOAD_SYNC=1`` (read when a store is built; or set ``store.synchronous``)
+synchronises the whole device before and after every copy batch, kernel-facing call and
+host-side access of the pinned pools, so nothing overlaps. A result that changes with it is
+a stream race; one that does not is a logic error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +47,12 @@ from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
 from oomb.cache.store import ChunkLedger, _valid_per_page
 
 _KINDS = ("k", "v", "dk", "dv")
+SYNC_ENV = "OOMB_OFFLOAD_SYNC"
+
+
+def sync_from_env() -> bool:
+    """Whether ``OOMB_OFFLOAD_SYNC`` asks for the fully synchronous (debugging) mode."""
+    return os.environ.get(SYNC_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 @dataclass
@@ -75,6 +87,10 @@ class OffloadedKVStore(ChunkLedger):
         self._mean_k = torch.empty(0, device=spec.device)
         self._slots = [_Slot() for _ in range(num_slots)]
         self._host_written: list = [None] * spec.num_layers  # CUDA event of the last copy into host[layer]
+        # CUDA event of the last copy batch that read or wrote the host gradient pools (dk, dv):
+        # the host thread zeroes their pages in append_chunk and must not race such a copy.
+        self._grad_copies: object = None
+        self.synchronous = sync_from_env()  # debugging: no overlap at all (module docstring)
         self._max_pages = 0
         self.batch_size = 0
         self.num_tokens = 0
@@ -133,7 +149,13 @@ class OffloadedKVStore(ChunkLedger):
         if first_page + n_pages > self._max_pages:
             raise RuntimeError(f"the store was reserved for {self._max_pages} pages per sequence; "
                                f"reserve() for the whole sequence before appending")
-        # Gradient pages start at zero; nothing is in flight to these pages (they were free).
+        # Gradient pages start at zero. This is a host-thread write into pinned memory, which
+        # stream order does not cover: a copy still in flight on the copy stream that reads or
+        # writes the gradient pools (a writeback of a freed chunk's pages, or a fill) must be
+        # done first. In the two-stage step none is pending here (stage 1 moves no gradient
+        # pages and stage 2 appends before its first backward), so this costs no wait there.
+        self._sync()
+        self._wait_grad_copies()
         for kind in ("dk", "dv"):
             self._host[kind][:, :, first_page : first_page + n_pages].zero_()
         rows = torch.arange(self.batch_size).repeat_interleave(n_pages) * self._max_pages
@@ -180,6 +202,7 @@ class OffloadedKVStore(ChunkLedger):
             self._fill(slot, layer_idx, past_pages, grads, key)
         if self._cuda:
             torch.cuda.current_stream(self.spec.device).wait_event(slot.ready)
+        self._sync()
         pools = LayerPools(k=slot.pools["k"], v=slot.pools["v"], dk=slot.pools["dk"], dv=slot.pools["dv"],
                            mean_k=self._mean_k[layer_idx])
         return pools, slot.table
@@ -197,6 +220,7 @@ class OffloadedKVStore(ChunkLedger):
         gradient pages of the past (backward) home, and mark the slot reusable once they ran."""
         slot = self._slot_of(layer_idx)
         record = self.last_chunk()
+        self._sync()  # debugging mode: the layer's kernels ran before anything is copied home
         compute = torch.cuda.current_stream(self.spec.device) if self._cuda else None
         if self._cuda:
             slot.free = torch.cuda.Event()
@@ -222,6 +246,9 @@ class OffloadedKVStore(ChunkLedger):
                 slot.staging_done = torch.cuda.Event()
                 slot.staging_done.record(self._copy_stream)
                 self._host_written[layer_idx] = slot.staging_done
+                if grads:
+                    self._grad_copies = slot.staging_done
+        self._sync()
         if not self._cuda:
             self._finish_scatter(slot)
 
@@ -243,6 +270,7 @@ class OffloadedKVStore(ChunkLedger):
         ids = self.page_table[:, record.first_page : record.first_page + n].reshape(-1).long()
         mean = kt.float().sum(dim=2) / valid.repeat(self.batch_size).view(-1, 1, 1)
         self._mean_k[layer_idx][ids] = mean.to(s.dtype)  # as the device store keeps it
+        self._sync()
 
     def read_grad(self, layer_idx: int, record: ChunkRecord) -> tuple[torch.Tensor, torch.Tensor]:
         """The newest chunk's gradient pages as [B, H_kv, T, D], from its slot (after its backward)."""
@@ -256,6 +284,7 @@ class OffloadedKVStore(ChunkLedger):
                                                                         *slot.pools[kind].shape[1:])
             # A copy, never a view: the slot is refilled for another layer once this layer's kernels ran.
             out.append(tiles_to_tokens(view[:, slot.num_past : slot.num_past + n])[:, :, :t].clone())
+        self._sync()
         return out[0], out[1]
 
     # ------------------------------------------------------------------ internals
@@ -273,6 +302,7 @@ class OffloadedKVStore(ChunkLedger):
             past_cpu = past_pages.to("cpu", torch.long)
             num_past = past_cpu.numel()
         rows = num_past + record.num_pages
+        self._sync()  # debugging mode: every queued kernel and copy ran before the host touches anything
         # Gradient pages still waiting in this slot's staging buffer go home first: the copies
         # below may read them (and the staging buffer is about to be reused).
         self._finish_scatter(slot)
@@ -314,6 +344,9 @@ class OffloadedKVStore(ChunkLedger):
                 slot.ready = torch.cuda.Event()
                 slot.ready.record(self._copy_stream)
                 slot.staging_done = slot.ready
+                if grads:
+                    self._grad_copies = slot.ready
+        self._sync()
 
     def _ensure_capacity(self, slot: _Slot, pages: int, staged: int) -> None:
         s = self.spec
@@ -328,6 +361,13 @@ class OffloadedKVStore(ChunkLedger):
                 dtype = s.dtype if kind in ("k", "v") else s.grad_dtype
                 slot.pools[kind] = torch.zeros((new, s.num_kv_heads, s.page_size, s.head_dim), dtype=dtype,
                                                device=s.device)
+            if self._cuda:
+                # The zero fill above is queued on the compute stream, but the copies that fill
+                # the new pools run on the copy stream after waiting only ``slot.free``, an event
+                # of the old pools (already passed): without this event the fill could land after
+                # (on top of) the copied pages. _fill's copies wait ``slot.free``: make it this.
+                slot.free = torch.cuda.Event()
+                slot.free.record(torch.cuda.current_stream(s.device))
         have_staged = slot.staging["k"].shape[0] if slot.staging else 0
         if self.batch_size * staged > have_staged:
             self._synchronize()
@@ -349,13 +389,26 @@ class OffloadedKVStore(ChunkLedger):
             return
         if self._cuda and slot.staging_done is not None:
             slot.staging_done.synchronize()
+        self._sync()
         for kind, layer_idx, past_cpu, stage in slot.pending_scatter:
             self._host[kind][layer_idx].index_copy_(1, past_cpu, stage)
         slot.pending_scatter.clear()
 
+    def _sync(self) -> None:
+        """Debugging mode (``synchronous``): wait for all work of the device, every stream."""
+        if self.synchronous and self._cuda:
+            torch.cuda.synchronize(self.spec.device)
+
+    def _wait_grad_copies(self) -> None:
+        """Block the host until no copy that reads or writes the host gradient pools is in flight."""
+        if self._grad_copies is not None:
+            self._grad_copies.synchronize()
+            self._grad_copies = None
+
     def _synchronize(self) -> None:
         if self._cuda and self._copy_stream is not None:
             self._copy_stream.synchronize()
+            self._grad_copies = None
         for slot in self._slots:
             self._finish_scatter(slot)
 

@@ -93,3 +93,21 @@ def test_offload_store_refuses_misuse():
     with pytest.raises(RuntimeError, match="reserved for 2 pages"):
         store.append_chunk(4)
         store.append_chunk(4)
+
+
+def test_synchronous_debug_mode_is_read_from_the_environment(monkeypatch):
+    """OOMB_OFFLOAD_SYNC=1 (the race-vs-logic switch of docs/offload.md): same gradients, flag set."""
+    from oomb.offload.store import SYNC_ENV
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 70))
+    ref_loss, ref = _step(model, ids, chunk_size=32, page_size=8)
+    monkeypatch.setenv(SYNC_ENV, "1")
+    oomb.release_memory(model)
+    loss, got = _step(model, ids, chunk_size=32, page_size=8, offload=True)
+    assert store_for_model(model).synchronous
+    assert torch.equal(loss, ref_loss)
+    for name, g in ref.items():
+        assert torch.equal(got[name], g), name
+    monkeypatch.setenv(SYNC_ENV, "0")
+    assert not OffloadedKVStore(store_for_model(model).spec).synchronous
