@@ -1,0 +1,78 @@
+"""Run under torchrun: chunked_backward gradients of a tensor parallel model and of one process (tests only).
+
+    torchrun --nproc_per_node 2 tests/distributed/tp_gradients.py OUT.pt
+
+For each case (family x dense / page-sparse / packed documents / offload), every rank computes the
+one-process gradients of a tiny fp32 model, then splits an identical copy over the ranks
+(oomb.engine.apply_tensor_parallel) and runs the same step. Each rank writes OUT.pt.rank{r}: per
+case the loss, the reference gradients, the tensor parallel gradients gathered to full tensors,
+and the store's KV heads on this rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tiny_models
+
+from tiny_models import tiny_model  # noqa: E402
+
+import oomb  # noqa: E402
+from oomb.engine import apply_tensor_parallel, store_for_model  # noqa: E402
+from oomb.sparse import PageSelection  # noqa: E402
+
+SEQ, CHUNK, PAGE = 384, 128, 32  # 3 chunks of 4 pages: from the second chunk on, 4+ past pages > budget 3
+CASES = {
+    "qwen3-sparse": ("qwen3", {"page_budget": 3}),
+    "llama-dense": ("llama", {}),
+    "llama-sparse": ("llama", {"page_budget": 3}),
+    "llama-sparse-sinks-local": ("llama", {"selection": PageSelection(page_budget=3, block=64, sink_pages=1,
+                                                                      local_pages=1)}),
+    "llama-sparse-per-head": ("llama", {"selection": PageSelection(page_budget=3, per_head=True)}),
+    "llama-documents": ("llama", {"doc_ids": True}),
+    "llama-offload-sparse": ("llama", {"offload": True, "page_budget": 3}),
+    "qwen2-dense": ("qwen2", {}),
+    "gpt_oss-dense": ("gpt_oss", {}),
+}
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+    return out
+
+
+def main(path: str) -> None:
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    results = {}
+    for case, (family, options) in CASES.items():
+        torch.manual_seed(1)
+        ids = torch.randint(0, 101, (1, SEQ))
+        kwargs = dict(options)
+        if kwargs.pop("doc_ids", False):
+            kwargs["doc_ids"] = torch.tensor([[0] * 100 + [1] * 150 + [2] * (SEQ - 250)])
+        reference = tiny_model(family)
+        model = copy.deepcopy(reference)
+        ref_loss = oomb.chunked_backward(reference, ids, chunk_size=CHUNK, page_size=PAGE, **kwargs)
+        apply_tensor_parallel(model, mesh)
+        loss = oomb.chunked_backward(model, ids, chunk_size=CHUNK, page_size=PAGE, **kwargs)
+        results[case] = {"loss": loss, "ref_loss": ref_loss, "ref": grads(reference), "tp": grads(model),
+                         "kv_heads": store_for_model(model).spec.num_kv_heads,
+                         "ref_kv_heads": store_for_model(reference).spec.num_kv_heads}
+    torch.save(results, f"{path}.rank{dist.get_rank()}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
