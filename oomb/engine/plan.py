@@ -106,11 +106,14 @@ class ModelShape:
 
 
 def store_spec(config, *, page_size: int, dtype: torch.dtype, grad_dtype: torch.dtype | None,
-               device: torch.device | str) -> StoreSpec:
-    """The paged store's spec for a model config (the same spec the engine builds)."""
+               device: torch.device | str, tensor_parallel: int = 1) -> StoreSpec:
+    """The paged store's spec for a model config (the same spec the engine builds); with tensor
+    parallelism, one rank's store: its kv_heads / tensor_parallel KV heads."""
     shape = ModelShape.from_config(config)
+    if shape.kv_heads % tensor_parallel:
+        raise ValueError(f"tensor parallel degree {tensor_parallel} does not divide the {shape.kv_heads} KV heads")
     return StoreSpec(
-        num_layers=shape.num_layers, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+        num_layers=shape.num_layers, num_kv_heads=shape.kv_heads // tensor_parallel, head_dim=shape.head_dim,
         page_size=page_size, dtype=dtype, grad_dtype=grad_dtype or dtype, device=torch.device(device),
     )
 
@@ -368,6 +371,7 @@ def plan_memory(
     loss_impl: str = "auto",
     device_total_bytes: int | None = None,
     host_total_bytes: int | None = None,
+    tensor_parallel: int = 1,
 ) -> MemoryPlan:
     """Predict the peak bytes of one training step of ``model_config`` (a transformers config).
 
@@ -375,7 +379,10 @@ def plan_memory(
     the GPU and the process on the host. ``page_budget`` (sparse mode) adds the page lists
     kept between the stages. ``offload`` moves the pages to host memory and keeps two layer
     slots (and the mean keys) on the GPU, as oomb.offload.OffloadedKVStore does.
-    ``loss_impl`` as in chunked_backward ("auto": liger on CUDA).
+    ``loss_impl`` as in chunked_backward ("auto": liger on CUDA). ``tensor_parallel``: the plan of
+    one of that many ranks that split the heads: its paged store and page lists hold 1/T of the KV
+    heads; parameters, gradients, optimizer states and activations are planned as for one process
+    (an upper bound: the split layers hold 1/T of theirs).
     """
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("chunk_size", chunk_size),
                         ("page_size", page_size), ("select_block", select_block)):
@@ -407,7 +414,14 @@ def plan_memory(
     grads = sum(trainable) * _itemsize(train_dtype)
     states = optimizer_state_bytes(optimizer, trainable, train_dtype)
 
-    spec = store_spec(model_config, page_size=page_size, dtype=dtype, grad_dtype=grad_dtype, device="meta")
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
+    if tensor_parallel > 1:
+        notes.append(f"tensor parallel over {tensor_parallel} ranks: the paged store is one rank's "
+                     f"({shape.kv_heads // tensor_parallel} of {shape.kv_heads} KV heads); parameters, "
+                     "gradients, optimizer states and activations are planned unsplit (an upper bound)")
+    spec = store_spec(model_config, page_size=page_size, dtype=dtype, grad_dtype=grad_dtype, device="meta",
+                      tensor_parallel=tensor_parallel)
     pages_per_seq = -(-seq_len // page_size)
     store = batch_size * pages_per_seq * spec.bytes_per_page() + batch_size * pages_per_seq * 4  # + page table
     store_host = 0
@@ -431,7 +445,7 @@ def plan_memory(
     if page_budget is not None:
         # int32 [B, H_sel, ceil(C / block), budget] per full-attention layer, for every chunk whose
         # past holds more than `budget` pages (fewer: attention is dense, no list).
-        h_sel = shape.kv_heads if per_head_selection else 1
+        h_sel = spec.num_kv_heads if per_head_selection else 1
         layer_types = getattr(model_config, "layer_types", None) or ["full_attention"] * shape.num_layers
         full_layers = sum(t == "full_attention" for t in layer_types)
         n_chunks = -(-seq_len // chunk)
@@ -497,6 +511,7 @@ def plan_memory(
         "page_size": page_size, "dtype": _name(dtype), "grad_dtype": _name(grad_dtype), "page_budget": page_budget,
         "select_block": select_block, "lora_r": lora_r, "optimizer": optimizer,
         "layer_checkpointing": layer_checkpointing, "offload": offload, "device_type": device_type,
+        "tensor_parallel": tensor_parallel,
     }
     return MemoryPlan(items=items, settings=settings, device_type=device_type,
                       device_total_bytes=device_total_bytes if gpu else None,

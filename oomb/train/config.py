@@ -122,6 +122,8 @@ class TrainConfig:
     """Keep K/V pages and their gradients in pinned host memory, two layers on the GPU (same gradients)."""
     memory_check: bool = True
     """Before building the model, refuse a run whose memory plan (see `oomb plan`) does not fit this machine."""
+    tensor_parallel: int = 1
+    """Under torchrun: split each layer's heads, MLP and K/V pages over this many ranks (all; 1 = data parallel)."""
 
 
 @dataclass

@@ -1,6 +1,13 @@
-"""Data parallel `oomb train` under torchrun: FSDP2 sharding, one gradient reduction per step, DCP checkpoints.
+"""`oomb train` under torchrun: data parallel (FSDP2) or tensor parallel (heads split), DCP checkpoints.
 
     torchrun --nproc_per_node N -m oomb.cli train CONFIG.yaml out_dir=runs/x
+    torchrun --nproc_per_node N -m oomb.cli train CONFIG.yaml train.tensor_parallel=N out_dir=runs/x
+
+Tensor parallel (train.tensor_parallel = N = the number of ranks): every rank trains the same
+sequences with its 1/N of each layer's heads and MLP columns (oomb.engine.tensor_parallel) and
+a paged store of its own KV heads; no gradient reduction is needed (each parameter's gradient is
+complete on the rank that holds it, replicated ones identical on every rank). The rest of this
+docstring is about data parallel.
 
 Each rank trains its own sequences with ``chunked_backward``; parameters, gradients and
 optimizer states are sharded over the ranks with FSDP2 (``fully_shard``). docs/distributed.md
@@ -58,7 +65,8 @@ from oomb.train.checkpoint import (
 )
 from oomb.train.config import Config, ConfigError
 
-FORMAT = "dcp-fsdp2"  # state.json "format" of a checkpoint written by ranks together
+FORMAT = "dcp-fsdp2"  # state.json "format" of a checkpoint written by data parallel ranks together
+TP_FORMAT = "dcp-tp"  # ... by tensor parallel ranks
 
 
 @dataclass(frozen=True)
@@ -69,10 +77,21 @@ class DistributedContext:
     world_size: int
     local_rank: int
     device: torch.device
+    tensor_parallel: int = 1  # ranks one model's heads are split over (1: data parallel)
+    mesh: object = None  # the 1-D tensor parallel DeviceMesh when tensor_parallel > 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that train different sequences."""
+        return self.world_size // self.tensor_parallel
+
+    @property
+    def checkpoint_format(self) -> str:
+        return TP_FORMAT if self.tensor_parallel > 1 else FORMAT
 
 
 def setup(cfg: Config) -> DistributedContext | None:
@@ -82,8 +101,16 @@ def setup(cfg: Config) -> DistributedContext | None:
     path does not support are refused here, before the process group starts.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = cfg.train.tensor_parallel
     if world <= 1:
+        if tp > 1:
+            raise ConfigError(f"train.tensor_parallel={tp} splits the model over {tp} processes: launch with "
+                              f"torchrun --nproc_per_node {tp} -m oomb.cli train ...")
         return None
+    if tp > 1 and tp != world:
+        raise ConfigError(f"train.tensor_parallel={tp} with {world} ranks: data parallel combined with tensor "
+                          f"parallel is not supported yet; set train.tensor_parallel={world} (every rank splits "
+                          "the same model) or 1 (data parallel)")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     name = cfg.train.device
     if name == "auto":
@@ -94,8 +121,8 @@ def setup(cfg: Config) -> DistributedContext | None:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
     if cfg.lora.r > 0:
-        raise ConfigError("lora.r > 0 is not supported under torchrun yet (data parallel shards full fine-tuning "
-                          "only); run LoRA in one process")
+        raise ConfigError("lora.r > 0 is not supported under torchrun yet (data and tensor parallel train full "
+                          "fine-tuning only); run LoRA in one process")
     if cfg.train.optimizer != "adamw":
         raise ConfigError(f"train.optimizer={cfg.train.optimizer} under torchrun: only adamw (torch) works on "
                           "FSDP2's sharded parameters")
@@ -108,7 +135,12 @@ def setup(cfg: Config) -> DistributedContext | None:
     if dist.get_world_size() != world or dist.get_rank() != rank:
         raise RuntimeError(f"process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
                            f"the environment says {rank} of {world}")
-    return DistributedContext(rank, world, local_rank, device)
+    mesh = None
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
+    return DistributedContext(rank, world, local_rank, device, tensor_parallel=tp, mesh=mesh)
 
 
 def teardown(ctx: DistributedContext | None) -> None:
@@ -162,7 +194,12 @@ def _rows(batch, rows: slice):
 
 
 def build_rank_inputs(cfg: Config, config, ctx: DistributedContext, build_inputs):
-    """``build_inputs`` for all ranks' sequences (batch_size * world_size), sliced to this rank's."""
+    """``build_inputs`` for all ranks' sequences (batch_size * world_size), sliced to this rank's.
+
+    Tensor parallel: every rank takes the same sequences (those of one process).
+    """
+    if ctx.tensor_parallel > 1:
+        return build_inputs(cfg, config)
     everyone = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
                                                                   batch_size=cfg.train.batch_size * ctx.world_size))
     return RankInputs(build_inputs(everyone, config), ctx, cfg.train.batch_size)
@@ -199,6 +236,63 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(module, FSDPModule):
             module.reshard()
     return model
+
+
+def check_tensor_parallel(ctx: DistributedContext, config) -> None:
+    """Refuse, before the model is built, a tensor parallel degree the model config cannot split."""
+    from oomb.engine.tensor_parallel import TensorParallelError
+    from oomb.engine.tensor_parallel import check_tensor_parallel as check
+
+    try:
+        check(config, ctx.tensor_parallel)
+    except TensorParallelError as e:
+        raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel}: {e}") from e
+
+
+def split_model(model: torch.nn.Module, ctx: DistributedContext) -> torch.nn.Module:
+    """Tensor parallel in place: each layer's heads and MLP columns split over the ranks."""
+    from oomb.engine.tensor_parallel import TensorParallelError, apply_tensor_parallel
+
+    try:
+        return apply_tensor_parallel(model, ctx.mesh)
+    except TensorParallelError as e:
+        raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel}: {e}") from e
+
+
+def param_groups(params) -> list[dict]:
+    """Split (DTensor) and replicated (plain) parameters in separate optimizer groups: torch's foreach
+    kernels (AdamW's default on CUDA) refuse a list that mixes the two."""
+    from torch.distributed.tensor import DTensor
+
+    split = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [group for group in ({"params": split}, {"params": plain}) if group["params"]]
+
+
+def tensor_parallel_norm(params, ctx: DistributedContext) -> torch.Tensor:
+    """The global gradient norm of a tensor parallel model, the same on every rank (one all-reduce).
+
+    Shards of split parameters add their squares over the ranks; replicated parameters (plain
+    tensors, and DTensors placed Replicate such as a row-parallel bias) count once.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    sharded = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    replicated = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            square = g.to_local().float().square().sum()
+            if all(isinstance(place, Replicate) for place in g.placements):
+                replicated += square
+            else:
+                sharded += square
+        else:
+            replicated += g.float().square().sum()
+    dist.all_reduce(sharded, group=ctx.mesh.get_group())
+    return (sharded + replicated).sqrt()
 
 
 def _gradient_sync(model: torch.nn.Module, on: bool) -> None:
@@ -255,9 +349,11 @@ def total_norm(params) -> torch.Tensor:
 
 def clip_gradients(params, max_norm: float, norm: torch.Tensor) -> None:
     """Scale the sharded gradients by min(1, max_norm / norm), as torch's clip_grads_with_norm_."""
+    from torch.distributed.tensor import DTensor
+
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     grads = [p.grad for p in params if p.grad is not None]
-    torch._foreach_mul_([g.to_local() for g in grads], scale.to(grads[0].device))
+    torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], scale.to(grads[0].device))
 
 
 # --- checkpoints and export -------------------------------------------------------------------
@@ -302,7 +398,8 @@ def save_checkpoint(ctx: DistributedContext, out_dir: Path, step: int, model, op
         barrier(ctx)
         if ctx.is_main:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            state = {"step": step, "torch": torch.__version__, "format": FORMAT, "world_size": ctx.world_size}
+            state = {"step": step, "torch": torch.__version__, "format": ctx.checkpoint_format,
+                     "world_size": ctx.world_size, "tensor_parallel": ctx.tensor_parallel}
             if data_state is not None:
                 state["data"] = data_state
             (tmp / "state.json").write_text(json.dumps(state))
@@ -325,7 +422,8 @@ def save_checkpoint(ctx: DistributedContext, out_dir: Path, step: int, model, op
 def check_checkpoint_format(ckpt: Path, ctx: DistributedContext | None) -> None:
     """Refuse, before loading, a checkpoint written by a different number of processes."""
     state = checkpoint_state(ckpt)
-    sharded = state.get("format") == FORMAT
+    sharded = state.get("format") in (FORMAT, TP_FORMAT)
+    tp = state.get("tensor_parallel", 1)
     if ctx is None and sharded:
         raise CheckpointError(f"{ckpt} was written by {state['world_size']} ranks under torchrun: resume it with "
                               f"torchrun --nproc_per_node {state['world_size']}")
@@ -334,6 +432,9 @@ def check_checkpoint_format(ckpt: Path, ctx: DistributedContext | None) -> None:
     if ctx is not None and state["world_size"] != ctx.world_size:
         raise CheckpointError(f"{ckpt} was written by {state['world_size']} ranks, this job has {ctx.world_size}: "
                               f"resume with torchrun --nproc_per_node {state['world_size']}")
+    if ctx is not None and tp != ctx.tensor_parallel:
+        raise CheckpointError(f"{ckpt} was written with train.tensor_parallel={tp}, this job has "
+                              f"{ctx.tensor_parallel}: resume with train.tensor_parallel={tp}")
 
 
 def load_checkpoint(ctx: DistributedContext, ckpt: Path, model, optimizer, scheduler) -> int:

@@ -51,7 +51,7 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
         lora_r=cfg.lora.r, lora_targets=tuple(x.strip() for x in cfg.lora.targets.split(",") if x.strip()),
         optimizer=t.optimizer, layer_checkpointing=t.layer_checkpointing, device_type=device_type,
         page_budget=t.page_budget, select_block=t.select_block, per_head_selection=t.select_per_head,
-        offload=t.offload and device_type == "cuda",
+        offload=t.offload and device_type == "cuda", tensor_parallel=t.tensor_parallel,
     )
 
 
@@ -131,7 +131,9 @@ def print_plan(plan: MemoryPlan, longest: int, console: Console, *, gpu_source: 
     table = Table(title=f"oomb plan: {plan.settings['family']}, {plan.settings['seq_len']:,} tokens "
                   f"x {plan.settings['batch_size']}, chunk {plan.settings['chunk_size']}, "
                   f"{plan.settings['dtype']}, {plan.settings['optimizer']}"
-                  + (", layer checkpointing" if plan.settings["layer_checkpointing"] else ""))
+                  + (", layer checkpointing" if plan.settings["layer_checkpointing"] else "")
+                  + (f", one of {plan.settings['tensor_parallel']} tensor parallel ranks"
+                     if plan.settings.get("tensor_parallel", 1) > 1 else ""))
     table.add_column("item")
     if gpu:
         table.add_column("GPU", justify="right")
