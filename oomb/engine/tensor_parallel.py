@@ -88,6 +88,11 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh) -> torch.nn.Module:
         parallelize_module(layer, mesh, {
             name: (RowwiseParallel() if name.rsplit(".", 1)[-1] in ("o_proj", "down_proj") else ColwiseParallel())
             for name in plan})
+        # The attention's (and a split MLP's) input enters as one replicated DTensor, so the gradients
+        # of q, k and v (gate and up) add up as partial sums and are all-reduced once, not once each.
+        layer.self_attn.register_forward_pre_hook(_replicated_input(mesh), with_kwargs=True)
+        if "mlp.down_proj" in plan:
+            layer.mlp.register_forward_pre_hook(_replicated_input(mesh), with_kwargs=True)
         sinks = getattr(layer.self_attn, "sinks", None)
         if sinks is not None:  # GPT-OSS: one sink logit per query head, split with the heads
             layer.self_attn.sinks = torch.nn.Parameter(distribute_tensor(sinks.data, mesh, [Shard(0)]),
@@ -97,6 +102,20 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh) -> torch.nn.Module:
                 p.register_hook(_sum_over(mesh.get_group()))
     _GROUPS[base] = mesh.get_group()
     return model
+
+
+def _replicated_input(mesh):
+    """A forward pre-hook: the module's ``hidden_states`` (keyword or first argument) as a Replicate DTensor."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def hook(module, args, kwargs):
+        if "hidden_states" in kwargs:
+            kwargs["hidden_states"] = DTensor.from_local(kwargs["hidden_states"], mesh, [Replicate()], run_check=False)
+        elif args:
+            args = (DTensor.from_local(args[0], mesh, [Replicate()], run_check=False), *args[1:])
+        return args, kwargs
+
+    return hook
 
 
 def _sum_over(group: dist.ProcessGroup):

@@ -56,6 +56,14 @@ def test_tensor_parallel_gradients_equal_one_process(gradients, case):
         assert torch.equal(g, gradients[1][case]["tp"][name]), name
 
 
+def test_two_all_reduces_per_layer_in_each_forward_and_backward(gradients):
+    """3 chunks: 5 forwards (2 fill, 3 recompute) and 3 backwards of 2 layers; per layer, one all-reduce
+    after attention and one after the MLP in a forward, and one for each of their inputs in a backward."""
+    layers, forwards, backwards = 2, 5, 3
+    assert gradients[0]["llama-dense"]["all_reduces"] == layers * 2 * (forwards + backwards)
+    assert gradients[0]["gpt_oss-dense"]["all_reduces"] == layers * 1 * (forwards + backwards)  # experts replicated
+
+
 def test_sparse_cases_attend_fewer_pages_than_dense(gradients):
     """The page budget is in effect (else the sparse cases would test dense attention again)."""
     results = gradients[0]

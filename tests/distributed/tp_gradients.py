@@ -6,7 +6,7 @@ For each case (family x dense / page-sparse / packed documents / offload), every
 one-process gradients of a tiny fp32 model, then splits an identical copy over the ranks
 (oomb.engine.apply_tensor_parallel) and runs the same step. Each rank writes OUT.pt.rank{r}: per
 case the loss, the reference gradients, the tensor parallel gradients gathered to full tensors,
-and the store's KV heads on this rank.
+the store's KV heads on this rank and the number of all-reduces of the tensor parallel step.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tiny_models
 
@@ -43,6 +44,18 @@ CASES = {
 }
 
 
+class CountAllReduces(TorchDispatchMode):
+    """Counts the all-reduces DTensor issues (functional collectives) inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops._c10d_functional.all_reduce.default
+        return func(*args, **(kwargs or {}))
+
+
 def grads(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
@@ -65,8 +78,10 @@ def main(path: str) -> None:
         model = copy.deepcopy(reference)
         ref_loss = oomb.chunked_backward(reference, ids, chunk_size=CHUNK, page_size=PAGE, **kwargs)
         apply_tensor_parallel(model, mesh)
-        loss = oomb.chunked_backward(model, ids, chunk_size=CHUNK, page_size=PAGE, **kwargs)
+        with CountAllReduces() as counted:
+            loss = oomb.chunked_backward(model, ids, chunk_size=CHUNK, page_size=PAGE, **kwargs)
         results[case] = {"loss": loss, "ref_loss": ref_loss, "ref": grads(reference), "tp": grads(model),
+                         "all_reduces": counted.count,
                          "kv_heads": store_for_model(model).spec.num_kv_heads,
                          "ref_kv_heads": store_for_model(reference).spec.num_kv_heads}
     torch.save(results, f"{path}.rank{dist.get_rank()}")
