@@ -1,8 +1,8 @@
 """Tensor parallel on 2 CPU ranks (gloo, torchrun): the gradients, losses and checkpoints of one process.
 
-The engine-level test runs tests/distributed/tp_gradients.py under torchrun: per case (model family
-x dense / page-sparse / packed documents / offload) both ranks compute one process's gradients
-and the same step with the model's heads split over the 2 ranks.
+The engine-level test runs tests/distributed/tp_gradients.py under torchrun: per case (model family x
+dense / page-sparse / packed documents / offload / layer checkpointing) both ranks compute one process's
+gradients and the same step with the model's heads split over the 2 ranks.
 """
 
 from __future__ import annotations

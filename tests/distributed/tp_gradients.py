@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/distributed/tp_gradients.py OUT.pt
 
-For each case (family x dense / page-sparse / packed documents / offload), every rank computes the
+For each case (family x dense / page-sparse / packed documents / offload / layer checkpointing), every rank computes the
 one-process gradients of a tiny fp32 model, then splits an identical copy over the ranks
 (oomb.engine.apply_tensor_parallel) and runs the same step. Each rank writes OUT.pt.rank{r}: per
 case the loss, the reference gradients, the tensor parallel gradients gathered to full tensors,
@@ -39,6 +39,7 @@ CASES = {
     "llama-sparse-per-head": ("llama", {"selection": PageSelection(page_budget=3, per_head=True)}),
     "llama-documents": ("llama", {"doc_ids": True}),
     "llama-offload-sparse": ("llama", {"offload": True, "page_budget": 3}),
+    "llama-layer-checkpointing": ("llama", {"layer_checkpointing": True}),
     "qwen2-dense": ("qwen2", {}),
     "gpt_oss-dense": ("gpt_oss", {}),
 }
@@ -75,6 +76,9 @@ def main(path: str) -> None:
         if kwargs.pop("doc_ids", False):
             kwargs["doc_ids"] = torch.tensor([[0] * 100 + [1] * 150 + [2] * (SEQ - 250)])
         reference = tiny_model(family)
+        if kwargs.pop("layer_checkpointing", False):  # transformers' own, recomputing each layer in backward
+            reference.train()
+            reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = copy.deepcopy(reference)
         ref_loss = oomb.chunked_backward(reference, ids, chunk_size=CHUNK, page_size=PAGE, **kwargs)
         apply_tensor_parallel(model, mesh)
