@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -240,6 +241,15 @@ class ParameterCounts:
     total: int  # every parameter (tied embeddings once)
     tensors: tuple[int, ...]  # numel of each parameter tensor
     lora: tuple[int, ...] = ()  # numel of each LoRA adapter tensor (A and B per targeted linear)
+    split: tuple[bool, ...] = ()  # per tensor: split over tensor parallel ranks (oomb.engine.tensor_parallel)
+
+    def per_rank(self, tensor_parallel: int) -> tuple[int, ...]:
+        """numel of each parameter tensor on one of ``tensor_parallel`` ranks."""
+        return tuple(n // tensor_parallel if split else n for n, split in zip(self.tensors, self.split, strict=True))
+
+
+# Parameters apply_tensor_parallel splits (row- or column-wise; a row-parallel bias stays replicated).
+_SPLIT = re.compile(r"self_attn\.([qkv]_proj\.(weight|bias)|o_proj\.weight|sinks)$|mlp\.(gate|up|down)_proj\.weight$")
 
 
 @functools.lru_cache(maxsize=16)
@@ -254,13 +264,15 @@ def _count_parameters(config_json: str, model_type: str, lora_r: int, lora_targe
             model = AutoModelForCausalLM.from_config(config)
     except (ValueError, TypeError, KeyError, ImportError, RuntimeError) as e:
         raise ValueError(f"cannot build a {model_type!r} model from its config to count its parameters: {e}") from e
-    tensors = tuple(p.numel() for p in model.parameters())
+    named = list(model.named_parameters())
+    tensors = tuple(p.numel() for _, p in named)
+    split = tuple(bool(_SPLIT.search(name)) for name, _ in named)
     lora: list[int] = []
     if lora_r > 0:
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets:
                 lora += [lora_r * module.in_features, module.out_features * lora_r]
-    return ParameterCounts(total=sum(tensors), tensors=tensors, lora=tuple(lora))
+    return ParameterCounts(total=sum(tensors), tensors=tensors, lora=tuple(lora), split=split)
 
 
 def count_parameters(config, lora_r: int = 0, lora_targets: tuple[str, ...] = ()) -> ParameterCounts:
@@ -381,8 +393,9 @@ def plan_memory(
     slots (and the mean keys) on the GPU, as oomb.offload.OffloadedKVStore does.
     ``loss_impl`` as in chunked_backward ("auto": liger on CUDA). ``tensor_parallel``: the plan of
     one of that many ranks that split the heads: its paged store and page lists hold 1/T of the KV
-    heads; parameters, gradients, optimizer states and activations are planned as for one process
-    (an upper bound: the split layers hold 1/T of theirs).
+    heads, and it holds 1/T of the attention and MLP weights (their gradients and optimizer
+    states) and all of the replicated ones; activations are planned as for one process (an upper
+    bound: the split layers keep 1/T of theirs).
     """
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("chunk_size", chunk_size),
                         ("page_size", page_size), ("select_block", select_block)):
@@ -390,6 +403,8 @@ def plan_memory(
             raise ValueError(f"{name} must be positive, got {value}")
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
     if optimizer not in OPTIMIZER_KINDS:
         raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_KINDS)}")
     shape = ModelShape.from_config(model_config)
@@ -403,23 +418,23 @@ def plan_memory(
     tokens = batch_size * chunk  # rows of one chunk
 
     counts = count_parameters(model_config, lora_r, tuple(lora_targets) if lora_r > 0 else ())
-    params = counts.total * s
+    rank_tensors = counts.per_rank(tensor_parallel)  # = counts.tensors in one process
+    params = sum(rank_tensors) * s
     # peft keeps adapters of a bf16/fp16 model in float32 (autocast_adapter_dtype=True).
     lora_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     if lora_r > 0:
         trainable, train_dtype = counts.lora, lora_dtype
         params += sum(counts.lora) * _itemsize(lora_dtype)
     else:
-        trainable, train_dtype = counts.tensors, dtype
+        trainable, train_dtype = rank_tensors, dtype
     grads = sum(trainable) * _itemsize(train_dtype)
     states = optimizer_state_bytes(optimizer, trainable, train_dtype)
 
-    if tensor_parallel < 1:
-        raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
     if tensor_parallel > 1:
-        notes.append(f"tensor parallel over {tensor_parallel} ranks: the paged store is one rank's "
-                     f"({shape.kv_heads // tensor_parallel} of {shape.kv_heads} KV heads); parameters, "
-                     "gradients, optimizer states and activations are planned unsplit (an upper bound)")
+        notes.append(f"tensor parallel over {tensor_parallel} ranks: one rank's paged store "
+                     f"({shape.kv_heads // tensor_parallel} of {shape.kv_heads} KV heads) and its shards of the "
+                     "attention and MLP weights, gradients and optimizer states; activations are planned "
+                     "unsplit (an upper bound)")
     spec = store_spec(model_config, page_size=page_size, dtype=dtype, grad_dtype=grad_dtype, device="meta",
                       tensor_parallel=tensor_parallel)
     pages_per_seq = -(-seq_len // page_size)
@@ -488,7 +503,8 @@ def plan_memory(
     trainable_note = (f"LoRA r={lora_r}: {sum(trainable):,} trainable ({_name(train_dtype)})" if lora_r > 0
                       else f"{sum(trainable):,} trainable ({_name(train_dtype)})")
     items = [
-        item("parameters", params, f"{counts.total:,} x {_name(dtype)}" + (" + adapters" if lora_r > 0 else "")),
+        item("parameters", params, f"{sum(rank_tensors):,} x {_name(dtype)}" + (" + adapters" if lora_r > 0 else "")
+             + (f" (one of {tensor_parallel} tensor parallel ranks)" if tensor_parallel > 1 else "")),
         item("gradients", grads, trainable_note),
         item("optimizer states", states, optimizer),
         item("paged store", store, f"{batch_size} x {pages_per_seq} pages x {spec.bytes_per_page():,} B "

@@ -76,6 +76,8 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh) -> torch.nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if base in _GROUPS:
+        raise TensorParallelError(f"{type(base).__name__} is already split over tensor parallel ranks")
     if mesh.ndim != 1:
         raise TensorParallelError(f"apply_tensor_parallel takes a 1-D device mesh, got {mesh.ndim} dimensions")
     degree = mesh.size()

@@ -194,7 +194,8 @@ def test_a_model_whose_kv_heads_the_ranks_cannot_split_is_refused_under_torchrun
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_plan_divides_the_page_memory_by_the_tensor_parallel_degree():
+def test_plan_divides_the_page_memory_and_the_split_weights_by_the_tensor_parallel_degree():
+    """One rank's plan: half the store, and the shards of the split weights (and their AdamW states)."""
     from oomb.train.config import load_config
     from oomb.train.inputs import model_config
 
@@ -203,4 +204,18 @@ def test_plan_divides_the_page_memory_by_the_tensor_parallel_degree():
     two = {i.name: i.gpu_bytes for i in plan_memory(config, seq_len=1 << 17, tensor_parallel=2).items}
     assert one["paged store"] > 10 * 2**30
     assert abs(two["paged store"] * 2 - one["paged store"]) <= one["paged store"] * 1e-3  # page table not split
-    assert {k: v for k, v in two.items() if k != "paged store"} == {k: v for k, v in one.items() if k != "paged store"}
+    assert one["parameters"] / 2 < two["parameters"] < one["parameters"] * 0.7  # embeddings and head replicated
+    assert two["optimizer states"] / one["optimizer states"] == pytest.approx(two["parameters"] / one["parameters"])
+    assert two["saved activations"] == one["saved activations"]  # planned unsplit
+
+
+@pytest.mark.parametrize("case", ["llama-dense", "qwen2-dense", "qwen3-sparse", "gpt_oss-dense"])
+def test_the_planner_splits_the_tensors_apply_tensor_parallel_splits(gradients, case):
+    from tiny_models import tiny_config
+
+    from oomb.engine.plan import count_parameters
+
+    got = gradients[0][case]
+    counts = count_parameters(tiny_config(CASES[case][0]))
+    planned = [name for name, split in zip(got["ref"], counts.split, strict=True) if split]
+    assert planned == got["split"] and planned

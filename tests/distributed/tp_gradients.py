@@ -86,6 +86,8 @@ def main(path: str) -> None:
             loss = oomb.chunked_backward(model, ids, chunk_size=CHUNK, page_size=PAGE, **kwargs)
         results[case] = {"loss": loss, "ref_loss": ref_loss, "ref": grads(reference), "tp": grads(model),
                          "all_reduces": counted.count,
+                         "split": [name for name, p in model.named_parameters()
+                                   if isinstance(p, DTensor) and not p.placements[0].is_replicate()],
                          "kv_heads": store_for_model(model).spec.num_kv_heads,
                          "ref_kv_heads": store_for_model(reference).spec.num_kv_heads}
     torch.save(results, f"{path}.rank{dist.get_rank()}")
