@@ -77,7 +77,8 @@ def test_sparse_cases_attend_fewer_pages_than_dense(gradients):
 STEPS = 4
 RUN = ["data.seq_len=512", "train.chunk_size=128", "train.page_size=64", "train.lr=0.01", "train.warmup_steps=1",
        "train.device=cpu", f"train.steps={STEPS}", "train.grad_accum=2", "train.save_every=2", "train.keep_last=0",
-       "train.page_budget=3", "train.select_block=64"]  # page-sparse: the gathered page scores pick the pages
+       "train.page_budget=3", "train.select_block=64",  # page-sparse: the gathered page scores pick the pages
+       "train.offload=true"]  # each rank's pages (its KV heads) in host memory
 
 
 def losses(run: Path) -> dict[int, float]:
