@@ -43,6 +43,7 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 
 # The process group a model's heads are split over, set by apply_tensor_parallel(); read by the engine.
 _GROUPS: weakref.WeakKeyDictionary[torch.nn.Module, dist.ProcessGroup] = weakref.WeakKeyDictionary()
+_PARTIAL: weakref.WeakKeyDictionary[torch.nn.Module, list[str]] = weakref.WeakKeyDictionary()
 
 
 class TensorParallelError(ValueError):
@@ -85,6 +86,7 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh) -> torch.nn.Module:
     layers = getattr(base.get_decoder(), "layers", None)
     if layers is None:
         raise TensorParallelError(f"{type(base).__name__}: tensor parallelism needs a decoder with .layers")
+    partial: list[str] = []
     for i, layer in enumerate(layers):
         plan = _layer_plan(i, layer)
         parallelize_module(layer, mesh, {
@@ -99,10 +101,12 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh) -> torch.nn.Module:
         if sinks is not None:  # GPT-OSS: one sink logit per query head, split with the heads
             layer.self_attn.sinks = torch.nn.Parameter(distribute_tensor(sinks.data, mesh, [Shard(0)]),
                                                        requires_grad=sinks.requires_grad)
-        for p in layer.self_attn.parameters():  # replicated, but applied to this rank's heads only (Qwen3's
-            if not isinstance(p, DTensor) and p.requires_grad:  # q/k norms): each rank's gradient is partial
+        for name, p in layer.self_attn.named_parameters():  # replicated, but applied to this rank's heads only
+            if not isinstance(p, DTensor) and p.requires_grad:  # (Qwen3's q/k norms): each rank's gradient is partial
                 p.register_hook(_sum_over(mesh.get_group()))
+                partial.append(f"model.layers.{i}.self_attn.{name}")
     _GROUPS[base] = mesh.get_group()
+    _PARTIAL[base] = partial
     return model
 
 
@@ -147,6 +151,11 @@ def _layer_plan(i: int, layer: torch.nn.Module) -> list[str]:
 def tensor_parallel_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
     """The process group ``model``'s heads are split over (None: not tensor parallel)."""
     return _GROUPS.get(model)
+
+
+def partially_reduced_parameters(model: torch.nn.Module) -> list[str]:
+    """Replicated parameters whose gradients a hook sums over the ranks (Qwen3's q/k norm weights)."""
+    return list(_PARTIAL.get(model, ()))
 
 
 def tensor_parallel_degree(model: torch.nn.Module) -> int:

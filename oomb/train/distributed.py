@@ -78,7 +78,7 @@ class DistributedContext:
     local_rank: int
     device: torch.device
     tensor_parallel: int = 1  # ranks one model's heads are split over (1: data parallel)
-    mesh: object = None  # the 1-D tensor parallel DeviceMesh when tensor_parallel > 1
+    mesh: object = None  # the 2-D DeviceMesh ("dp", "tp") when tensor_parallel > 1
 
     @property
     def is_main(self) -> bool:
@@ -86,8 +86,13 @@ class DistributedContext:
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that train different sequences."""
+        """Groups of ranks that train different sequences."""
         return self.world_size // self.tensor_parallel
+
+    @property
+    def data_rank(self) -> int:
+        """Which of the data parallel groups this rank belongs to (ranks of one group split one model)."""
+        return self.rank // self.tensor_parallel
 
     @property
     def checkpoint_format(self) -> str:
@@ -107,10 +112,9 @@ def setup(cfg: Config) -> DistributedContext | None:
             raise ConfigError(f"train.tensor_parallel={tp} splits the model over {tp} processes: launch with "
                               f"torchrun --nproc_per_node {tp} -m oomb.cli train ...")
         return None
-    if tp > 1 and tp != world:
-        raise ConfigError(f"train.tensor_parallel={tp} with {world} ranks: data parallel combined with tensor "
-                          f"parallel is not supported yet; set train.tensor_parallel={world} (every rank splits "
-                          "the same model) or 1 (data parallel)")
+    if world % tp:
+        raise ConfigError(f"train.tensor_parallel={tp} does not divide the {world} ranks: the ranks form groups "
+                          f"of train.tensor_parallel that each split one model (e.g. train.tensor_parallel={world})")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     name = cfg.train.device
     if name == "auto":
@@ -139,7 +143,7 @@ def setup(cfg: Config) -> DistributedContext | None:
     if tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
+        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
     return DistributedContext(rank, world, local_rank, device, tensor_parallel=tp, mesh=mesh)
 
 
@@ -176,7 +180,7 @@ class RankInputs:
 
     def __init__(self, inputs, ctx: DistributedContext, batch_size: int) -> None:
         self.inputs, self.tokenizer = inputs, inputs.tokenizer
-        self.rows = slice(ctx.rank * batch_size, (ctx.rank + 1) * batch_size)
+        self.rows = slice(ctx.data_rank * batch_size, (ctx.data_rank + 1) * batch_size)
 
     def batches(self, step: int) -> list:
         return [_rows(batch, self.rows) for batch in self.inputs.batches(step)]
@@ -196,19 +200,19 @@ def _rows(batch, rows: slice):
 def build_rank_inputs(cfg: Config, config, ctx: DistributedContext, build_inputs):
     """``build_inputs`` for all ranks' sequences (batch_size * world_size), sliced to this rank's.
 
-    Tensor parallel: every rank takes the same sequences (those of one process).
+    Tensor parallel: the ranks of one tensor parallel group take the same sequences.
     """
-    if ctx.tensor_parallel > 1:
+    if ctx.data_parallel == 1:
         return build_inputs(cfg, config)
     everyone = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
-                                                                  batch_size=cfg.train.batch_size * ctx.world_size))
+                                                                  batch_size=cfg.train.batch_size * ctx.data_parallel))
     return RankInputs(build_inputs(everyone, config), ctx, cfg.train.batch_size)
 
 
 # --- model and step ---------------------------------------------------------------------------
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, mesh=None) -> torch.nn.Module:
     """FSDP2 in place: each decoder layer one group, then the causal LM (embeddings, final norm, head) the root.
 
     ``reshard_after_forward=False`` everywhere: the step's many forwards reuse the gathered
@@ -227,8 +231,8 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
         raise ConfigError(f"{type(model).__name__}: data parallel training needs a decoder with .layers and an "
                           "LM head (a transformers *ForCausalLM model)")
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=False)
-    fully_shard(model, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
     device = next(model.parameters()).device
     with torch.no_grad():
         model(input_ids=torch.zeros((1, 1), dtype=torch.int64, device=device), use_cache=False)
@@ -251,48 +255,59 @@ def check_tensor_parallel(ctx: DistributedContext, config) -> None:
 
 def split_model(model: torch.nn.Module, ctx: DistributedContext) -> torch.nn.Module:
     """Tensor parallel in place: each layer's heads and MLP columns split over the ranks."""
-    from oomb.engine.tensor_parallel import TensorParallelError, apply_tensor_parallel
+    from oomb.engine.tensor_parallel import TensorParallelError, apply_tensor_parallel, partially_reduced_parameters
 
     try:
-        return apply_tensor_parallel(model, ctx.mesh)
+        apply_tensor_parallel(model, ctx.mesh["tp"])
     except TensorParallelError as e:
         raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel}: {e}") from e
+    partial = partially_reduced_parameters(model)
+    if partial and ctx.data_parallel > 1:  # their gradient hooks sit on the parameters FSDP2 replaces
+        raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel} with data parallel over "
+                          f"{ctx.data_parallel} groups: not supported for this model ({partial[0]} is replicated "
+                          "but applied to each rank's own heads); use train.tensor_parallel="
+                          f"{ctx.world_size} or 1")
+    return model
 
 
 def param_groups(params) -> list[dict]:
-    """Split (DTensor) and replicated (plain) parameters in separate optimizer groups: torch's foreach
-    kernels (AdamW's default on CUDA) refuse a list that mixes the two."""
+    """One optimizer group per kind of parameter (plain, or DTensor on a given mesh): torch's foreach
+    kernels (AdamW's default on CUDA) refuse a list that mixes plain tensors and DTensors or meshes."""
     from torch.distributed.tensor import DTensor
 
-    split = [p for p in params if isinstance(p, DTensor)]
-    plain = [p for p in params if not isinstance(p, DTensor)]
-    return [group for group in ({"params": split}, {"params": plain}) if group["params"]]
+    groups: dict = {}
+    for p in params:
+        key = (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements))) if isinstance(p, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    return [{"params": group} for group in groups.values()]
 
 
 def tensor_parallel_norm(params, ctx: DistributedContext) -> torch.Tensor:
-    """The global gradient norm of a tensor parallel model, the same on every rank (one all-reduce).
+    """The global gradient norm of a tensor parallel (and maybe FSDP2-sharded) model, the same on every rank.
 
-    Shards of split parameters add their squares over the ranks; replicated parameters (plain
-    tensors, and DTensors placed Replicate such as a row-parallel bias) count once.
+    Each gradient's local squares are summed over the mesh dimensions it is sharded along and
+    counted once along those it is replicated on (plain tensors and Replicate placements): at most
+    one all-reduce each over the tp group, the dp group and all ranks.
     """
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor
 
-    sharded = torch.zeros((), dtype=torch.float32, device=ctx.device)
-    replicated = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    sums = {(): torch.zeros((), dtype=torch.float32, device=ctx.device)}
+    for dims in (("tp",), ("dp",), ("dp", "tp")):
+        sums[dims] = torch.zeros((), dtype=torch.float32, device=ctx.device)
     for p in params:
         g = p.grad
         if g is None:
             continue
         if isinstance(g, DTensor):
-            square = g.to_local().float().square().sum()
-            if all(isinstance(place, Replicate) for place in g.placements):
-                replicated += square
-            else:
-                sharded += square
+            dims = tuple(name for name, place in zip(g.device_mesh.mesh_dim_names, g.placements, strict=True)
+                         if not place.is_replicate())  # Shard, or FSDP2's _StridedShard
+            sums[dims] += g.to_local().float().square().sum()
         else:
-            replicated += g.float().square().sum()
-    dist.all_reduce(sharded, group=ctx.mesh.get_group())
-    return (sharded + replicated).sqrt()
+            sums[()] += g.float().square().sum()
+    for dims, group in ((("tp",), ctx.mesh.get_group("tp")), (("dp",), ctx.mesh.get_group("dp")),
+                        (("dp", "tp"), None)):  # the same three collectives on every rank
+        dist.all_reduce(sums[dims], group=group)
+    return torch.stack(list(sums.values())).sum().sqrt()
 
 
 def _gradient_sync(model: torch.nn.Module, on: bool) -> None:

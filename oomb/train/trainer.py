@@ -306,8 +306,9 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if ctx is not None and ctx.tensor_parallel > 1:
         model = distributed.split_model(model, ctx)  # before the optimizer: it holds the split parameters
-    elif ctx is not None:
-        model = distributed.shard_model(model)  # before the optimizer: its states are sharded too
+    if ctx is not None and ctx.data_parallel > 1:  # over the groups of tensor parallel ranks, if any
+        mesh = ctx.mesh["dp"] if ctx.mesh is not None else None
+        model = distributed.shard_model(model, mesh)  # before the optimizer: its states are sharded too
     params = [p for p in model.parameters() if p.requires_grad]
     groups = distributed.param_groups(params) if ctx is not None and ctx.tensor_parallel > 1 else params
     optimizer = build_optimizer(cfg.train.optimizer, groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
@@ -447,11 +448,14 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
 
 def _forward_backward(model, params, batches, device, cfg: Config, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's loss and the global gradient norm (not yet clipped); gradients land in ``.grad``."""
-    if ctx is not None and ctx.tensor_parallel > 1:  # the same sequences on every rank, heads split
+    if ctx is not None and ctx.data_parallel == 1:  # the same sequences on every rank, heads split
         loss = accumulate_gradients(model, params, batches, device, cfg)  # the engine reads the split off the model
         return loss, distributed.tensor_parallel_norm(params, ctx)
     if ctx is not None:  # sharded gradients, reduced once; loss and norm the same on every rank
-        return distributed.accumulate_gradients(model, batches, ctx, cfg), distributed.total_norm(params)
+        loss = distributed.accumulate_gradients(model, batches, ctx, cfg)
+        split = ctx.tensor_parallel > 1
+        norm = distributed.tensor_parallel_norm(params, ctx) if split else distributed.total_norm(params)
+        return loss, norm
     loss = accumulate_gradients(model, params, batches, device, cfg)
     grads = [p.grad for p in params if p.grad is not None]
     return loss, torch.nn.utils.get_total_norm(grads)
