@@ -123,7 +123,7 @@ class TrainConfig:
     memory_check: bool = True
     """Before building the model, refuse a run whose memory plan (see `oomb plan`) does not fit this machine."""
     tensor_parallel: int = 1
-    """Under torchrun: split each layer's heads, MLP and K/V pages over this many ranks (all; 1 = data parallel)."""
+    """Under torchrun: split each layer's heads, MLP and K/V pages over groups of this many ranks (1 = none)."""
 
 
 @dataclass

@@ -3,11 +3,12 @@
     torchrun --nproc_per_node N -m oomb.cli train CONFIG.yaml out_dir=runs/x
     torchrun --nproc_per_node N -m oomb.cli train CONFIG.yaml train.tensor_parallel=N out_dir=runs/x
 
-Tensor parallel (train.tensor_parallel = N = the number of ranks): every rank trains the same
-sequences with its 1/N of each layer's heads and MLP columns (oomb.engine.tensor_parallel) and
-a paged store of its own KV heads; no gradient reduction is needed (each parameter's gradient is
-complete on the rank that holds it, replicated ones identical on every rank). The rest of this
-docstring is about data parallel.
+Tensor parallel (train.tensor_parallel = T): the ranks form a 2-D mesh (dp, tp); the T ranks of
+a tp group train the same sequences, each with its 1/T of each layer's heads and MLP columns
+(oomb.engine.tensor_parallel) and a paged store of its own KV heads. No gradient reduction is
+needed inside a group (a split parameter's gradient is complete in its shard, a replicated one
+identical on every rank of the group). With more than one group, FSDP2 shards over dp on top,
+as described below for data parallel, and the groups train different sequences.
 
 Each rank trains its own sequences with ``chunked_backward``; parameters, gradients and
 optimizer states are sharded over the ranks with FSDP2 (``fully_shard``). docs/distributed.md
