@@ -153,6 +153,19 @@ def tensor_parallel_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
     return _GROUPS.get(model)
 
 
+def per_head_replicated_parameters(config) -> list[str]:
+    """Names of the parameters of ``config``'s model that stay replicated inside the attention and act
+    on each rank's own heads (Qwen3's q/k norm weights), found on a meta-device model (no memory)."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    split = re.compile(r"self_attn\.([qkvo]_proj\.(weight|bias)|sinks)$")
+    return [name for name, _ in model.named_parameters() if ".self_attn." in name and not split.search(name)]
+
+
 def partially_reduced_parameters(model: torch.nn.Module) -> list[str]:
     """Replicated parameters whose gradients a hook sums over the ranks (Qwen3's q/k norm weights)."""
     return list(_PARTIAL.get(model, ()))

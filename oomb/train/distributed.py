@@ -245,13 +245,22 @@ def shard_model(model: torch.nn.Module, mesh=None) -> torch.nn.Module:
 
 def check_tensor_parallel(ctx: DistributedContext, config) -> None:
     """Refuse, before the model is built, a tensor parallel degree the model config cannot split."""
-    from oomb.engine.tensor_parallel import TensorParallelError
+    from oomb.engine.tensor_parallel import TensorParallelError, per_head_replicated_parameters
     from oomb.engine.tensor_parallel import check_tensor_parallel as check
 
     try:
         check(config, ctx.tensor_parallel)
     except TensorParallelError as e:
         raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel}: {e}") from e
+    if ctx.data_parallel > 1:
+        _refuse_per_head_replicated(ctx, per_head_replicated_parameters(config))
+
+
+def _refuse_per_head_replicated(ctx: DistributedContext, names: list[str]) -> None:
+    if names:  # their gradient hooks would sit on the parameters FSDP2 replaces
+        raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel} with data parallel over "
+                          f"{ctx.data_parallel} groups: not supported for this model ({names[0]} is replicated "
+                          f"but applied to each rank's own heads); use train.tensor_parallel={ctx.world_size} or 1")
 
 
 def split_model(model: torch.nn.Module, ctx: DistributedContext) -> torch.nn.Module:
@@ -262,12 +271,8 @@ def split_model(model: torch.nn.Module, ctx: DistributedContext) -> torch.nn.Mod
         apply_tensor_parallel(model, ctx.mesh["tp"])
     except TensorParallelError as e:
         raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel}: {e}") from e
-    partial = partially_reduced_parameters(model)
-    if partial and ctx.data_parallel > 1:  # their gradient hooks sit on the parameters FSDP2 replaces
-        raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel} with data parallel over "
-                          f"{ctx.data_parallel} groups: not supported for this model ({partial[0]} is replicated "
-                          "but applied to each rank's own heads); use train.tensor_parallel="
-                          f"{ctx.world_size} or 1")
+    if ctx.data_parallel > 1:  # checked before the model was built too; this is what the split found
+        _refuse_per_head_replicated(ctx, partially_reduced_parameters(model))
     return model
 
 

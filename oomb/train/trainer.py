@@ -292,7 +292,7 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
     check_optimizer(cfg.train.optimizer, device)
     if ctx is None:
         inputs = build_inputs(cfg, model_config(cfg))  # data, tokenizer, positions: checked before the model
-    else:  # data parallel: each rank its own rows of the sequences drawn for all ranks; tensor parallel: all
+    else:  # each rank (tensor parallel: each group of ranks) its own rows of the sequences drawn for all
         inputs = distributed.build_rank_inputs(cfg, model_config(cfg), ctx, build_inputs)
     if ctx is not None and ctx.tensor_parallel > 1:
         distributed.check_tensor_parallel(ctx, model_config(cfg))

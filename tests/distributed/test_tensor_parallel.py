@@ -271,5 +271,7 @@ def test_data_parallel_over_tensor_parallel_groups_refuses_qwen3_norms(tmp_path)
     proc = torchrun("-m", "oomb.cli", "train", "train.tensor_parallel=2", "train.device=cpu", f"model.path={folder}",
                     "data.seq_len=256", "train.chunk_size=128", f"out_dir={tmp_path / 'run'}", check=False, ranks=4)
     assert proc.returncode != 0
-    assert "with data parallel over 2 groups: not supported for this model" in proc.stdout
+    assert ("with data parallel over 2 groups: not supported for this model (model.layers.0.self_attn.q_norm.weight"
+            in proc.stdout)
     assert "use train.tensor_parallel=4 or 1" in proc.stdout
+    assert not (tmp_path / "run").exists()  # refused before the model is built or the run folder made
