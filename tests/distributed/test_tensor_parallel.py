@@ -52,6 +52,7 @@ def test_tensor_parallel_gradients_equal_one_process(gradients, case):
         for name, ref in got["ref"].items():
             assert ref.abs().max() > 0, name  # every parameter takes part
             assert_close_rel(got["tp"][name], ref, 1e-5, f"rank {rank} {case} {name}")
+        assert float(got["norm"]) == pytest.approx(float(got["ref_norm"]), rel=1e-5)  # split, replicated, biases
     for name, g in gradients[0][case]["tp"].items():  # replicated parameters: the same update on both ranks
         assert torch.equal(g, gradients[1][case]["tp"][name]), name
 

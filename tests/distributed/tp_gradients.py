@@ -6,7 +6,8 @@ For each case (family x dense / page-sparse / packed documents / offload / layer
 one-process gradients of a tiny fp32 model, then splits an identical copy over the ranks
 (oomb.engine.apply_tensor_parallel) and runs the same step. Each rank writes OUT.pt.rank{r}: per
 case the loss, the reference gradients, the tensor parallel gradients gathered to full tensors,
-the store's KV heads on this rank and the number of all-reduces of the tensor parallel step.
+the store's KV heads on this rank, the number of all-reduces of the tensor parallel step and the
+gradient norm of both (oomb train's tensor_parallel_norm for the split model).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tiny_models import tiny_model  # noqa: E402
 import oomb  # noqa: E402
 from oomb.engine import apply_tensor_parallel, store_for_model  # noqa: E402
 from oomb.sparse import PageSelection  # noqa: E402
+from oomb.train.distributed import DistributedContext, tensor_parallel_norm  # noqa: E402
 
 SEQ, CHUNK, PAGE = 384, 128, 32  # 3 chunks of 4 pages: from the second chunk on, 4+ past pages > budget 3
 CASES = {
@@ -67,7 +69,11 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 def main(path: str) -> None:
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    world = dist.get_world_size()
+    mesh2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))  # as oomb train builds it
+    mesh = mesh2d["tp"]
+    ctx = DistributedContext(dist.get_rank(), world, dist.get_rank(), torch.device("cpu"), tensor_parallel=world,
+                             mesh=mesh2d)
     results = {}
     for case, (family, options) in CASES.items():
         torch.manual_seed(1)
@@ -86,6 +92,8 @@ def main(path: str) -> None:
             loss = oomb.chunked_backward(model, ids, chunk_size=CHUNK, page_size=PAGE, **kwargs)
         results[case] = {"loss": loss, "ref_loss": ref_loss, "ref": grads(reference), "tp": grads(model),
                          "all_reduces": counted.count,
+                         "norm": tensor_parallel_norm(list(model.parameters()), ctx),
+                         "ref_norm": torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]),
                          "split": [name for name, p in model.named_parameters()
                                    if isinstance(p, DTensor) and not p.placements[0].is_replicate()],
                          "kv_heads": store_for_model(model).spec.num_kv_heads,
