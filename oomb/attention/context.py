@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.distributed
 
 from oomb.cache import PagedKVStore
 from oomb.kernels import AttentionBackend
@@ -46,6 +47,9 @@ class StepContext:
     # forward then reuses them instead of attending again (the pages and queries are the same).
     cache_attention: bool = False
     attention_outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Tensor parallel: the process group the heads are split over (None = one process). Page
+    # selection combines the scores of every rank's heads so all ranks attend the same pages.
+    tp_group: torch.distributed.ProcessGroup | None = None
 
     def drop_page_lists(self, chunk_start: int) -> None:
         """Forget the page lists of the chunk that starts at ``chunk_start`` (after its backward)."""

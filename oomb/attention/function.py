@@ -34,7 +34,7 @@ def visibility(step: StepContext, layer_idx: int, q: torch.Tensor, sliding_windo
         if key not in step.page_lists:
             step.page_lists[key] = select_pages(
                 q, store.mean_keys(layer_idx), store.page_table, q0 // store.spec.page_size,
-                store.spec.page_size, policy, doc_start,
+                store.spec.page_size, policy, doc_start, group=step.tp_group,
             )
         page_select = step.page_lists[key]
         if page_select is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import AttentionInterface, PreTrainedModel
 
 from oomb.attention.context import STEP_KWARG, StepContext
@@ -51,6 +52,9 @@ def oomb_attention_forward(
     if kwargs.get("softcap") is not None:
         raise ValueError("attention logit soft-capping (Gemma 2 style) is not supported by oomb")
     # Other keyword arguments (position_ids, use_cache, ...) carry nothing the paged path needs.
+
+    if isinstance(s_aux, DTensor):  # GPT-OSS sinks split over tensor parallel ranks: this rank's heads
+        s_aux = s_aux.to_local()
 
     layer_idx = module.layer_idx
     step.layers_seen.add(layer_idx)

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from oomb.attention import StepContext, oomb_attention
 from oomb.engine.loss import IGNORE_INDEX
 from oomb.engine.step import _store_for, _unwrap_peft, _validate, document_starts, run_chunk, selection_policy
+from oomb.engine.tensor_parallel import tensor_parallel_group
 from oomb.kernels import get_backend
 from oomb.sparse import PageSelection
 
@@ -106,7 +107,7 @@ def _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend, doc_
     store = _store_for(model, device, page_size, None, offload)
     store.reserve(batch, seq_len)
     step = StepContext(store=store, backend=get_backend(backend, device.type), stage="fill", doc_start=doc_start,
-                       selection=selection)
+                       selection=selection, tp_group=tensor_parallel_group(model))
     head = model.get_output_embeddings()
 
     nll = torch.full((batch, seq_len), float("nan"), dtype=torch.float32, device=device)

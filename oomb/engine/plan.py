@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -106,11 +107,14 @@ class ModelShape:
 
 
 def store_spec(config, *, page_size: int, dtype: torch.dtype, grad_dtype: torch.dtype | None,
-               device: torch.device | str) -> StoreSpec:
-    """The paged store's spec for a model config (the same spec the engine builds)."""
+               device: torch.device | str, tensor_parallel: int = 1) -> StoreSpec:
+    """The paged store's spec for a model config (the same spec the engine builds); with tensor
+    parallelism, one rank's store: its kv_heads / tensor_parallel KV heads."""
     shape = ModelShape.from_config(config)
+    if shape.kv_heads % tensor_parallel:
+        raise ValueError(f"tensor parallel degree {tensor_parallel} does not divide the {shape.kv_heads} KV heads")
     return StoreSpec(
-        num_layers=shape.num_layers, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+        num_layers=shape.num_layers, num_kv_heads=shape.kv_heads // tensor_parallel, head_dim=shape.head_dim,
         page_size=page_size, dtype=dtype, grad_dtype=grad_dtype or dtype, device=torch.device(device),
     )
 
@@ -237,6 +241,15 @@ class ParameterCounts:
     total: int  # every parameter (tied embeddings once)
     tensors: tuple[int, ...]  # numel of each parameter tensor
     lora: tuple[int, ...] = ()  # numel of each LoRA adapter tensor (A and B per targeted linear)
+    split: tuple[bool, ...] = ()  # per tensor: split over tensor parallel ranks (oomb.engine.tensor_parallel)
+
+    def per_rank(self, tensor_parallel: int) -> tuple[int, ...]:
+        """numel of each parameter tensor on one of ``tensor_parallel`` ranks."""
+        return tuple(n // tensor_parallel if split else n for n, split in zip(self.tensors, self.split, strict=True))
+
+
+# Parameters apply_tensor_parallel splits (row- or column-wise; a row-parallel bias stays replicated).
+_SPLIT = re.compile(r"self_attn\.([qkv]_proj\.(weight|bias)|o_proj\.weight|sinks)$|mlp\.(gate|up|down)_proj\.weight$")
 
 
 @functools.lru_cache(maxsize=16)
@@ -251,13 +264,15 @@ def _count_parameters(config_json: str, model_type: str, lora_r: int, lora_targe
             model = AutoModelForCausalLM.from_config(config)
     except (ValueError, TypeError, KeyError, ImportError, RuntimeError) as e:
         raise ValueError(f"cannot build a {model_type!r} model from its config to count its parameters: {e}") from e
-    tensors = tuple(p.numel() for p in model.parameters())
+    named = list(model.named_parameters())
+    tensors = tuple(p.numel() for _, p in named)
+    split = tuple(bool(_SPLIT.search(name)) for name, _ in named)
     lora: list[int] = []
     if lora_r > 0:
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets:
                 lora += [lora_r * module.in_features, module.out_features * lora_r]
-    return ParameterCounts(total=sum(tensors), tensors=tensors, lora=tuple(lora))
+    return ParameterCounts(total=sum(tensors), tensors=tensors, lora=tuple(lora), split=split)
 
 
 def count_parameters(config, lora_r: int = 0, lora_targets: tuple[str, ...] = ()) -> ParameterCounts:
@@ -369,6 +384,7 @@ def plan_memory(
     loss_impl: str = "auto",
     device_total_bytes: int | None = None,
     host_total_bytes: int | None = None,
+    tensor_parallel: int = 1,
 ) -> MemoryPlan:
     """Predict the peak bytes of one training step of ``model_config`` (a transformers config).
 
@@ -376,7 +392,11 @@ def plan_memory(
     the GPU and the process on the host. ``page_budget`` (sparse mode) adds the page lists
     kept between the stages. ``offload`` moves the pages to host memory and keeps two layer
     slots (and the mean keys) on the GPU, as oomb.offload.OffloadedKVStore does.
-    ``loss_impl`` as in chunked_backward ("auto": liger on CUDA).
+    ``loss_impl`` as in chunked_backward ("auto": liger on CUDA). ``tensor_parallel``: the plan of
+    one of that many ranks that split the heads: its paged store and page lists hold 1/T of the KV
+    heads, and it holds 1/T of the attention and MLP weights (their gradients and optimizer
+    states) and all of the replicated ones; activations are planned as for one process (an upper
+    bound: the split layers keep 1/T of theirs).
     """
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("chunk_size", chunk_size),
                         ("page_size", page_size), ("select_block", select_block)):
@@ -384,6 +404,8 @@ def plan_memory(
             raise ValueError(f"{name} must be positive, got {value}")
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
     if optimizer not in OPTIMIZER_KINDS:
         raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_KINDS)}")
     shape = ModelShape.from_config(model_config)
@@ -397,18 +419,25 @@ def plan_memory(
     tokens = batch_size * chunk  # rows of one chunk
 
     counts = count_parameters(model_config, lora_r, tuple(lora_targets) if lora_r > 0 else ())
-    params = counts.total * s
+    rank_tensors = counts.per_rank(tensor_parallel)  # = counts.tensors in one process
+    params = sum(rank_tensors) * s
     # peft keeps adapters of a bf16/fp16 model in float32 (autocast_adapter_dtype=True).
     lora_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     if lora_r > 0:
         trainable, train_dtype = counts.lora, lora_dtype
         params += sum(counts.lora) * _itemsize(lora_dtype)
     else:
-        trainable, train_dtype = counts.tensors, dtype
+        trainable, train_dtype = rank_tensors, dtype
     grads = sum(trainable) * _itemsize(train_dtype)
     states = optimizer_state_bytes(optimizer, trainable, train_dtype)
 
-    spec = store_spec(model_config, page_size=page_size, dtype=dtype, grad_dtype=grad_dtype, device="meta")
+    if tensor_parallel > 1:
+        notes.append(f"tensor parallel over {tensor_parallel} ranks: one rank's paged store "
+                     f"({shape.kv_heads // tensor_parallel} of {shape.kv_heads} KV heads) and its shards of the "
+                     "attention and MLP weights, gradients and optimizer states; activations are planned "
+                     "unsplit (an upper bound)")
+    spec = store_spec(model_config, page_size=page_size, dtype=dtype, grad_dtype=grad_dtype, device="meta",
+                      tensor_parallel=tensor_parallel)
     pages_per_seq = -(-seq_len // page_size)
     store = batch_size * pages_per_seq * spec.bytes_per_page() + batch_size * pages_per_seq * 4  # + page table
     store_host = 0
@@ -432,7 +461,7 @@ def plan_memory(
     if page_budget is not None:
         # int32 [B, H_sel, ceil(C / block), budget] per full-attention layer, for every chunk whose
         # past holds more than `budget` pages (fewer: attention is dense, no list).
-        h_sel = shape.kv_heads if per_head_selection else 1
+        h_sel = spec.num_kv_heads if per_head_selection else 1
         layer_types = getattr(model_config, "layer_types", None) or ["full_attention"] * shape.num_layers
         full_layers = sum(t == "full_attention" for t in layer_types)
         n_chunks = -(-seq_len // chunk)
@@ -445,7 +474,8 @@ def plan_memory(
         # chunked_backward(cache_attention=True): out [B, H, C, D] in the model's dtype and lse [B, H, C]
         # float32 of every attention layer for every chunk of stage 1 (all but the last), until stage 2.
         stage1_tokens = batch_size * (-(-seq_len // chunk) - 1) * chunk
-        attention_outputs = stage1_tokens * shape.num_layers * shape.heads * (shape.head_dim * s + 4)
+        heads = shape.heads // tensor_parallel  # one rank's query heads
+        attention_outputs = stage1_tokens * shape.num_layers * heads * (shape.head_dim * s + 4)
 
     lora_shape = LoraShape(lora_r, tuple(lora_targets), lora_dtype) if lora_r > 0 else None
     per_layer, per_model = saved_bytes_per_token(shape, dtype, lora_shape)
@@ -482,7 +512,8 @@ def plan_memory(
     trainable_note = (f"LoRA r={lora_r}: {sum(trainable):,} trainable ({_name(train_dtype)})" if lora_r > 0
                       else f"{sum(trainable):,} trainable ({_name(train_dtype)})")
     items = [
-        item("parameters", params, f"{counts.total:,} x {_name(dtype)}" + (" + adapters" if lora_r > 0 else "")),
+        item("parameters", params, f"{sum(rank_tensors):,} x {_name(dtype)}" + (" + adapters" if lora_r > 0 else "")
+             + (f" (one of {tensor_parallel} tensor parallel ranks)" if tensor_parallel > 1 else "")),
         item("gradients", grads, trainable_note),
         item("optimizer states", states, optimizer),
         item("paged store", store, f"{batch_size} x {pages_per_seq} pages x {spec.bytes_per_page():,} B "
@@ -507,7 +538,7 @@ def plan_memory(
         "page_size": page_size, "dtype": _name(dtype), "grad_dtype": _name(grad_dtype), "page_budget": page_budget,
         "select_block": select_block, "lora_r": lora_r, "optimizer": optimizer,
         "layer_checkpointing": layer_checkpointing, "offload": offload, "cache_attention": cache_attention,
-        "device_type": device_type,
+        "device_type": device_type, "tensor_parallel": tensor_parallel,
     }
     return MemoryPlan(items=items, settings=settings, device_type=device_type,
                       device_total_bytes=device_total_bytes if gpu else None,

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from oomb.attention import STEP_KWARG, StepContext, check_attention_support, oomb_attention
 from oomb.cache import PagedKVStore, StoreSpec
 from oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy_sum
+from oomb.engine.tensor_parallel import tensor_parallel_group
 from oomb.kernels import get_backend
 from oomb.offload import OffloadedKVStore
 from oomb.sparse import PageSelection
@@ -84,6 +85,8 @@ def chunked_backward(
     Accumulates d(loss)/d(param) into ``.grad`` like ``loss.backward()`` and returns the
     mean loss over target tokens as a detached scalar. A peft model (LoRA) is accepted:
     its adapters live inside the wrapped transformers model, which is what runs here.
+    A model split by ``oomb.engine.tensor_parallel`` runs on every rank of its group with the
+    same inputs; each rank's store holds its own KV heads only.
     """
     model = _unwrap_peft(model)
     targets = _validate(model, input_ids, labels, chunk_size, page_size)
@@ -103,7 +106,7 @@ def chunked_backward(
     store = _store_for(model, input_ids.device, page_size, grad_dtype, offload)
     store.reserve(batch, seq_len)
     step = StepContext(store=store, backend=get_backend(backend, input_ids.device.type), doc_start=doc_start,
-                       selection=selection, cache_attention=cache_attention)
+                       selection=selection, cache_attention=cache_attention, tp_group=tensor_parallel_group(model))
     head = model.get_output_embeddings()
     bounds = [(s, min(s + chunk_size, seq_len)) for s in range(0, seq_len, chunk_size)]
 
@@ -212,9 +215,11 @@ def _store_for(
 ) -> PagedKVStore | OffloadedKVStore:
     cfg = model.config
     dtype = model.get_input_embeddings().weight.dtype
+    group = tensor_parallel_group(model)
+    split = 1 if group is None else torch.distributed.get_world_size(group)  # each rank stores its KV heads
     spec = StoreSpec(
         num_layers=cfg.num_hidden_layers,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        num_kv_heads=(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // split,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         page_size=page_size,
         dtype=dtype,

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,16 @@ def select_pages(
     page_size: int,
     policy: PageSelection,
     doc_start: torch.Tensor | None = None,  # [B, C] first key of each query's document
+    group: torch.distributed.ProcessGroup | None = None,
 ) -> torch.Tensor | None:
     """[B, H_sel, ceil(C / block), page_budget] int32 ascending past-page indices, or None when the
-    history holds no more than ``page_budget`` pages (then attention is dense)."""
+    history holds no more than ``page_budget`` pages (then attention is dense).
+
+    ``group``: tensor parallel ranks that each hold some of the KV heads (``q`` and ``mean_k``
+    are this rank's heads). Shared lists (not ``per_head``) sum the scores of every rank's heads,
+    gathered in rank order so the sum runs in one process's order: every rank picks the pages
+    one process would. Per-head lists need no communication.
+    """
     budget = policy.page_budget
     if n_past <= budget:
         return None
@@ -78,6 +86,11 @@ def select_pages(
     k_mean = mean_k[page_table[:, :n_past].long()].float()  # [B, n_past, H_kv, D]
     scores = torch.einsum("bhqd,bphd->bhqp", q_mean, k_mean)  # [B, H_kv, n_qb, n_past]
     if not policy.per_head:
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            # [B, H_kv_local, n_qb, n_past] fp32 from every rank: B * H_kv * n_qb * n_past * 4 bytes.
+            parts = [torch.empty_like(scores) for _ in range(torch.distributed.get_world_size(group))]
+            torch.distributed.all_gather(parts, scores.contiguous(), group=group)
+            scores = torch.cat(parts, dim=1)
         scores = scores.sum(dim=1, keepdim=True)
 
     forced = torch.zeros(n_past, dtype=torch.bool, device=q.device)

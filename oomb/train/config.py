@@ -125,6 +125,8 @@ class TrainConfig:
     memory H*(2D+4) B per token per layer in bf16, 200 KiB/token for Qwen2.5-7B); not with offload."""
     memory_check: bool = True
     """Before building the model, refuse a run whose memory plan (see `oomb plan`) does not fit this machine."""
+    tensor_parallel: int = 1
+    """Under torchrun: split each layer's heads, MLP and K/V pages over groups of this many ranks (1 = none)."""
 
 
 @dataclass

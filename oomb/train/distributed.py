@@ -1,6 +1,14 @@
-"""Data parallel `oomb train` under torchrun: FSDP2 sharding, one gradient reduction per step, DCP checkpoints.
+"""`oomb train` under torchrun: data parallel (FSDP2) or tensor parallel (heads split), DCP checkpoints.
 
     torchrun --nproc_per_node N -m oomb.cli train CONFIG.yaml out_dir=runs/x
+    torchrun --nproc_per_node N -m oomb.cli train CONFIG.yaml train.tensor_parallel=N out_dir=runs/x
+
+Tensor parallel (train.tensor_parallel = T): the ranks form a 2-D mesh (dp, tp); the T ranks of
+a tp group train the same sequences, each with its 1/T of each layer's heads and MLP columns
+(oomb.engine.tensor_parallel) and a paged store of its own KV heads. No gradient reduction is
+needed inside a group (a split parameter's gradient is complete in its shard, a replicated one
+identical on every rank of the group). With more than one group, FSDP2 shards over dp on top,
+as described below for data parallel, and the groups train different sequences.
 
 Each rank trains its own sequences with ``chunked_backward``; parameters, gradients and
 optimizer states are sharded over the ranks with FSDP2 (``fully_shard``). docs/distributed.md
@@ -58,7 +66,8 @@ from oomb.train.checkpoint import (
 )
 from oomb.train.config import Config, ConfigError
 
-FORMAT = "dcp-fsdp2"  # state.json "format" of a checkpoint written by ranks together
+FORMAT = "dcp-fsdp2"  # state.json "format" of a checkpoint written by data parallel ranks together
+TP_FORMAT = "dcp-tp"  # ... by tensor parallel ranks
 
 
 @dataclass(frozen=True)
@@ -69,10 +78,26 @@ class DistributedContext:
     world_size: int
     local_rank: int
     device: torch.device
+    tensor_parallel: int = 1  # ranks one model's heads are split over (1: data parallel)
+    mesh: object = None  # the 2-D DeviceMesh ("dp", "tp") when tensor_parallel > 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_parallel(self) -> int:
+        """Groups of ranks that train different sequences."""
+        return self.world_size // self.tensor_parallel
+
+    @property
+    def data_rank(self) -> int:
+        """Which of the data parallel groups this rank belongs to (ranks of one group split one model)."""
+        return self.rank // self.tensor_parallel
+
+    @property
+    def checkpoint_format(self) -> str:
+        return TP_FORMAT if self.tensor_parallel > 1 else FORMAT
 
 
 def setup(cfg: Config) -> DistributedContext | None:
@@ -82,8 +107,15 @@ def setup(cfg: Config) -> DistributedContext | None:
     path does not support are refused here, before the process group starts.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = cfg.train.tensor_parallel
     if world <= 1:
+        if tp > 1:
+            raise ConfigError(f"train.tensor_parallel={tp} splits the model over {tp} processes: launch with "
+                              f"torchrun --nproc_per_node {tp} -m oomb.cli train ...")
         return None
+    if world % tp:
+        raise ConfigError(f"train.tensor_parallel={tp} does not divide the {world} ranks: the ranks form groups "
+                          f"of train.tensor_parallel that each split one model (e.g. train.tensor_parallel={world})")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     name = cfg.train.device
     if name == "auto":
@@ -94,8 +126,8 @@ def setup(cfg: Config) -> DistributedContext | None:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
     if cfg.lora.r > 0:
-        raise ConfigError("lora.r > 0 is not supported under torchrun yet (data parallel shards full fine-tuning "
-                          "only); run LoRA in one process")
+        raise ConfigError("lora.r > 0 is not supported under torchrun yet (data and tensor parallel train full "
+                          "fine-tuning only); run LoRA in one process")
     if cfg.train.optimizer != "adamw":
         raise ConfigError(f"train.optimizer={cfg.train.optimizer} under torchrun: only adamw (torch) works on "
                           "FSDP2's sharded parameters")
@@ -108,7 +140,12 @@ def setup(cfg: Config) -> DistributedContext | None:
     if dist.get_world_size() != world or dist.get_rank() != rank:
         raise RuntimeError(f"process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
                            f"the environment says {rank} of {world}")
-    return DistributedContext(rank, world, local_rank, device)
+    mesh = None
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return DistributedContext(rank, world, local_rank, device, tensor_parallel=tp, mesh=mesh)
 
 
 def teardown(ctx: DistributedContext | None) -> None:
@@ -144,7 +181,7 @@ class RankInputs:
 
     def __init__(self, inputs, ctx: DistributedContext, batch_size: int) -> None:
         self.inputs, self.tokenizer = inputs, inputs.tokenizer
-        self.rows = slice(ctx.rank * batch_size, (ctx.rank + 1) * batch_size)
+        self.rows = slice(ctx.data_rank * batch_size, (ctx.data_rank + 1) * batch_size)
 
     def batches(self, step: int) -> list:
         return [_rows(batch, self.rows) for batch in self.inputs.batches(step)]
@@ -162,16 +199,21 @@ def _rows(batch, rows: slice):
 
 
 def build_rank_inputs(cfg: Config, config, ctx: DistributedContext, build_inputs):
-    """``build_inputs`` for all ranks' sequences (batch_size * world_size), sliced to this rank's."""
+    """``build_inputs`` for all ranks' sequences (batch_size * world_size), sliced to this rank's.
+
+    Tensor parallel: the ranks of one tensor parallel group take the same sequences.
+    """
+    if ctx.data_parallel == 1:
+        return build_inputs(cfg, config)
     everyone = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
-                                                                  batch_size=cfg.train.batch_size * ctx.world_size))
+                                                                  batch_size=cfg.train.batch_size * ctx.data_parallel))
     return RankInputs(build_inputs(everyone, config), ctx, cfg.train.batch_size)
 
 
 # --- model and step ---------------------------------------------------------------------------
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, mesh=None) -> torch.nn.Module:
     """FSDP2 in place: each decoder layer one group, then the causal LM (embeddings, final norm, head) the root.
 
     ``reshard_after_forward=False`` everywhere: the step's many forwards reuse the gathered
@@ -190,8 +232,8 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
         raise ConfigError(f"{type(model).__name__}: data parallel training needs a decoder with .layers and an "
                           "LM head (a transformers *ForCausalLM model)")
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=False)
-    fully_shard(model, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
     device = next(model.parameters()).device
     with torch.no_grad():
         model(input_ids=torch.zeros((1, 1), dtype=torch.int64, device=device), use_cache=False)
@@ -199,6 +241,79 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(module, FSDPModule):
             module.reshard()
     return model
+
+
+def check_tensor_parallel(ctx: DistributedContext, config) -> None:
+    """Refuse, before the model is built, a tensor parallel degree the model config cannot split."""
+    from oomb.engine.tensor_parallel import TensorParallelError, per_head_replicated_parameters
+    from oomb.engine.tensor_parallel import check_tensor_parallel as check
+
+    try:
+        check(config, ctx.tensor_parallel)
+    except TensorParallelError as e:
+        raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel}: {e}") from e
+    if ctx.data_parallel > 1:
+        _refuse_per_head_replicated(ctx, per_head_replicated_parameters(config))
+
+
+def _refuse_per_head_replicated(ctx: DistributedContext, names: list[str]) -> None:
+    if names:  # their gradient hooks would sit on the parameters FSDP2 replaces
+        raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel} with data parallel over "
+                          f"{ctx.data_parallel} groups: not supported for this model ({names[0]} is replicated "
+                          f"but applied to each rank's own heads); use train.tensor_parallel={ctx.world_size} or 1")
+
+
+def split_model(model: torch.nn.Module, ctx: DistributedContext) -> torch.nn.Module:
+    """Tensor parallel in place: each layer's heads and MLP columns split over the ranks."""
+    from oomb.engine.tensor_parallel import TensorParallelError, apply_tensor_parallel, partially_reduced_parameters
+
+    try:
+        apply_tensor_parallel(model, ctx.mesh["tp"])
+    except TensorParallelError as e:
+        raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel}: {e}") from e
+    if ctx.data_parallel > 1:  # checked before the model was built too; this is what the split found
+        _refuse_per_head_replicated(ctx, partially_reduced_parameters(model))
+    return model
+
+
+def param_groups(params) -> list[dict]:
+    """One optimizer group per kind of parameter (plain, or DTensor on a given mesh): torch's foreach
+    kernels (AdamW's default on CUDA) refuse a list that mixes plain tensors and DTensors or meshes."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for p in params:
+        key = (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements))) if isinstance(p, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    return [{"params": group} for group in groups.values()]
+
+
+def tensor_parallel_norm(params, ctx: DistributedContext) -> torch.Tensor:
+    """The global gradient norm of a tensor parallel (and maybe FSDP2-sharded) model, the same on every rank.
+
+    Each gradient's local squares are summed over the mesh dimensions it is sharded along and
+    counted once along those it is replicated on (plain tensors and Replicate placements): at most
+    one all-reduce each over the tp group, the dp group and all ranks.
+    """
+    from torch.distributed.tensor import DTensor
+
+    sums = {(): torch.zeros((), dtype=torch.float32, device=ctx.device)}
+    for dims in (("tp",), ("dp",), ("dp", "tp")):
+        sums[dims] = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            dims = tuple(name for name, place in zip(g.device_mesh.mesh_dim_names, g.placements, strict=True)
+                         if not place.is_replicate())  # Shard, or FSDP2's _StridedShard
+            sums[dims] += g.to_local().float().square().sum()
+        else:
+            sums[()] += g.float().square().sum()
+    for dims, group in ((("tp",), ctx.mesh.get_group("tp")), (("dp",), ctx.mesh.get_group("dp")),
+                        (("dp", "tp"), None)):  # the same three collectives on every rank
+        dist.all_reduce(sums[dims], group=group)
+    return torch.stack(list(sums.values())).sum().sqrt()
 
 
 def _gradient_sync(model: torch.nn.Module, on: bool) -> None:
@@ -255,9 +370,11 @@ def total_norm(params) -> torch.Tensor:
 
 def clip_gradients(params, max_norm: float, norm: torch.Tensor) -> None:
     """Scale the sharded gradients by min(1, max_norm / norm), as torch's clip_grads_with_norm_."""
+    from torch.distributed.tensor import DTensor
+
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     grads = [p.grad for p in params if p.grad is not None]
-    torch._foreach_mul_([g.to_local() for g in grads], scale.to(grads[0].device))
+    torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], scale.to(grads[0].device))
 
 
 # --- checkpoints and export -------------------------------------------------------------------
@@ -302,7 +419,8 @@ def save_checkpoint(ctx: DistributedContext, out_dir: Path, step: int, model, op
         barrier(ctx)
         if ctx.is_main:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            state = {"step": step, "torch": torch.__version__, "format": FORMAT, "world_size": ctx.world_size}
+            state = {"step": step, "torch": torch.__version__, "format": ctx.checkpoint_format,
+                     "world_size": ctx.world_size, "tensor_parallel": ctx.tensor_parallel}
             if data_state is not None:
                 state["data"] = data_state
             (tmp / "state.json").write_text(json.dumps(state))
@@ -325,7 +443,8 @@ def save_checkpoint(ctx: DistributedContext, out_dir: Path, step: int, model, op
 def check_checkpoint_format(ckpt: Path, ctx: DistributedContext | None) -> None:
     """Refuse, before loading, a checkpoint written by a different number of processes."""
     state = checkpoint_state(ckpt)
-    sharded = state.get("format") == FORMAT
+    sharded = state.get("format") in (FORMAT, TP_FORMAT)
+    tp = state.get("tensor_parallel", 1)
     if ctx is None and sharded:
         raise CheckpointError(f"{ckpt} was written by {state['world_size']} ranks under torchrun: resume it with "
                               f"torchrun --nproc_per_node {state['world_size']}")
@@ -334,6 +453,9 @@ def check_checkpoint_format(ckpt: Path, ctx: DistributedContext | None) -> None:
     if ctx is not None and state["world_size"] != ctx.world_size:
         raise CheckpointError(f"{ckpt} was written by {state['world_size']} ranks, this job has {ctx.world_size}: "
                               f"resume with torchrun --nproc_per_node {state['world_size']}")
+    if ctx is not None and tp != ctx.tensor_parallel:
+        raise CheckpointError(f"{ckpt} was written with train.tensor_parallel={tp}, this job has "
+                              f"{ctx.tensor_parallel}: resume with train.tensor_parallel={tp}")
 
 
 def load_checkpoint(ctx: DistributedContext, ckpt: Path, model, optimizer, scheduler) -> int:

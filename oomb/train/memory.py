@@ -52,6 +52,7 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
         optimizer=t.optimizer, layer_checkpointing=t.layer_checkpointing, device_type=device_type,
         page_budget=t.page_budget, select_block=t.select_block, per_head_selection=t.select_per_head,
         offload=t.offload and device_type == "cuda", cache_attention=t.cache_attention,
+        tensor_parallel=t.tensor_parallel,
     )
 
 
@@ -134,7 +135,9 @@ def print_plan(plan: MemoryPlan, longest: int, console: Console, *, gpu_source: 
     table = Table(title=f"oomb plan: {plan.settings['family']}, {plan.settings['seq_len']:,} tokens "
                   f"x {plan.settings['batch_size']}, chunk {plan.settings['chunk_size']}, "
                   f"{plan.settings['dtype']}, {plan.settings['optimizer']}"
-                  + (", layer checkpointing" if plan.settings["layer_checkpointing"] else ""))
+                  + (", layer checkpointing" if plan.settings["layer_checkpointing"] else "")
+                  + (f", one of {plan.settings['tensor_parallel']} tensor parallel ranks"
+                     if plan.settings.get("tensor_parallel", 1) > 1 else ""))
     table.add_column("item")
     if gpu:
         table.add_column("GPU", justify="right")

@@ -93,7 +93,8 @@ def check_config(cfg: Config) -> None:
     t, d = cfg.train, cfg.data
     for name, value in (("train.steps", t.steps), ("train.batch_size", t.batch_size),
                         ("train.grad_accum", t.grad_accum), ("train.chunk_size", t.chunk_size),
-                        ("train.page_size", t.page_size), ("data.seq_len", d.seq_len)):
+                        ("train.page_size", t.page_size), ("data.seq_len", d.seq_len),
+                        ("train.tensor_parallel", t.tensor_parallel)):
         if value <= 0:
             raise ConfigError(f"{name} must be positive, got {value}")
     if t.chunk_size % t.page_size:
@@ -269,7 +270,8 @@ def train(cfg: Config, console: Console | None = None) -> Path:
 
     Raises ConfigError before any work for bad settings or paths, and RunStopped for a
     failure it handled during the run (the message says what is on disk and how to resume).
-    Under torchrun (WORLD_SIZE > 1) the ranks train data parallel: oomb.train.distributed.
+    Under torchrun (WORLD_SIZE > 1) the ranks train data parallel, or tensor parallel with
+    train.tensor_parallel > 1: oomb.train.distributed.
     """
     check_config(cfg)
     ctx = distributed.setup(cfg)  # None in a single process
@@ -293,8 +295,10 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
     check_optimizer(cfg.train.optimizer, device)
     if ctx is None:
         inputs = build_inputs(cfg, model_config(cfg))  # data, tokenizer, positions: checked before the model
-    else:  # each rank its own rows of the sequences drawn for all ranks
+    else:  # each rank (tensor parallel: each group of ranks) its own rows of the sequences drawn for all
         inputs = distributed.build_rank_inputs(cfg, model_config(cfg), ctx, build_inputs)
+    if ctx is not None and ctx.tensor_parallel > 1:
+        distributed.check_tensor_parallel(ctx, model_config(cfg))
     if cfg.data.document_mask:
         check_document_mask_support()
     plan = check_memory(cfg, device, dtype)  # the plan must fit before the model or a checkpoint is touched
@@ -303,10 +307,14 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
     model.train()
     if cfg.train.layer_checkpointing:  # transformers' own; exact inside oomb's chunks (tested)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if ctx is not None:
-        model = distributed.shard_model(model)  # before the optimizer: its states are sharded too
+    if ctx is not None and ctx.tensor_parallel > 1:
+        model = distributed.split_model(model, ctx)  # before the optimizer: it holds the split parameters
+    if ctx is not None and ctx.data_parallel > 1:  # over the groups of tensor parallel ranks, if any
+        mesh = ctx.mesh["dp"] if ctx.mesh is not None else None
+        model = distributed.shard_model(model, mesh)  # before the optimizer: its states are sharded too
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(cfg.train.optimizer, params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    groups = distributed.param_groups(params) if ctx is not None and ctx.tensor_parallel > 1 else params
+    optimizer = build_optimizer(cfg.train.optimizer, groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     start = 0
     if resume_from is not None:
@@ -336,7 +344,7 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
         console.print(plan.summary() + " (oomb plan prints the breakdown)")
     run = _Run(cfg, out, model, optimizer, scheduler, inputs, device,
                saved_step=start if resume_from is not None else None, ctx=ctx)
-    tokens_per_step = cfg.train.grad_accum * cfg.train.batch_size * cfg.data.seq_len * (ctx.world_size if ctx else 1)
+    tokens_per_step = cfg.train.grad_accum * cfg.train.batch_size * cfg.data.seq_len * (ctx.data_parallel if ctx else 1)
     columns = [
         TextColumn("step {task.completed}/{task.total}"), BarColumn(),
         TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
@@ -443,8 +451,14 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
 
 def _forward_backward(model, params, batches, device, cfg: Config, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's loss and the global gradient norm (not yet clipped); gradients land in ``.grad``."""
+    if ctx is not None and ctx.data_parallel == 1:  # the same sequences on every rank, heads split
+        loss = accumulate_gradients(model, params, batches, device, cfg)  # the engine reads the split off the model
+        return loss, distributed.tensor_parallel_norm(params, ctx)
     if ctx is not None:  # sharded gradients, reduced once; loss and norm the same on every rank
-        return distributed.accumulate_gradients(model, batches, ctx, cfg), distributed.total_norm(params)
+        loss = distributed.accumulate_gradients(model, batches, ctx, cfg)
+        split = ctx.tensor_parallel > 1
+        norm = distributed.tensor_parallel_norm(params, ctx) if split else distributed.total_norm(params)
+        return loss, norm
     loss = accumulate_gradients(model, params, batches, device, cfg)
     grads = [p.grad for p in params if p.grad is not None]
     return loss, torch.nn.utils.get_total_norm(grads)
@@ -601,9 +615,11 @@ def accumulate_gradients(model, params, batches, device: torch.device, cfg: Conf
 
 
 def _scale_gradients(params, factor: float) -> None:
+    from torch.distributed.tensor import DTensor
+
     grads = [p.grad for p in params if p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, factor)
+    if grads:  # tensor parallel: split gradients are DTensors, which foreach kernels refuse beside plain ones
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], factor)
 
 
 def _roll_back_metrics(path: Path, step: int) -> None:
