@@ -44,7 +44,11 @@ SEED=${SEED:-0}
 # the curriculum (dense): "len:batch:steps:lr" per phase, each from the previous phase's export
 CURRICULUM=${CURRICULUM:-"128:64:200:5e-4 1024:16:80:4e-4 8192:2:40:3e-4 32768:1:20:2e-4"}
 # the long run (>= 128K for issue 6), batch 1
-LONG_LEN=${LONG_LEN:-131072}; LONG_STEPS=${LONG_STEPS:-6}; LONG_LR=${LONG_LR:-1e-4}
+LONG_LEN=${LONG_LEN:-131072}; LONG_STEPS=${LONG_STEPS:-10}; LONG_LR=${LONG_LR:-1e-4}
+# time guard: the long phase gets at most DEADLINE - (seconds used so far) - EVAL_RESERVE seconds
+# (at least LONG_MIN_S); when that runs out it is stopped by SIGTERM at a chunk boundary, saves its
+# last completed step (oomb's graceful stop, exit 75) and the eval uses that checkpoint.
+DEADLINE=${DEADLINE:-540}; EVAL_RESERVE=${EVAL_RESERVE:-120}; LONG_MIN_S=${LONG_MIN_S:-90}
 LONG_BUDGET=${LONG_BUDGET:-}   # empty = dense; a number = page-sparse with that many pages
 CHUNK=${CHUNK:-4096}           # chunk size (a phase shorter than it uses its own length as the chunk)
 WARMUP=${WARMUP:-10}           # warmup steps of every phase (fresh AdamW each)
@@ -64,16 +68,23 @@ FROM="model.preset=$PRESET"
 PREV=""
 PHASES=""
 
-phase() {  # name len batch steps lr [key=value...]
+phase() {  # name len batch steps lr [key=value...]; $LIMIT (seconds, empty = none) caps the phase
   local name=$1 len=$2 batch=$3 steps=$4 lr=$5; shift 5
-  local chunk=$CHUNK t0=$SECONDS losses
+  local chunk=$CHUNK t0=$SECONDS losses rc=0 run=(oomb train)
+  if [ -n "${LIMIT:-}" ]; then run=(timeout --preserve-status -s TERM -k 180 "$LIMIT" oomb train); fi
   if [ "$len" -lt "$chunk" ]; then chunk=$len; fi
   lr=$(python3 -c "import sys; print(repr(float(sys.argv[1])))" "$lr")  # 5e-4 -> 0.0005 (YAML reads 5e-4 as text)
   echo "=== phase $name: $len tokens x $batch x $steps steps, lr $lr, from $FROM ($(( SECONDS - START )) s so far)"
   # shellcheck disable=SC2086
-  if ! oomb train $FROM $COMMON data.seq_len="$len" train.batch_size="$batch" train.steps="$steps" \
-      train.lr="$lr" train.chunk_size="$chunk" out_dir="$OUT/$name" $EXTRA "$@" > "$OUT/$name.log" 2>&1; then
-    echo "error: phase $name failed; the last lines of $OUT/$name.log:" >&2; tail -30 "$OUT/$name.log" >&2; exit 1
+  "${run[@]}" $FROM $COMMON data.seq_len="$len" train.batch_size="$batch" train.steps="$steps" \
+      train.lr="$lr" train.chunk_size="$chunk" out_dir="$OUT/$name" $EXTRA "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+  if [ "$rc" = 75 ] && [ -n "${LIMIT:-}" ] && [ -d "$OUT/$name/checkpoints" ] && [ -s "$OUT/$name/metrics.jsonl" ]; then
+    echo "phase $name: stopped by the time guard after ${LIMIT} s; its last completed step is saved"
+    python3 -c "import sys; from pathlib import Path; from oomb.train.monitor import plot_run; plot_run(Path(sys.argv[1]))" \
+      "$OUT/$name" || true  # training.png (an interrupted run does not draw it)
+  elif [ "$rc" != 0 ]; then
+    echo "error: phase $name failed (exit $rc); the last lines of $OUT/$name.log:" >&2; tail -30 "$OUT/$name.log" >&2
+    exit 1
   fi
   grep -E "^(oomb train|done:)" "$OUT/$name.log" || true
   losses=$(python3 - "$OUT/$name/metrics.jsonl" <<'PY'
@@ -83,8 +94,10 @@ n = max(1, len(r) // 10)
 print(f"{sum(r[:n]) / n:.3f} (first {n} steps) -> {sum(r[-n:]) / n:.3f} (last {n})" if r else "none")
 PY
 )
-  PHASES+="  $name: $len tokens x $batch x $steps steps, lr $lr, $(( SECONDS - t0 )) s: answer loss $losses"$'\n'
-  if [ "$KEEP_WEIGHTS" = 0 ]; then  # the next phase starts from this export; older weights are not needed
+  local done_steps
+  done_steps=$(grep -c '"step"' "$OUT/$name/metrics.jsonl" || true)
+  PHASES+="  $name: $len tokens x $batch x $done_steps/$steps steps, lr $lr, $(( SECONDS - t0 )) s: answer loss $losses"$'\n'
+  if [ "$KEEP_WEIGHTS" = 0 ] && [ -z "${LIMIT:-}" ]; then  # the next phase starts from this export
     rm -rf "$OUT/$name/checkpoints"
     if [ -n "$PREV" ]; then rm -rf "$PREV/export"; fi
   fi
@@ -98,22 +111,28 @@ for spec in $CURRICULUM; do
 done
 LONG_EXTRA=()
 if [ -n "$LONG_BUDGET" ]; then LONG_EXTRA+=(train.page_budget="$LONG_BUDGET"); fi
+LIMIT=$(( DEADLINE - SECONDS + START - EVAL_RESERVE ))
+if [ "$LIMIT" -lt "$LONG_MIN_S" ]; then LIMIT=$LONG_MIN_S; fi
+BASE="$PREV"  # the long run's model.path: kept until the eval has run (a checkpoint eval rebuilds from it)
 phase "long$LONG_LEN" "$LONG_LEN" 1 "$LONG_STEPS" "$LONG_LR" ${LONG_EXTRA[@]+"${LONG_EXTRA[@]}"}
+LIMIT=""
 LONG="$PREV"
+EVAL_MODEL="$LONG/export"  # a run stopped by the time guard has no export: its latest checkpoint
+if [ ! -f "$EVAL_MODEL/config.json" ]; then EVAL_MODEL="$LONG"; fi
 
 echo "=== eval: $EVAL_LENGTHS x depths $EVAL_DEPTHS x $EVAL_SAMPLES samples ($(( SECONDS - START )) s so far)"
 t0=$SECONDS
 # shellcheck disable=SC2086
-if ! oomb eval "$LONG/export" --retrieval --task "$TASK" --digits "$DIGITS" --seed "$SEED" \
+if ! oomb eval "$EVAL_MODEL" --retrieval --task "$TASK" --digits "$DIGITS" --seed "$SEED" \
     --lengths "$EVAL_LENGTHS" --depths "$EVAL_DEPTHS" --samples "$EVAL_SAMPLES" --chunk-size "$CHUNK" \
     --out "$OUT/eval" $EVAL_EXTRA > "$OUT/eval.log" 2>&1; then
   echo "error: the eval failed; the last lines of $OUT/eval.log:" >&2; tail -30 "$OUT/eval.log" >&2; exit 1
 fi
 EVAL_S=$(( SECONDS - t0 ))
-if [ "$KEEP_WEIGHTS" = 0 ]; then rm -rf "$LONG/export"; fi
+if [ "$KEEP_WEIGHTS" = 0 ]; then rm -rf "$LONG/export" "$LONG/checkpoints" "$BASE/export"; fi
 
 echo
-echo "=== summary ($OUT, $(( SECONDS - START )) s in all)"
+echo "=== summary ($OUT, $(( SECONDS - START )) s in all; eval of $EVAL_MODEL)"
 printf '%s' "$PHASES"
 python3 - "$OUT/eval/results.json" "$DIGITS" "$EVAL_S" <<'PY'
 import json, sys
