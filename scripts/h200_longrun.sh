@@ -65,6 +65,20 @@ KEEP_WEIGHTS=${KEEP_WEIGHTS:-0} # 0: delete checkpoints/ and export/ once used (
 EXTRA=${EXTRA:-}               # extra key=value for every training phase (e.g. train.page_size=64)
 EVAL_EXTRA=${EVAL_EXTRA:-}     # extra options for oomb eval (e.g. --page-size 64)
 
+# oomb from this checkout, without pip install (as scripts/h200_check.sh): python3 -m oomb.cli
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then  # wheels missing on the machine (liger-kernel), as h200_check.sh
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$ROOT"/.whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+OOMB=(python3 -m oomb.cli)
+if ! python3 -c "import torch, transformers, yaml, rich, matplotlib, psutil, safetensors, oomb.cli" 2>/tmp/longrun_import.err; then
+  echo "error: python3 cannot import what oomb train/eval need:" >&2; tail -3 /tmp/longrun_import.err >&2; exit 1
+fi
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
+  'cuda:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"
+
 if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT" 2>/dev/null)" ]; then
   echo "error: $OUT already holds files; set OUT=... to another folder" >&2; exit 2
 fi
@@ -77,8 +91,8 @@ PHASES=""
 
 phase() {  # name len batch steps lr [key=value...]; $LIMIT (seconds, empty = none) caps the phase
   local name=$1 len=$2 batch=$3 steps=$4 lr=$5; shift 5
-  local chunk=$CHUNK t0=$SECONDS losses rc=0 run=(oomb train)
-  if [ -n "${LIMIT:-}" ]; then run=(timeout --preserve-status -s TERM -k 180 "$LIMIT" oomb train); fi
+  local chunk=$CHUNK t0=$SECONDS losses rc=0 run=("${OOMB[@]}" train)
+  if [ -n "${LIMIT:-}" ]; then run=(timeout --preserve-status -s TERM -k 180 "$LIMIT" "${OOMB[@]}" train); fi
   if [ "$len" -lt "$chunk" ]; then chunk=$len; fi
   local warmup=$(( steps / 5 < WARMUP ? steps / 5 : WARMUP ))
   lr=$(python3 -c "import sys; print(repr(float(sys.argv[1])))" "$lr")  # 5e-4 -> 0.0005 (YAML reads 5e-4 as text)
@@ -131,7 +145,7 @@ if [ ! -f "$EVAL_MODEL/config.json" ]; then EVAL_MODEL="$LONG"; fi
 echo "=== eval: $EVAL_LENGTHS x depths $EVAL_DEPTHS x $EVAL_SAMPLES samples ($(( SECONDS - START )) s so far)"
 t0=$SECONDS
 # shellcheck disable=SC2086
-if ! oomb eval "$EVAL_MODEL" --retrieval --task "$TASK" --digits "$DIGITS" --seed "$SEED" \
+if ! "${OOMB[@]}" eval "$EVAL_MODEL" --retrieval --task "$TASK" --digits "$DIGITS" --seed "$SEED" \
     --lengths "$EVAL_LENGTHS" --depths "$EVAL_DEPTHS" --samples "$EVAL_SAMPLES" --chunk-size "$CHUNK" \
     --out "$OUT/eval" $EVAL_EXTRA > "$OUT/eval.log" 2>&1; then
   echo "error: the eval failed; the last lines of $OUT/eval.log:" >&2; tail -30 "$OUT/eval.log" >&2; exit 1
