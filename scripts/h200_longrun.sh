@@ -104,6 +104,9 @@ phase() {  # name len batch steps lr [key=value...]; $LIMIT (seconds, empty = no
     echo "phase $name: stopped by the time guard after ${LIMIT} s; its last completed step is saved"
     python3 -c "import sys; from pathlib import Path; from oomb.train.monitor import plot_run; plot_run(Path(sys.argv[1]))" \
       "$OUT/$name" || true  # training.png (an interrupted run does not draw it)
+  elif [ "$rc" = 75 ] && [ -n "${LIMIT:-}" ]; then
+    echo "error: phase $name: no step finished within the time guard (${LIMIT} s); raise DEADLINE or" \
+         "LONG_MIN_S, or shorten CURRICULUM; log: $OUT/$name.log" >&2; exit 1
   elif [ "$rc" != 0 ]; then
     echo "error: phase $name failed (exit $rc); the last lines of $OUT/$name.log:" >&2; tail -30 "$OUT/$name.log" >&2
     exit 1
