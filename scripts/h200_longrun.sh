@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6's long-context run on ONE GPU (about 7-9 minutes on an H200, one command):
+# Issue 6's long-context run on ONE GPU (about 9 minutes on an H200, one command):
 # Qwen2.5-0.5B (built-in preset, random init, no downloads) learns the passkey task through a
 # length curriculum 128 -> 1K -> 8K -> 32K tokens (dense attention), then a real run at 128K
 # tokens (131072, dense by default), then `oomb eval --retrieval` over lengths x depths (dense).
@@ -13,27 +13,34 @@
 # - start short: at N tokens the answer's gradient through attention to the passkey is ~1/N, so
 #   retrieval is found in a few thousand sequences of 64-128 tokens and then carried to longer
 #   lengths (each phase starts from the previous phase's export, model.path=<run>/export, with a
-#   fresh AdamW and its own warmup); a model trained at L still retrieves partly at 4L;
+#   fresh AdamW and its own warmup); on the CPU a model trained at 256 tokens retrieved at 1K
+#   (0.84-0.97) but not reliably at 4K (0.00-0.56) or 16K (0.00);
 # - 2 digits by default (exact-match chance 1%): learned ~4x faster than 5 digits on the CPU;
 # - dense attention at 128K: page selection scores mean queries of a 128-query block against mean
 #   keys of 128-key pages, which dilutes the single QUERY->KEY match, so a sparse step would
 #   likely not select the passkey's page and the answer's gradient would not reach it; the eval
 #   is dense too, so the long phase trains what is measured. LONG_BUDGET=64 makes the long phase
-#   page-sparse (~4x cheaper per step; likely worse retrieval).
+#   page-sparse (~4x cheaper per step; likely worse retrieval);
+# - the lr falls ~5x from the short phases to the long single-sequence ones: on the CPU, 20 steps
+#   x 1 sequence at 4x the length at the short phases' lr (fresh AdamW) cut retrieval from 0.84 to
+#   0.12-0.16, at a 10x lower lr they raised it to 0.94. Not much lower than 1e-4: parameters are
+#   bf16 on the GPU (the Triton kernels' dtype; AdamW keeps no fp32 master copy), so an update
+#   below half a bf16 step (~6e-5 for a weight of 0.016) is rounded away.
 #
 # H200 time, ESTIMATES (not measured for 0.5B; from docs/benchmarks.md: 7B dense steps 16K 2.6 s,
 # 64K 19 s, 128K 60 s; 0.5B has ~15x fewer linear FLOPs and ~4.7x fewer attention FLOPs per token
 # and runs less efficiently): ~40-60K tokens/s at short lengths; a dense 128K step ~15-25 s
 # (sparse, 64 pages: ~3-5 s); ~20-30 s per `oomb train` for start-up, model build, checkpoint and
 # export. Per phase, with the defaults:
-#   len128     128 x 64 x 200 steps = 1.6M tokens   ~30-40 s  + ~25 s start/save
-#   len1024   1024 x 16 x  80 steps = 1.3M tokens   ~25-35 s  + ~25 s
-#   len8192   8192 x  2 x  40 steps = 0.66M tokens  ~15-25 s  + ~25 s
-#   len32768 32768 x  1 x  20 steps = 0.66M tokens  ~20-35 s  + ~25 s   (dense 32K step ~1-1.5 s)
-#   long131072       1 x   6 steps (dense)          ~90-150 s + ~25 s
-#   eval 4k,32k,128k x 3 depths x 4 samples (dense forward, ~2-5 s per 128K sample) ~45-90 s
-#   total ~6-9 minutes. Every phase is overridable (env vars below); the summary prints the
-#   seconds each phase took.
+#   len128      128 x 64 x 150 steps = 1.2M tokens   ~25-35 s + ~25 s start/save
+#   len1024    1024 x 16 x  60 steps = 1.0M tokens   ~20-30 s + ~25 s
+#   len8192    8192 x  4 x  30 steps = 1.0M tokens   ~20-30 s + ~25 s
+#   len32768  32768 x  1 x  40 steps = 1.3M tokens   ~40-60 s + ~25 s   (dense 32K step ~1-1.5 s)
+#   long131072        1 x <=12 steps (dense): what is left of DEADLINE (540 s) after the phases
+#                     above and EVAL_RESERVE (120 s), ~150-250 s: ~6-12 steps
+#   eval 4k,32k,128k x 3 depths x 4 samples (dense forward, ~2-5 s per 128K sample)  ~45-90 s
+#   total ~8.5-9 minutes. Every phase is overridable (env vars below); the summary prints the
+#   seconds each phase took and how many steps it ran.
 set -euo pipefail
 
 OUT=${OUT:-out}/longrun
@@ -42,38 +49,67 @@ DIGITS=${DIGITS:-2}            # passkey digits; exact-match chance is 10^-DIGIT
 TASK=${TASK:-passkey}          # passkey or needle
 SEED=${SEED:-0}
 # the curriculum (dense): "len:batch:steps:lr" per phase, each from the previous phase's export
-CURRICULUM=${CURRICULUM:-"128:64:200:5e-4 1024:16:80:4e-4 8192:2:40:3e-4 32768:1:20:2e-4"}
+CURRICULUM=${CURRICULUM:-"128:64:150:5e-4 1024:16:60:4e-4 8192:4:30:2e-4 32768:1:40:1e-4"}
 # the long run (>= 128K for issue 6), batch 1
-LONG_LEN=${LONG_LEN:-131072}; LONG_STEPS=${LONG_STEPS:-6}; LONG_LR=${LONG_LR:-1e-4}
+LONG_LEN=${LONG_LEN:-131072}; LONG_STEPS=${LONG_STEPS:-12}; LONG_LR=${LONG_LR:-1e-4}  # constant lr after warmup
+# time guard: the long phase gets at most DEADLINE - (seconds used so far) - EVAL_RESERVE seconds
+# (at least LONG_MIN_S); when that runs out it is stopped by SIGTERM at a chunk boundary, saves its
+# last completed step (oomb's graceful stop, exit 75) and the eval uses that checkpoint.
+DEADLINE=${DEADLINE:-540}; EVAL_RESERVE=${EVAL_RESERVE:-120}; LONG_MIN_S=${LONG_MIN_S:-90}
 LONG_BUDGET=${LONG_BUDGET:-}   # empty = dense; a number = page-sparse with that many pages
 CHUNK=${CHUNK:-4096}           # chunk size (a phase shorter than it uses its own length as the chunk)
-WARMUP=${WARMUP:-10}           # warmup steps of every phase (fresh AdamW each)
+WARMUP=${WARMUP:-10}           # warmup steps of a phase (fresh AdamW each), at most a fifth of its steps
 # eval grid (dense forward over every chunk)
 EVAL_LENGTHS=${EVAL_LENGTHS:-4k,32k,128k}; EVAL_DEPTHS=${EVAL_DEPTHS:-0.1,0.5,0.9}; EVAL_SAMPLES=${EVAL_SAMPLES:-4}
 KEEP_WEIGHTS=${KEEP_WEIGHTS:-0} # 0: delete checkpoints/ and export/ once used (GBs of random-init weights)
 EXTRA=${EXTRA:-}               # extra key=value for every training phase (e.g. train.page_size=64)
 EVAL_EXTRA=${EVAL_EXTRA:-}     # extra options for oomb eval (e.g. --page-size 64)
 
+# oomb from this checkout, without pip install (as scripts/h200_check.sh): python3 -m oomb.cli
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then  # wheels missing on the machine (liger-kernel), as h200_check.sh
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$ROOT"/.whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+OOMB=(python3 -m oomb.cli)
+if ! python3 -c "import torch, transformers, yaml, rich, matplotlib, psutil, safetensors, oomb.cli" 2>/tmp/longrun_import.err; then
+  echo "error: python3 cannot import what oomb train/eval need:" >&2; tail -3 /tmp/longrun_import.err >&2; exit 1
+fi
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
+  'cuda:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"
+
 if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT" 2>/dev/null)" ]; then
   echo "error: $OUT already holds files; set OUT=... to another folder" >&2; exit 2
 fi
 mkdir -p "$OUT"
 START=$SECONDS
-COMMON="data.task=$TASK data.loss_on=answer data.passkey_digits=$DIGITS train.seed=$SEED train.warmup_steps=$WARMUP"
+COMMON="data.task=$TASK data.loss_on=answer data.passkey_digits=$DIGITS train.seed=$SEED"
 FROM="model.preset=$PRESET"
 PREV=""
 PHASES=""
 
-phase() {  # name len batch steps lr [key=value...]
+phase() {  # name len batch steps lr [key=value...]; $LIMIT (seconds, empty = none) caps the phase
   local name=$1 len=$2 batch=$3 steps=$4 lr=$5; shift 5
-  local chunk=$CHUNK t0=$SECONDS losses
+  local chunk=$CHUNK t0=$SECONDS losses rc=0 run=("${OOMB[@]}" train)
+  if [ -n "${LIMIT:-}" ]; then run=(timeout --preserve-status -s TERM -k 180 "$LIMIT" "${OOMB[@]}" train); fi
   if [ "$len" -lt "$chunk" ]; then chunk=$len; fi
+  local warmup=$(( steps / 5 < WARMUP ? steps / 5 : WARMUP ))
   lr=$(python3 -c "import sys; print(repr(float(sys.argv[1])))" "$lr")  # 5e-4 -> 0.0005 (YAML reads 5e-4 as text)
   echo "=== phase $name: $len tokens x $batch x $steps steps, lr $lr, from $FROM ($(( SECONDS - START )) s so far)"
   # shellcheck disable=SC2086
-  if ! oomb train $FROM $COMMON data.seq_len="$len" train.batch_size="$batch" train.steps="$steps" \
-      train.lr="$lr" train.chunk_size="$chunk" out_dir="$OUT/$name" $EXTRA "$@" > "$OUT/$name.log" 2>&1; then
-    echo "error: phase $name failed; the last lines of $OUT/$name.log:" >&2; tail -30 "$OUT/$name.log" >&2; exit 1
+  "${run[@]}" $FROM $COMMON data.seq_len="$len" train.batch_size="$batch" train.steps="$steps" \
+      train.lr="$lr" train.warmup_steps="$warmup" train.chunk_size="$chunk" out_dir="$OUT/$name" $EXTRA "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+  if [ "$rc" = 75 ] && [ -n "${LIMIT:-}" ] && [ -d "$OUT/$name/checkpoints" ] && [ -s "$OUT/$name/metrics.jsonl" ]; then
+    echo "phase $name: stopped by the time guard after ${LIMIT} s; its last completed step is saved"
+    python3 -c "import sys; from pathlib import Path; from oomb.train.monitor import plot_run; plot_run(Path(sys.argv[1]))" \
+      "$OUT/$name" || true  # training.png (an interrupted run does not draw it)
+  elif [ "$rc" = 75 ] && [ -n "${LIMIT:-}" ]; then
+    echo "error: phase $name: no step finished within the time guard (${LIMIT} s); raise DEADLINE or" \
+         "LONG_MIN_S, or shorten CURRICULUM; log: $OUT/$name.log" >&2; exit 1
+  elif [ "$rc" != 0 ]; then
+    echo "error: phase $name failed (exit $rc); the last lines of $OUT/$name.log:" >&2; tail -30 "$OUT/$name.log" >&2
+    exit 1
   fi
   grep -E "^(oomb train|done:)" "$OUT/$name.log" || true
   losses=$(python3 - "$OUT/$name/metrics.jsonl" <<'PY'
@@ -83,8 +119,10 @@ n = max(1, len(r) // 10)
 print(f"{sum(r[:n]) / n:.3f} (first {n} steps) -> {sum(r[-n:]) / n:.3f} (last {n})" if r else "none")
 PY
 )
-  PHASES+="  $name: $len tokens x $batch x $steps steps, lr $lr, $(( SECONDS - t0 )) s: answer loss $losses"$'\n'
-  if [ "$KEEP_WEIGHTS" = 0 ]; then  # the next phase starts from this export; older weights are not needed
+  local done_steps
+  done_steps=$(grep -c '"step"' "$OUT/$name/metrics.jsonl" || true)
+  PHASES+="  $name: $len tokens x $batch x $done_steps/$steps steps, lr $lr, $(( SECONDS - t0 )) s: answer loss $losses"$'\n'
+  if [ "$KEEP_WEIGHTS" = 0 ] && [ -z "${LIMIT:-}" ]; then  # the next phase starts from this export
     rm -rf "$OUT/$name/checkpoints"
     if [ -n "$PREV" ]; then rm -rf "$PREV/export"; fi
   fi
@@ -96,24 +134,30 @@ for spec in $CURRICULUM; do
   IFS=: read -r len batch steps lr <<< "$spec"
   phase "len$len" "$len" "$batch" "$steps" "$lr"
 done
-LONG_EXTRA=()
+LONG_EXTRA=(train.min_lr_ratio=1.0)  # the time guard may stop it anywhere: no decay
 if [ -n "$LONG_BUDGET" ]; then LONG_EXTRA+=(train.page_budget="$LONG_BUDGET"); fi
+LIMIT=$(( DEADLINE - SECONDS + START - EVAL_RESERVE ))
+if [ "$LIMIT" -lt "$LONG_MIN_S" ]; then LIMIT=$LONG_MIN_S; fi
+BASE="$PREV"  # the long run's model.path: kept until the eval has run (a checkpoint eval rebuilds from it)
 phase "long$LONG_LEN" "$LONG_LEN" 1 "$LONG_STEPS" "$LONG_LR" ${LONG_EXTRA[@]+"${LONG_EXTRA[@]}"}
+LIMIT=""
 LONG="$PREV"
+EVAL_MODEL="$LONG/export"  # a run stopped by the time guard has no export: its latest checkpoint
+if [ ! -f "$EVAL_MODEL/config.json" ]; then EVAL_MODEL="$LONG"; fi
 
 echo "=== eval: $EVAL_LENGTHS x depths $EVAL_DEPTHS x $EVAL_SAMPLES samples ($(( SECONDS - START )) s so far)"
 t0=$SECONDS
 # shellcheck disable=SC2086
-if ! oomb eval "$LONG/export" --retrieval --task "$TASK" --digits "$DIGITS" --seed "$SEED" \
+if ! "${OOMB[@]}" eval "$EVAL_MODEL" --retrieval --task "$TASK" --digits "$DIGITS" --seed "$SEED" \
     --lengths "$EVAL_LENGTHS" --depths "$EVAL_DEPTHS" --samples "$EVAL_SAMPLES" --chunk-size "$CHUNK" \
     --out "$OUT/eval" $EVAL_EXTRA > "$OUT/eval.log" 2>&1; then
   echo "error: the eval failed; the last lines of $OUT/eval.log:" >&2; tail -30 "$OUT/eval.log" >&2; exit 1
 fi
 EVAL_S=$(( SECONDS - t0 ))
-if [ "$KEEP_WEIGHTS" = 0 ]; then rm -rf "$LONG/export"; fi
+if [ "$KEEP_WEIGHTS" = 0 ]; then rm -rf "$LONG/export" "$LONG/checkpoints" "$BASE/export"; fi
 
 echo
-echo "=== summary ($OUT, $(( SECONDS - START )) s in all)"
+echo "=== summary ($OUT, $(( SECONDS - START )) s in all; eval of $EVAL_MODEL)"
 printf '%s' "$PHASES"
 python3 - "$OUT/eval/results.json" "$DIGITS" "$EVAL_S" <<'PY'
 import json, sys
