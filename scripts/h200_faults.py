@@ -68,6 +68,9 @@ def main() -> int:
     p.add_argument("--oom-preset", default="qwen2.5-1.5b", help="the model of part 4")
     p.add_argument("--skip-oom", action="store_true", help="leave out part 4")
     p.add_argument("--only-oom", action="store_true", help="part 4 alone (it takes the whole GPU: run it alone)")
+    p.add_argument("--reference", default=None,
+                   help="metrics.jsonl of an earlier reference run with the same settings (skips part 1)")
+    p.add_argument("--signals", default="sigint,sigkill", help="which interruptions of part 2 to run")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "out")) / "faults"
     out.mkdir(parents=True, exist_ok=True)
@@ -78,12 +81,18 @@ def main() -> int:
     report: dict = {"settings": vars(args)}
 
     if not args.only_oom:
-        ref = out / "reference"
-        report["reference_exit"] = run(oomb_train([f"out_dir={ref}", *common]), out / "reference.log")
-        reference = losses(ref)
+        if args.reference:
+            reference = losses(Path(args.reference).parent)
+        else:
+            ref = out / "reference"
+            report["reference_exit"] = run(oomb_train([f"out_dir={ref}", *common]), out / "reference.log")
+            reference = losses(ref)
         report["reference_losses"] = reference
 
+        wanted = args.signals.split(",")
         for name, sig, step in (("sigint", signal.SIGINT, 3), ("sigkill", signal.SIGKILL, 4)):
+            if name not in wanted:
+                continue
             run_dir = out / name
             code = run_until_step(oomb_train([f"out_dir={run_dir}", *common]), out / f"{name}.log", run_dir, step, sig)
             resumed = run(oomb_train([f"resume={run_dir}"]), out / f"{name}-resume.log")
