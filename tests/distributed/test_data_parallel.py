@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from launch import (
+    assert_export_holds_the_trained_weights,
+    assert_resumes_exactly,
+    assert_same_losses,
+    losses,
+    torchrun,
+)
 from safetensors.torch import load_file
 
 from oomb.cli import main
@@ -27,18 +32,6 @@ HERE = Path(__file__).resolve().parent
 STEPS = 4
 RUN = ["data.seq_len=512", "train.chunk_size=128", "train.page_size=64", "train.lr=0.01", "train.warmup_steps=1",
        "train.device=cpu", f"train.steps={STEPS}", "train.grad_accum=2", "train.save_every=2", "train.keep_last=0"]
-
-
-def torchrun(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           *args], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
-
-
-def losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +45,7 @@ def runs(tmp_path_factory):
 
 def test_two_ranks_train_like_one_process_with_both_sequences(runs):
     two, one = runs
-    got, expected = losses(two), losses(one)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step in got:
-        assert got[step] == pytest.approx(expected[step], rel=1e-5), (step, got, expected)
+    assert_same_losses(two, one, STEPS)
     a, b = load_file(two / "export" / "model.safetensors"), load_file(one / "export" / "model.safetensors")
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
@@ -63,39 +53,11 @@ def test_two_ranks_train_like_one_process_with_both_sequences(runs):
 
 
 def test_checkpoint_of_two_ranks_resumes_on_two_ranks(runs, tmp_path):
-    two, _ = runs
-    copy = tmp_path / "two"
-    shutil.copytree(two, copy)
-    ckpt = copy / "checkpoints" / "step-00000002"
-    state = json.loads((ckpt / "state.json").read_text())
-    assert state["world_size"] == 2 and state["format"] == "dcp-fsdp2"
-    assert {p.name for p in ckpt.iterdir()} >= {"dcp", "rng-rank0.pt", "rng-rank1.pt", "manifest.json"}
-    torchrun("-m", "oomb.cli", "train", f"resume={ckpt}")
-    got, expected = losses(copy), losses(two)
-    assert sorted(got) == list(range(1, STEPS + 1))  # steps 3 and 4 once each, rolled back and run again
-    for step in (3, 4):
-        assert got[step] == pytest.approx(expected[step], rel=1e-6), (step, got, expected)
+    assert_resumes_exactly(runs[0], tmp_path, STEPS, world_size=2, format="dcp-fsdp2")
 
 
 def test_export_loads_in_transformers_with_the_trained_weights(runs, tmp_path):
-    """The export's logits equal those of the final sharded checkpoint's weights in a fresh model."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    from transformers import AutoModelForCausalLM
-
-    from oomb.train.presets import build_model
-
-    two, _ = runs
-    dcp_to_torch_save(two / "checkpoints" / "step-00000004" / "dcp", tmp_path / "full.pt")
-    trained = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
-    model = build_model("tiny", dtype=torch.float32, device="cpu")
-    model.load_state_dict(trained)
-    exported = AutoModelForCausalLM.from_pretrained(two / "export", local_files_only=True)
-    ids = torch.randint(0, model.config.vocab_size, (2, 96))
-    with torch.no_grad():
-        expected, got = model(input_ids=ids).logits, exported(input_ids=ids).logits
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
-    fresh = build_model("tiny", dtype=torch.float32, device="cpu")
-    assert not torch.allclose(fresh(input_ids=ids).logits, got, atol=1e-3)  # the trained weights, not the init
+    assert_export_holds_the_trained_weights(runs[0], tmp_path, STEPS)
 
 
 def test_one_process_refuses_a_checkpoint_of_two_ranks(runs, capsys):

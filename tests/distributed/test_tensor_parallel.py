@@ -8,15 +8,17 @@ gradients and the same step with the model's heads split over the 2 ranks.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import assert_close_rel
+from launch import (
+    assert_export_holds_the_trained_weights,
+    assert_resumes_exactly,
+    assert_same_losses,
+    torchrun,
+)
 from safetensors.torch import load_file
 from tp_gradients import CASES
 
@@ -26,20 +28,11 @@ from oomb.engine import plan_memory
 HERE = Path(__file__).resolve().parent
 
 
-def torchrun(*args: str, check: bool = True, ranks: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(ranks), *args], capture_output=True, text=True, timeout=600, env=env)
-    if check:
-        assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
-
-
 @pytest.fixture(scope="module")
 def gradients(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp") / "grads.pt"
     torchrun(str(HERE / "tp_gradients.py"), str(out))
-    return [torch.load(f"{out}.rank{r}", weights_only=False) for r in (0, 1)]
+    return [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -82,10 +75,6 @@ RUN = ["data.seq_len=512", "train.chunk_size=128", "train.page_size=64", "train.
        "train.offload=true"]  # each rank's pages (its KV heads) in host memory
 
 
-def losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(2-rank tensor parallel run, 1-process run) of the same 4 steps, checkpoints at steps 2 and 4, an export."""
@@ -97,10 +86,7 @@ def runs(tmp_path_factory):
 
 def test_tensor_parallel_training_matches_one_process(runs):
     two, one = runs
-    got, expected = losses(two), losses(one)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step in got:
-        assert got[step] == pytest.approx(expected[step], rel=1e-5), (step, got, expected)
+    got = assert_same_losses(two, one, STEPS)
     assert got[STEPS] < got[1] - 0.1  # it trains
     a, b = load_file(two / "export" / "model.safetensors"), load_file(one / "export" / "model.safetensors")
     assert a.keys() == b.keys()
@@ -109,39 +95,11 @@ def test_tensor_parallel_training_matches_one_process(runs):
 
 
 def test_tensor_parallel_checkpoint_resumes_on_two_ranks(runs, tmp_path):
-    two, _ = runs
-    copy = tmp_path / "two"
-    shutil.copytree(two, copy)
-    ckpt = copy / "checkpoints" / "step-00000002"
-    state = json.loads((ckpt / "state.json").read_text())
-    assert state["format"] == "dcp-tp" and state["world_size"] == 2 and state["tensor_parallel"] == 2
-    assert {p.name for p in ckpt.iterdir()} >= {"dcp", "rng-rank0.pt", "rng-rank1.pt", "manifest.json"}
-    torchrun("-m", "oomb.cli", "train", f"resume={ckpt}")
-    got, expected = losses(copy), losses(two)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step in (3, 4):
-        assert got[step] == pytest.approx(expected[step], rel=1e-6), (step, got, expected)
+    assert_resumes_exactly(runs[0], tmp_path, STEPS, format="dcp-tp", world_size=2, tensor_parallel=2)
 
 
 def test_tensor_parallel_export_loads_in_transformers_with_the_trained_weights(runs, tmp_path):
-    """The export's logits equal those of the final sharded checkpoint's weights in a fresh model."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    from transformers import AutoModelForCausalLM
-
-    from oomb.train.presets import build_model
-
-    two, _ = runs
-    dcp_to_torch_save(two / "checkpoints" / "step-00000004" / "dcp", tmp_path / "full.pt")
-    trained = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
-    model = build_model("tiny", dtype=torch.float32, device="cpu")
-    model.load_state_dict(trained)
-    exported = AutoModelForCausalLM.from_pretrained(two / "export", local_files_only=True)
-    ids = torch.randint(0, model.config.vocab_size, (2, 96))
-    with torch.no_grad():
-        expected, got = model(input_ids=ids).logits, exported(input_ids=ids).logits
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
-    fresh = build_model("tiny", dtype=torch.float32, device="cpu")
-    assert not torch.allclose(fresh(input_ids=ids).logits, got, atol=1e-3)  # the trained weights, not the init
+    assert_export_holds_the_trained_weights(runs[0], tmp_path, STEPS)
 
 
 def test_one_process_refuses_a_tensor_parallel_checkpoint(runs, capsys):
@@ -237,10 +195,7 @@ def runs_2d(tmp_path_factory):
 
 def test_data_parallel_over_tensor_parallel_groups_matches_one_process(runs_2d):
     four, one = runs_2d
-    got, expected = losses(four), losses(one)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step in got:
-        assert got[step] == pytest.approx(expected[step], rel=1e-5), (step, got, expected)
+    assert_same_losses(four, one, STEPS)
     grad_norms = [json.loads(line)["grad_norm"] for line in (four / "metrics.jsonl").read_text().splitlines()]
     expected_norms = [json.loads(line)["grad_norm"] for line in (one / "metrics.jsonl").read_text().splitlines()]
     assert grad_norms == pytest.approx(expected_norms, rel=1e-5)  # the clipping norm over 2-D shards
@@ -251,16 +206,7 @@ def test_data_parallel_over_tensor_parallel_groups_matches_one_process(runs_2d):
 
 
 def test_data_parallel_over_tensor_parallel_groups_resumes_on_four_ranks(runs_2d, tmp_path):
-    four, _ = runs_2d
-    copy = tmp_path / "four"
-    shutil.copytree(four, copy)
-    ckpt = copy / "checkpoints" / "step-00000002"
-    state = json.loads((ckpt / "state.json").read_text())
-    assert state["format"] == "dcp-tp" and state["world_size"] == 4 and state["tensor_parallel"] == 2
-    torchrun("-m", "oomb.cli", "train", f"resume={ckpt}", ranks=4)
-    got, expected = losses(copy), losses(four)
-    for step in (3, 4):
-        assert got[step] == pytest.approx(expected[step], rel=1e-6), (step, got, expected)
+    assert_resumes_exactly(runs_2d[0], tmp_path, STEPS, ranks=4, format="dcp-tp", world_size=4, tensor_parallel=2)
 
 
 def test_data_parallel_over_tensor_parallel_groups_refuses_qwen3_norms(tmp_path):
