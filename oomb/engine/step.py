@@ -18,8 +18,9 @@ import torch
 from transformers import PreTrainedModel
 
 from oomb.attention import STEP_KWARG, StepContext, check_attention_support, oomb_attention
-from oomb.cache import PagedKVStore, StoreSpec
+from oomb.cache import PagedKVStore
 from oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy_sum
+from oomb.engine.plan import store_spec
 from oomb.engine.tensor_parallel import tensor_parallel_group
 from oomb.kernels import get_backend
 from oomb.offload import OffloadedKVStore
@@ -213,19 +214,11 @@ def _store_for(
     model: PreTrainedModel, device: torch.device, page_size: int, grad_dtype: torch.dtype | None,
     offload: bool = False,
 ) -> PagedKVStore | OffloadedKVStore:
-    cfg = model.config
-    dtype = model.get_input_embeddings().weight.dtype
     group = tensor_parallel_group(model)
     split = 1 if group is None else torch.distributed.get_world_size(group)  # each rank stores its KV heads
-    spec = StoreSpec(
-        num_layers=cfg.num_hidden_layers,
-        num_kv_heads=(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // split,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-        page_size=page_size,
-        dtype=dtype,
-        grad_dtype=grad_dtype or dtype,
-        device=torch.device(device),
-    )
+    # The planner's spec, so what is planned is what is allocated.
+    spec = store_spec(model.config, page_size=page_size, dtype=model.get_input_embeddings().weight.dtype,
+                      grad_dtype=grad_dtype, device=device, tensor_parallel=split)
     kind = OffloadedKVStore if offload else PagedKVStore
     store = _STORES.get(model)
     if store is None or store.spec != spec or type(store) is not kind:
