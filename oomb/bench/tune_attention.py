@@ -31,6 +31,11 @@ CANDIDATES = [
     ("head-major-m64-2st", {"bwd_stages": 2}),
     ("dq-m64", {"dq_m": 64}),
     ("no-tma", {"tma": False}),
+    # the forward (424-443 TFLOP/s against cuDNN's 600+, session 3): key blocks, stages, a smaller row tile
+    ("fwd-n64", {"fwd_n": 64}),
+    ("fwd-2st", {"fwd_stages": 2}),
+    ("fwd-4st", {"fwd_stages": 4}),
+    ("fwd-m64-w4", {"fwd_m": 64, "fwd_warps": 4}),
 ]
 
 

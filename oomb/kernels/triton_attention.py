@@ -594,10 +594,34 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
+def _dkdv_group(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c, sdo_h, sdo_c, sl_h,
+    c_lo, c_hi, n_pos, q0, C, qk_scale,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    MASK: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+):
+    """Queries c_lo .. c_hi - 1 of every query head of the group into one key block's dK, dV."""
+    if HEAD_MAJOR:
+        n_tiles = tl.cdiv(c_hi - c_lo, BLOCK_M)
+        for g in range(G):
+            dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv * G + g,
+                                  sq_h, sq_c, sdo_h, sdo_c, sl_h, 0, n_tiles, c_lo, c_hi, n_pos, q0, C, 0,
+                                  qk_scale, 1, HEAD_DIM, BLOCK_M, MASK, False, HAS_DOCS, DOT_PREC)
+    else:
+        n_tiles = tl.cdiv((c_hi - c_lo) * G, BLOCK_M)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c,
+                              sdo_h, sdo_c, sl_h, 0, n_tiles, c_lo * G, c_hi * G, n_pos, q0, C, 0, qk_scale,
+                              G, HEAD_DIM, BLOCK_M, MASK, False, HAS_DOCS, DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
 def _bwd_dkdv_sparse_kernel(
     Q, DO, LSE, DELTA, K_POOL, V_POOL, DK_POOL, DV_POOL, TABLE,  # as in _bwd_dkdv_kernel
     DOC,  # [B, C] int32 document starts, contiguous (HAS_DOCS)
-    HITS,  # [B, H_sel, n_past, n_qb] int8: 1 where query block qb selected past page p
+    HITS,  # [B, H_sel, n_items, n_qb] int8: 1 where query block qb attends page p (past: selected; chunk: causal)
+    ORDER,  # [B, H_sel, n_items] int32: the pages, most-attended first
+    COUNT,  # [B, H_sel, n_items] int32: how many query blocks attend ORDER's pages (non-increasing)
     sq_b, sq_h, sq_c,
     sdo_b, sdo_h, sdo_c,
     sl_b, sl_h,
@@ -605,61 +629,71 @@ def _bwd_dkdv_sparse_kernel(
     sg_page, sg_head, sg_slot,
     st_b,
     sh_b, sh_h, sh_p,
-    C, kv_len, n_pages, n_qb, sel_block, qk_scale, scale,
+    so_b, so_h,
+    n_bh, C, kv_len, n_pages, n_qb, sel_block, qk_scale, scale,
     H_KV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr, HEAD_MAJOR: tl.constexpr,
 ):
-    """dK/dV of the past pages under page selection: a program owns one key block of one past page
-    and visits only the query blocks that selected the page. Pages nobody selected are not written."""
+    """dK/dV under page selection, of the selected past pages and the chunk's own pages in one launch.
+
+    A program owns one key block of one page of one KV head and visits only the query blocks that
+    attend the page. The work per page is uneven: a past page is selected by a few query blocks
+    (or, a sink or recent page, by all), a chunk page by every later block. Programs therefore take
+    the pages most-attended first (ORDER), KV heads innermost, so the long programs start first and
+    the short ones fill the tail; the chunk's own pages in a launch of their own made a single wave
+    bounded by its longest program. Pages nobody attends are neither read nor written.
+    """
     tl.static_assert(PAGE_SIZE % BLOCK_N == 0)
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    BLOCKS_PER_PAGE: tl.constexpr = PAGE_SIZE // BLOCK_N
+    pid = tl.program_id(0)
+    pid_bh = pid % n_bh
+    rank = pid // n_bh
     b = (pid_bh // H_KV).to(tl.int64)
     h_kv = (pid_bh % H_KV).to(tl.int64)
+    o_off = b * so_b + h_kv * so_h + rank // BLOCKS_PER_PAGE
+    page_idx = tl.load(ORDER + o_off)
+    n_att = tl.load(COUNT + o_off)
     q0 = kv_len - C
-    n0 = pid_n * BLOCK_N
+    n0 = page_idx * PAGE_SIZE + (rank % BLOCKS_PER_PAGE) * BLOCK_N
     n1 = n0 + BLOCK_N - 1
-    hits_row = HITS + b * sh_b + h_kv * sh_h + (n0 // PAGE_SIZE) * sh_p
-
-    table_row = TABLE + b * st_b
-    n_pos = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = _kv_offsets(table_row, n0, n_pages, h_kv * s_head, s_page, s_slot, BLOCK_N, PAGE_SIZE)
-    k = tl.load(K_POOL + rows[:, None] + offs_d[None, :])  # past pages are full: no mask
-    v = tl.load(V_POOL + rows[:, None] + offs_d[None, :])
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    q_base = Q + b * sq_b
-    do_base = DO + b * sdo_b
-    lse_base = LSE + b * sl_b
-    delta_base = DELTA + b * (H_KV * G) * C
-    doc_row = DOC + b * C
-    n_hit = n_qb * 0
-    for qb in range(n_qb):
-        c0 = qb * sel_block
-        hit = tl.load(hits_row + qb) != 0
-        if HAS_DOCS:
-            hit = hit & (tl.load(doc_row + c0) <= n1)  # the block's earliest document starts after these keys
-        if hit:
-            c1 = tl.minimum(c0 + sel_block, C)
-            if HEAD_MAJOR:
-                n_tiles = tl.cdiv(c1 - c0, BLOCK_M)
-                for g in range(G):
-                    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row,
-                                          h_kv * G + g, sq_h, sq_c, sdo_h, sdo_c, sl_h, 0, n_tiles, c0, c1, n_pos,
-                                          q0, C, 0, qk_scale, 1, HEAD_DIM, BLOCK_M, HAS_DOCS, False, HAS_DOCS,
-                                          DOT_PREC)
-            else:
-                n_tiles = tl.cdiv((c1 - c0) * G, BLOCK_M)
-                dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h,
-                                      sq_c, sdo_h, sdo_c, sl_h, 0, n_tiles, c0 * G, c1 * G, n_pos, q0, C, 0,
-                                      qk_scale, G, HEAD_DIM, BLOCK_M, HAS_DOCS, False, HAS_DOCS, DOT_PREC)
-            n_hit += 1
-    if n_hit > 0:
-        kv_ok = (n_pos < kv_len)[:, None]
-        _add_into_grad_pages(DK_POOL, DV_POOL, dk * scale, dv, table_row, n0, n_pages, h_kv, sg_page, sg_head,
-                             sg_slot, kv_ok, HEAD_DIM, BLOCK_N, PAGE_SIZE)
+    if (n_att > 0) & (n0 < kv_len):
+        hits_row = HITS + b * sh_b + h_kv * sh_h + page_idx * sh_p
+        table_row = TABLE + b * st_b
+        n_pos = n0 + tl.arange(0, BLOCK_N)
+        kv_ok = (n_pos < kv_len)[:, None]  # the chunk's last page may be partly filled
+        offs_d = tl.arange(0, HEAD_DIM)
+        rows = _kv_offsets(table_row, n0, n_pages, h_kv * s_head, s_page, s_slot, BLOCK_N, PAGE_SIZE)
+        k = tl.load(K_POOL + rows[:, None] + offs_d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(V_POOL + rows[:, None] + offs_d[None, :], mask=kv_ok, other=0.0)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        q_base = Q + b * sq_b
+        do_base = DO + b * sdo_b
+        lse_base = LSE + b * sl_b
+        delta_base = DELTA + b * (H_KV * G) * C
+        doc_row = DOC + b * C
+        n_hit = n_qb * 0
+        for qb in range(n_qb):
+            c0 = qb * sel_block
+            hit = tl.load(hits_row + qb) != 0
+            if HAS_DOCS:
+                hit = hit & (tl.load(doc_row + c0) <= n1)  # the block's earliest document starts after these keys
+            if hit:
+                c1 = tl.minimum(c0 + sel_block, C)
+                c_lo = tl.maximum(c0, n0 - q0)  # a chunk page: queries before its first key see none of it
+                if q0 + c_lo < n1:  # some query precedes a key of the block: the causal diagonal
+                    dk, dv = _dkdv_group(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h,
+                                         sq_c, sdo_h, sdo_c, sl_h, c_lo, c1, n_pos, q0, C, qk_scale,
+                                         G, HEAD_DIM, BLOCK_M, True, HAS_DOCS, DOT_PREC, HEAD_MAJOR)
+                else:
+                    dk, dv = _dkdv_group(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h,
+                                         sq_c, sdo_h, sdo_c, sl_h, c_lo, c1, n_pos, q0, C, qk_scale,
+                                         G, HEAD_DIM, BLOCK_M, HAS_DOCS, HAS_DOCS, DOT_PREC, HEAD_MAJOR)
+                n_hit += 1
+        if n_hit > 0:
+            _add_into_grad_pages(DK_POOL, DV_POOL, dk * scale, dv, table_row, n0, n_pages, h_kv, sg_page, sg_head,
+                                 sg_slot, kv_ok, HEAD_DIM, BLOCK_N, PAGE_SIZE)
 
 
 @triton.jit
@@ -1022,11 +1056,19 @@ def paged_attention_forward(
     return out, lse
 
 
-def _page_hits(sel: torch.Tensor, n_past: int) -> torch.Tensor:
-    """[B, H_sel, n_past, n_qb] int8: 1 where query block qb selected past page p (page-major rows)."""
+def _page_hits(sel: torch.Tensor, n_past: int, c: int, select_block: int, page_size: int) -> torch.Tensor:
+    """[B, H_sel, n_past + ceil(C / page), n_qb] int8: 1 where query block qb attends page p.
+
+    Past pages: where the block selected the page. The chunk's own pages: where the block holds a
+    query at or after the page's first key (causal).
+    """
     bsz, h_sel, n_qb, _ = sel.shape
-    hits = torch.zeros(bsz, h_sel, n_past, n_qb, dtype=torch.int8, device=sel.device)
-    hits.transpose(2, 3).scatter_(3, sel.long(), 1)
+    n_chunk = triton.cdiv(c, page_size)
+    hits = torch.zeros(bsz, h_sel, n_past + n_chunk, n_qb, dtype=torch.int8, device=sel.device)
+    hits[:, :, :n_past].transpose(2, 3).scatter_(3, sel.long(), 1)
+    last_query = torch.clamp((torch.arange(n_qb, device=sel.device) + 1) * select_block, max=c) - 1
+    first_key = torch.arange(n_chunk, device=sel.device) * page_size
+    hits[:, :, n_past:] = (last_query[None, :] >= first_key[:, None]).to(torch.int8)
     return hits
 
 
@@ -1066,7 +1108,7 @@ def paged_attention_backward(
     docs, sel = _visibility_args(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block)
     lo_key, window = _window_args(kv_len, c, page_size, sliding_window)
     if sel is not None:
-        lo_key = kv_len - c  # the dense passes cover the chunk's own keys; the past comes from the page lists
+        lo_key = kv_len - c  # dQ's dense loop covers the chunk's own keys; the past comes from the page lists
     has_window = sliding_window is not None
     prec = _dot_precision(q.dtype)
     doc_arg = docs if docs is not None else page_table
@@ -1087,24 +1129,28 @@ def paged_attention_backward(
         dk_pool.stride(0), dk_pool.stride(1), dk_pool.stride(2),
         page_table.stride(0),
     )
-    grid_kv = (triton.cdiv(kv_len - lo_key, t.dkdv_n), b * h_kv)
-    _bwd_dkdv_kernel[grid_kv](
-        q, d_out, lse, delta, k_pool, v_pool, dk_pool, dv_pool, page_table, doc_arg,
-        *common,
-        c, kv_len, n_pages, lo_key, window, scale * LOG2E, scale,
-        H_KV=h_kv, G=g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n,
-        HAS_WINDOW=has_window, HAS_DOCS=docs is not None, LOG2_C=c.bit_length(), DOT_PREC=prec,
-        HEAD_MAJOR=t.dkdv_head_major, num_warps=t.bwd_warps, num_stages=t.bwd_stages,
-    )
-    if sel is not None and lo_key > 0:
-        n_past = lo_key // page_size
-        hits = _page_hits(sel, n_past)
-        block_n = min(t.dkdv_n, page_size)
-        _bwd_dkdv_sparse_kernel[(n_past * (page_size // block_n), b * h_kv)](
-            q, d_out, lse, delta, k_pool, v_pool, dk_pool, dv_pool, page_table, doc_arg, hits,
+    if sel is None:
+        grid_kv = (triton.cdiv(kv_len - lo_key, t.dkdv_n), b * h_kv)
+        _bwd_dkdv_kernel[grid_kv](
+            q, d_out, lse, delta, k_pool, v_pool, dk_pool, dv_pool, page_table, doc_arg,
             *common,
-            hits.stride(0), hits.stride(1) if hits.shape[1] > 1 else 0, hits.stride(2),
-            c, kv_len, n_pages, hits.shape[3], select_block, scale * LOG2E, scale,
+            c, kv_len, n_pages, lo_key, window, scale * LOG2E, scale,
+            H_KV=h_kv, G=g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n,
+            HAS_WINDOW=has_window, HAS_DOCS=docs is not None, LOG2_C=c.bit_length(), DOT_PREC=prec,
+            HEAD_MAJOR=t.dkdv_head_major, num_warps=t.bwd_warps, num_stages=t.bwd_stages,
+        )
+    else:
+        hits = _page_hits(sel, lo_key // page_size, c, select_block, page_size)
+        count, order = hits.sum(dim=-1, dtype=torch.int32).sort(dim=-1, descending=True, stable=True)
+        order, count = order.to(torch.int32).contiguous(), count.contiguous()
+        block_n = min(t.dkdv_n, page_size)
+        per_head = hits.shape[1] > 1  # else one selection shared by every KV head
+        _bwd_dkdv_sparse_kernel[(hits.shape[2] * (page_size // block_n) * b * h_kv,)](
+            q, d_out, lse, delta, k_pool, v_pool, dk_pool, dv_pool, page_table, doc_arg, hits, order, count,
+            *common,
+            hits.stride(0), hits.stride(1) if per_head else 0, hits.stride(2),
+            order.stride(0), order.stride(1) if per_head else 0,
+            b * h_kv, c, kv_len, n_pages, hits.shape[3], select_block, scale * LOG2E, scale,
             H_KV=h_kv, G=g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=t.dkdv_m, BLOCK_N=block_n,
             HAS_DOCS=docs is not None, DOT_PREC=prec, HEAD_MAJOR=t.dkdv_head_major,
             num_warps=t.bwd_warps, num_stages=t.bwd_stages,

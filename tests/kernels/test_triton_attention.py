@@ -211,6 +211,8 @@ MASK_CASES = [
     pytest.param(2, 4, 2, 32, 128, 16, 16, None, False, None, (1, 16, 3), "default", id="select-shared"),
     pytest.param(1, 6, 2, 20, 84, 16, 16, None, True, None, (2, 8, 2), "default", id="select-per-head-ragged"),
     pytest.param(1, 4, 2, 32, 160, 16, 32, None, False, None, (2, 16, 2), "wide", id="select-two-blocks-per-page"),
+    pytest.param(1, 4, 2, 40, 136, 16, 16, None, False, None, (1, 32, 2), "default", id="select-block-over-two-pages"),
+    pytest.param(1, 4, 2, 40, 136, 16, 16, None, False, 3, (2, 32, 2), "interleaved", id="select-docs-block-over-pages"),
     pytest.param(2, 4, 2, 32, 128, 16, 16, None, False, 6, (2, 16, 3), "tma", id="select-docs-tma"),
     pytest.param(1, 6, 2, 20, 84, 16, 16, None, False, 5, (2, 8, 2), "interleaved", id="select-docs-interleaved"),
     pytest.param(1, 4, 2, 20, 77, 16, 16, 11, True, 4, None, "interleaved", id="docs-window-interleaved"),
@@ -272,6 +274,16 @@ def test_documents_and_page_selection_match_reference(monkeypatch, b, h, h_kv, c
     # Gradient pages of unselected past pages keep their bits (never read, never written).
     _assert_untouched(dk, dk0, hidden)
     _assert_untouched(dv, dv0, hidden)
+
+
+def test_sparse_dkdv_work_list_orders_pages_by_attending_blocks():
+    """The sparse dK/dV launch's work list: selected past pages, then the chunk's pages causally."""
+    sel = torch.tensor([[[[0, 2]], [[2, 1]], [[2, 0]]]], dtype=torch.int32).transpose(1, 2)  # [1, 1, 3 blocks, 2]
+    hits = T._page_hits(sel, n_past=4, c=40, select_block=16, page_size=16)  # chunk pages: 3 (the last partial)
+    assert hits.shape == (1, 1, 7, 3)
+    assert hits[0, 0, :4].tolist() == [[1, 0, 1], [0, 1, 0], [1, 1, 1], [0, 0, 0]]
+    # Chunk page j holds keys 16j ..: query block qb (queries 16qb .. 16qb + 15) attends it when qb >= j.
+    assert hits[0, 0, 4:].tolist() == [[1, 1, 1], [0, 1, 1], [0, 0, 1]]
 
 
 def test_selection_of_every_past_page_equals_dense(monkeypatch):
