@@ -23,9 +23,10 @@
 #   page-sparse (~4x cheaper per step; likely worse retrieval);
 # - the lr falls ~5x from the short phases to the long single-sequence ones: on the CPU, 20 steps
 #   x 1 sequence at 4x the length at the short phases' lr (fresh AdamW) cut retrieval from 0.84 to
-#   0.12-0.16, at a 10x lower lr they raised it to 0.94. Not much lower than 1e-4: parameters are
-#   bf16 on the GPU (the Triton kernels' dtype; AdamW keeps no fp32 master copy), so an update
-#   below half a bf16 step (~6e-5 for a weight of 0.016) is rounded away.
+#   0.12-0.16, at a 10x lower lr they raised it to 0.94. Parameters are bf16 on the GPU (the Triton
+#   kernels' dtype); before train.master_weights an update below half a bf16 step (~6e-5 for a
+#   weight of 0.016) was rounded away, hence not much lower than 1e-4. Now the optimizer steps fp32
+#   master copies by default (train.master_weights=auto) and keeps such updates (not yet run here).
 #
 # H200 time, ESTIMATES (not measured for 0.5B; from docs/benchmarks.md: 7B dense steps 16K 2.6 s,
 # 64K 19 s, 128K 60 s; 0.5B has ~15x fewer linear FLOPs and ~4.7x fewer attention FLOPs per token

@@ -6,6 +6,7 @@
 What a step holds at its peak (stage 2, the recompute forward + backward of one chunk):
 
     parameters + gradients + optimizer states          (fixed)
+    + fp32 master weights of 16-bit parameters          (master_weights=True)
     paged store: K, V, dK, dV pages + mean keys        (grows with the context: StoreSpec's page math)
     sparse page lists of every chunk                   (kept from stage 1 to stage 2)
     saved activations of one chunk, all layers         (formula below, measured per family)
@@ -283,7 +284,8 @@ def count_parameters(config, lora_r: int = 0, lora_targets: tuple[str, ...] = ()
 def optimizer_state_bytes(kind: str, numels: tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes of the optimizer's states for trainable tensors of these sizes (see oomb/train/optim.py).
 
-    adamw: torch AdamW keeps exp_avg and exp_avg_sq in the parameter dtype. adamw8bit and
+    ``dtype``: of the tensors the optimizer steps (float32 for fp32 master weights).
+    adamw: torch AdamW keeps exp_avg and exp_avg_sq in that dtype. adamw8bit and
     paged_adamw8bit: bitsandbytes 8-bit blockwise states (1 byte each + a float32 absmax per
     256 values) for tensors of 4096 values or more, two float32 states below that, and two
     256-entry float32 quantization maps.
@@ -377,6 +379,7 @@ def plan_memory(
     lora_r: int = 0,
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
     optimizer: str = "adamw",
+    master_weights: bool = False,
     layer_checkpointing: bool = False,
     offload: bool = False,
     cache_attention: bool = False,
@@ -396,7 +399,10 @@ def plan_memory(
     one of that many ranks that split the heads: its paged store and page lists hold 1/T of the KV
     heads, and it holds 1/T of the attention and MLP weights (their gradients and optimizer
     states) and all of the replicated ones; activations are planned as for one process (an upper
-    bound: the split layers keep 1/T of theirs).
+    bound: the split layers keep 1/T of theirs). ``master_weights``: the optimizer steps fp32 copies
+    of the 16-bit trainable parameters (oomb.train.optim.MasterWeights; `oomb train`'s default
+    train.master_weights=auto in one process): 4 B per parameter, fp32 optimizer states, and fp32
+    gradients during the step; a no-op when the trainable parameters are fp32 (LoRA adapters).
     """
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("chunk_size", chunk_size),
                         ("page_size", page_size), ("select_block", select_block)):
@@ -429,7 +435,10 @@ def plan_memory(
     else:
         trainable, train_dtype = rank_tensors, dtype
     grads = sum(trainable) * _itemsize(train_dtype)
-    states = optimizer_state_bytes(optimizer, trainable, train_dtype)
+    masters = master_weights and train_dtype in (torch.bfloat16, torch.float16)
+    step_dtype = torch.float32 if masters else train_dtype  # what the optimizer steps
+    master_bytes = 4 * sum(trainable) if masters else 0
+    states = optimizer_state_bytes(optimizer, trainable, step_dtype)
 
     if tensor_parallel > 1:
         notes.append(f"tensor parallel over {tensor_parallel} ranks: one rank's paged store "
@@ -495,12 +504,15 @@ def plan_memory(
     activations = saved + workspace
 
     # torch AdamW with foreach (CUDA) builds sqrt(exp_avg_sq) of all states at once; the for-loop
-    # path (CPU) one tensor at a time. bitsandbytes updates in place.
+    # path (CPU) one tensor at a time. bitsandbytes updates in place. With master weights the
+    # step's gradients are fp32 copies, each replacing its 16-bit gradient as it is made.
     if optimizer == "adamw":
         update_numel = sum(trainable) if device_type == "cuda" else max(trainable, default=0)
-        update = update_numel * _itemsize(train_dtype)
+        update = update_numel * _itemsize(step_dtype)
     else:
         update = 0
+    if masters:
+        update += (4 - _itemsize(train_dtype)) * sum(trainable)
     update_extra = max(0, update - activations)
 
     gpu = device_type == "cuda"
@@ -515,7 +527,10 @@ def plan_memory(
         item("parameters", params, f"{sum(rank_tensors):,} x {_name(dtype)}" + (" + adapters" if lora_r > 0 else "")
              + (f" (one of {tensor_parallel} tensor parallel ranks)" if tensor_parallel > 1 else "")),
         item("gradients", grads, trainable_note),
-        item("optimizer states", states, optimizer),
+        item("optimizer states", states, f"{optimizer} ({_name(step_dtype)} moments)" if optimizer == "adamw"
+             else optimizer),
+        item("master weights", master_bytes, f"fp32 copies of the {sum(trainable):,} trainable parameters"
+             if masters else "off"),
         item("paged store", store, f"{batch_size} x {pages_per_seq} pages x {spec.bytes_per_page():,} B "
              f"(K, V, dK, dV, mean keys) + page table") if not offload else
         item("paged store (device part)", store, "mean keys, block tables, two layer slots"),
@@ -525,7 +540,8 @@ def plan_memory(
              "out + lse of every stage-1 chunk and layer (train.cache_attention)"),
         item("saved activations", saved, saved_note),
         item("chunk workspace", workspace, f"larger of fused loss {_gib(loss_ws)} and layer backward {_gib(layer_ws)}"),
-        item("optimizer update", update_extra, f"{_gib(update)} workspace, counted beyond the chunk's activations"),
+        item("optimizer update", update_extra, f"{_gib(update)} workspace"
+             + (" (with the step's fp32 gradients)" if masters else "") + ", counted beyond the chunk's activations"),
     ]
     if offload:
         items.append(MemoryItem("offloaded pages", 0, store_host, f"{batch_size} x {pages_per_seq} pages of K, V, "
@@ -536,7 +552,7 @@ def plan_memory(
     settings = {
         "family": shape.family, "seq_len": seq_len, "batch_size": batch_size, "chunk_size": chunk_size,
         "page_size": page_size, "dtype": _name(dtype), "grad_dtype": _name(grad_dtype), "page_budget": page_budget,
-        "select_block": select_block, "lora_r": lora_r, "optimizer": optimizer,
+        "select_block": select_block, "lora_r": lora_r, "optimizer": optimizer, "master_weights": masters,
         "layer_checkpointing": layer_checkpointing, "offload": offload, "cache_attention": cache_attention,
         "device_type": device_type, "tensor_parallel": tensor_parallel,
     }

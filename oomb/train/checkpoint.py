@@ -8,9 +8,10 @@ Layout of a run folder::
       checkpoints/
         step-00000004/         one complete checkpoint
           model.safetensors    trainable weights (safetensors: no pickled code)
-          optimizer.pt         optimizer + scheduler state (tensors and plain data only)
+          optimizer.pt         optimizer + scheduler state (tensors and plain data only; with
+                               train.master_weights, the fp32 master weights too)
           rng.pt               RNG states (Python, torch, CUDA)
-          state.json           the step it was taken after, and the data position
+          state.json           the step it was taken after, the data position, master weights or not
           manifest.json        size and sha256 of every file above
         latest                 the name of the newest complete checkpoint
       export/                  the final model, loadable by transformers
@@ -36,6 +37,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from oomb.train.optim import MASTER_WEIGHTS_KEY, MasterWeights
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -148,7 +151,7 @@ def save_checkpoint(
         save_file(trainable_state_dict(model), tmp / "model.safetensors")
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
         torch.save(rng_state(), tmp / "rng.pt")
-        state = {"step": step, "torch": torch.__version__}
+        state = {"step": step, "torch": torch.__version__, "master_weights": isinstance(optimizer, MasterWeights)}
         if data_state is not None:
             state["data"] = data_state
         (tmp / "state.json").write_text(json.dumps(state))
@@ -253,10 +256,17 @@ def load_checkpoint(
     """Restore model, optimizer, scheduler and RNG from ``ckpt``; returns the step it was taken at.
 
     ``verify=False`` skips the checksums when the caller has just run ``verify_checkpoint``.
+    Master weights: a checkpoint without them starts the optimizer's masters from its weights;
+    one with them loaded into an optimizer without masters continues from its (rounded) weights.
     """
-    load_weights(ckpt, model, verify=verify)
+    load_weights(ckpt, model, verify=verify)  # first: masters missing from the checkpoint start from these
     opt = _load_plain(ckpt / "optimizer.pt")
-    optimizer.load_state_dict(opt["optimizer"])
+    if not isinstance(optimizer, MasterWeights):
+        opt["optimizer"].pop(MASTER_WEIGHTS_KEY, None)
+    try:
+        optimizer.load_state_dict(opt["optimizer"])
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {ckpt}: the optimizer state does not fit this run's optimizer: {e}") from e
     scheduler.load_state_dict(opt["scheduler"])
     set_rng_state(_load_plain(ckpt / "rng.pt"))
     return checkpoint_state(ckpt)["step"]

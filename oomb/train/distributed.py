@@ -65,6 +65,7 @@ from oomb.train.checkpoint import (
     write_text_atomic,
 )
 from oomb.train.config import Config, ConfigError
+from oomb.train.optim import wants_master_weights
 
 FORMAT = "dcp-fsdp2"  # state.json "format" of a checkpoint written by data parallel ranks together
 TP_FORMAT = "dcp-tp"  # ... by tensor parallel ranks
@@ -131,6 +132,7 @@ def setup(cfg: Config) -> DistributedContext | None:
     if cfg.train.optimizer != "adamw":
         raise ConfigError(f"train.optimizer={cfg.train.optimizer} under torchrun: only adamw (torch) works on "
                           "FSDP2's sharded parameters")
+    wants_master_weights(cfg.train.master_weights, torchrun=True)  # true is refused; auto is off under torchrun
     device = torch.device("cuda", local_rank) if name == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from oomb.engine import store_for_model
+from oomb.train.optim import MasterWeights
 
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
@@ -149,6 +150,7 @@ class MemoryUse:
     cuda_reserved: int | None = None
     cuda_peak_allocated: int | None = None
     cuda_total: int | None = None
+    master_weights: int = 0  # fp32 master copies of 16-bit parameters (train.master_weights)
 
 
 def _tensor_bytes(tensors) -> int:
@@ -178,6 +180,7 @@ def measure_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     params = list(model.parameters())
     store = store_for_model(model)
     state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()]
+    masters = optimizer.masters if isinstance(optimizer, MasterWeights) else []
     rss, peak = _rss()
     use = MemoryUse(
         parameters=_tensor_bytes(params),
@@ -187,6 +190,7 @@ def measure_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
         kv_store_bytes_per_token=store.spec.bytes_per_token() if store is not None else None,
         process_rss=rss,
         process_peak_rss=peak,
+        master_weights=_tensor_bytes(masters),
     )
     device = params[0].device if params else torch.device("cpu")
     if device.type == "cuda" and torch.cuda.is_available():
@@ -213,6 +217,7 @@ def memory_report(use: MemoryUse, cfg, *, estimate: dict[str, int] | None = None
         ("parameters", "parameters", use.parameters),
         ("gradients", "gradients", use.gradients),
         ("optimizer state (AdamW)", "optimizer_state", use.optimizer_state),
+        *([("fp32 master weights", "master_weights", use.master_weights)] if use.master_weights else []),
         ("K/V store (pages + gradient pages)", "kv_store", use.kv_store),
         ("process resident (host RSS)", "process_rss", use.process_rss),
         ("process peak resident", "process_peak_rss", use.process_peak_rss),
@@ -249,7 +254,7 @@ def memory_advice(use: MemoryUse, cfg) -> list[str]:
         advice.append((use.kv_store, f"train.batch_size=1 train.grad_accum={t.batch_size * t.grad_accum}: the same "
                                      "tokens per optimizer step, one sequence in the K/V store at a time"))
     # Activations are what the step allocates beyond the lasting holders; one chunk's worth.
-    lasting = use.parameters + use.gradients + use.optimizer_state + use.kv_store
+    lasting = use.parameters + use.gradients + use.optimizer_state + use.master_weights + use.kv_store
     peak = use.cuda_peak_allocated if use.cuda_peak_allocated is not None else use.process_peak_rss
     activations = max(0, (peak or 0) - lasting)
     advice.append((activations, f"train.chunk_size={t.chunk_size}: one chunk's activations are alive at a time; "
@@ -257,6 +262,10 @@ def memory_advice(use: MemoryUse, cfg) -> list[str]:
     if not t.layer_checkpointing:
         advice.append((activations, "train.layer_checkpointing=true: inside a chunk keep one layer's activations "
                                     "instead of every layer's (one more forward per chunk)"))
+    if use.master_weights:
+        advice.append((use.master_weights, "train.master_weights=false: no fp32 copies of the 16-bit parameters "
+                                           "(4 B each, and AdamW's moments in 16 bits again); updates below half "
+                                           "a bf16 step of a weight are then rounded away"))
     if cfg.lora.r == 0:
         advice.append((use.optimizer_state + use.gradients,
                        "lora.r=16 (a new run): train adapters only; gradients and AdamW state shrink to the "

@@ -21,6 +21,7 @@ from oomb.engine.plan import MemoryPlan, largest_context, plan_memory
 from oomb.engine.plan import format_bytes as _gib
 from oomb.train.config import Config, ConfigError
 from oomb.train.inputs import model_config
+from oomb.train.optim import wants_master_weights
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -46,10 +47,12 @@ def available_memory(device: torch.device) -> tuple[int | None, int]:
 
 def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
     t = cfg.train
+    torchrun = t.tensor_parallel > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
     return dict(
         batch_size=t.batch_size, chunk_size=t.chunk_size, page_size=t.page_size, dtype=dtype,
         lora_r=cfg.lora.r, lora_targets=tuple(x.strip() for x in cfg.lora.targets.split(",") if x.strip()),
-        optimizer=t.optimizer, layer_checkpointing=t.layer_checkpointing, device_type=device_type,
+        optimizer=t.optimizer, master_weights=wants_master_weights(t.master_weights, torchrun=torchrun),
+        layer_checkpointing=t.layer_checkpointing, device_type=device_type,
         page_budget=t.page_budget, select_block=t.select_block, per_head_selection=t.select_per_head,
         offload=t.offload and device_type == "cuda", cache_attention=t.cache_attention,
         tensor_parallel=t.tensor_parallel,
@@ -85,6 +88,8 @@ def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dic
         chunk //= 2
     if t.optimizer == "adamw":
         candidates.append(("train.optimizer=adamw8bit", {"optimizer": "adamw8bit"}))
+    if base["master_weights"]:  # a no-op for fp32 parameters: then it does not fit either and is not offered
+        candidates.append(("train.master_weights=false", {"master_weights": False}))
     if cfg.lora.r == 0:
         candidates.append(("lora.r=16", {"lora_r": 16}))
     if device_type == "cuda" and not t.offload:
@@ -135,6 +140,7 @@ def print_plan(plan: MemoryPlan, longest: int, console: Console, *, gpu_source: 
     table = Table(title=f"oomb plan: {plan.settings['family']}, {plan.settings['seq_len']:,} tokens "
                   f"x {plan.settings['batch_size']}, chunk {plan.settings['chunk_size']}, "
                   f"{plan.settings['dtype']}, {plan.settings['optimizer']}"
+                  + (" on fp32 master weights" if plan.settings.get("master_weights") else "")
                   + (", layer checkpointing" if plan.settings["layer_checkpointing"] else "")
                   + (f", one of {plan.settings['tensor_parallel']} tensor parallel ranks"
                      if plan.settings.get("tensor_parallel", 1) > 1 else ""))

@@ -60,7 +60,7 @@ from oomb.train.faults import (
 from oomb.train.inputs import build_inputs, model_config
 from oomb.train.memory import check_memory
 from oomb.train.monitor import TensorBoardLog, memory_fields, plot_run
-from oomb.train.optim import build_optimizer, check_optimizer
+from oomb.train.optim import MasterWeights, build_optimizer, check_optimizer, wants_master_weights
 from oomb.train.presets import build_model, preset_names
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -103,6 +103,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"train.save_every and train.keep_last must be >= 0, got {t.save_every}, {t.keep_last}")
     if t.on_nonfinite not in ("stop", "skip"):
         raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r}: use stop or skip")
+    wants_master_weights(t.master_weights, torchrun=False)  # the value (torchrun's refusal: distributed.setup)
     if t.lr <= 0 or t.warmup_steps < 0 or t.grad_clip < 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError("train.lr must be > 0, train.warmup_steps and train.grad_clip >= 0, "
                           "train.min_lr_ratio in [0, 1]")
@@ -314,7 +315,9 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
         model = distributed.shard_model(model, mesh)  # before the optimizer: its states are sharded too
     params = [p for p in model.parameters() if p.requires_grad]
     groups = distributed.param_groups(params) if ctx is not None and ctx.tensor_parallel > 1 else params
-    optimizer = build_optimizer(cfg.train.optimizer, groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    optimizer = build_optimizer(cfg.train.optimizer, groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                                master_weights=wants_master_weights(cfg.train.master_weights, torchrun=ctx is not None))
+    masters = isinstance(optimizer, MasterWeights)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     start = 0
     if resume_from is not None:
@@ -329,6 +332,12 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
         if main_rank:
             _roll_back_metrics(out / "metrics.jsonl", start)
         console.print(f"resuming {out} after step {start} from {resume_from}")
+        if checkpoint_state(resume_from).get("master_weights", False) != masters:
+            console.print(f"note: {resume_from} was written without fp32 master weights: they start from its "
+                          f"{dtype} weights" if masters else
+                          f"note: {resume_from} holds fp32 master weights, which this run does not use "
+                          f"(train.master_weights={str(cfg.train.master_weights).lower()}): it steps the {dtype} "
+                          "weights saved beside them (the masters rounded)")
     else:
         cfg.out_dir = str(out)
         if main_rank:
@@ -337,7 +346,8 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
     console.print(
         f"[bold]oomb train[/]: {cfg.model.path or cfg.model.preset} ({n_params / 1e6:.2f}M params, {dtype}) on "
         f"{device}; {cfg.train.steps} steps x {cfg.train.grad_accum * cfg.train.batch_size} x {cfg.data.seq_len} "
-        f"tokens ({cfg.data.task}), {cfg.train.optimizer}, "
+        f"tokens ({cfg.data.task}), {cfg.train.optimizer} "
+        f"{'on fp32 master weights' if masters else 'without master weights'}, "
         f"chunk {cfg.train.chunk_size}, page {cfg.train.page_size}; writing {out}/metrics.jsonl"
     )
     if plan is not None:

@@ -178,6 +178,54 @@ def test_optimizer_state_bytes_match_real_optimizers():
         assert optimizer_state_bytes(kind, numels, torch.float32) == sum(held.values()), kind
 
 
+def test_master_weights_bytes_and_their_no_op():
+    cfg = preset_config("tiny")
+    n = count_parameters(cfg).total
+    common = dict(seq_len=4096, chunk_size=1024, page_size=128, dtype=torch.bfloat16, device_type="cuda")
+    plain = _items(plan_memory(cfg, **common), "gpu_bytes")
+    on = plan_memory(cfg, **common, master_weights=True)
+    got = _items(on, "gpu_bytes")
+    assert on.settings["master_weights"] is True and plain["master weights"] == 0
+    assert got["master weights"] == 4 * n and got["gradients"] == plain["gradients"] == 2 * n
+    assert got["optimizer states"] == 8 * n and plain["optimizer states"] == 4 * n  # fp32 moments on masters
+    # CUDA AdamW (foreach): sqrt(exp_avg_sq) of every master at once + the step's fp32 gradients (2 B more each).
+    assert got["optimizer update"] == max(0, 4 * n + 2 * n - got["saved activations"] - got["chunk workspace"])
+    # 8-bit states do not depend on the stepped dtype; fp32 parameters and LoRA adapters (fp32) need no masters.
+    bnb = [_items(plan_memory(cfg, **common, optimizer="adamw8bit", master_weights=m), "gpu_bytes")
+           for m in (False, True)]
+    assert bnb[0]["optimizer states"] == bnb[1]["optimizer states"]
+    for change in ({"dtype": torch.float32}, {"lora_r": 8}):
+        with_masters = plan_memory(cfg, **{**common, **change}, master_weights=True)
+        assert with_masters.settings["master_weights"] is False
+        assert with_masters.items == plan_memory(cfg, **{**common, **change}).items
+
+
+def test_planned_master_weights_are_what_the_optimizer_holds():
+    from oomb.train.faults import measure_memory
+    from oomb.train.optim import build_optimizer
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    params = list(model.parameters())
+    kinds = ["adamw"]
+    try:
+        import bitsandbytes  # noqa: F401
+
+        kinds.append("adamw8bit")
+    except ImportError:
+        pass
+    for kind in kinds:
+        opt = build_optimizer(kind, params, lr=1e-3, weight_decay=0.0, master_weights=True)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        plan = _items(plan_memory(model.config, seq_len=128, chunk_size=64, page_size=16, dtype=torch.bfloat16,
+                                  optimizer=kind, master_weights=True, device_type="cpu"))
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for state in opt.state.values() for t in state.values() if torch.is_tensor(t) and t.numel() > 1}
+        assert plan["optimizer states"] == sum(held.values()), kind
+        assert plan["master weights"] == measure_memory(model, opt).master_weights == 4 * sum(p.numel() for p in params)
+
+
 def test_planned_store_is_the_store_the_engine_allocates():
     model = tiny_model("qwen2")
     ids = torch.randint(0, model.config.vocab_size, (2, 300))  # 19 pages of 16 per sequence, the last ragged

@@ -49,16 +49,18 @@ def test_train_refuses_a_run_that_does_not_fit_and_writes_nothing(tmp_path, caps
 def test_refusal_names_the_settings_that_would_fit(monkeypatch):
     cfg = load_run_config(None, ["model.preset=qwen2.5-0.5b", "data.seq_len=65536", "train.chunk_size=8192",
                                         "train.device=cpu", "model.dtype=bfloat16"])
-    settings = dict(TINY, chunk_size=8192, page_size=128, dtype=torch.bfloat16)
+    settings = dict(TINY, chunk_size=8192, page_size=128, dtype=torch.bfloat16, master_weights=True)  # auto: on
     need = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings).host_bytes
     _limit_host(monkeypatch, need - 2**30)
     with pytest.raises(ConfigError) as err:
         memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16)
     msg = str(err.value)
     assert "Or keep data.seq_len=65,536 and set train.layer_checkpointing=true" in msg
-    for fix in ("train.layer_checkpointing=true", "train.optimizer=adamw8bit", "lora.r=16"):
-        change = {"train.layer_checkpointing=true": {"layer_checkpointing": True},
-                  "train.optimizer=adamw8bit": {"optimizer": "adamw8bit"}, "lora.r=16": {"lora_r": 16}}[fix]
+    assert "train.master_weights=false" in msg  # 0.5B x (4 B masters + 4 B more for fp32 moments)
+    changes = {"train.layer_checkpointing=true": {"layer_checkpointing": True},
+               "train.optimizer=adamw8bit": {"optimizer": "adamw8bit"},
+               "train.master_weights=false": {"master_weights": False}, "lora.r=16": {"lora_r": 16}}
+    for fix, change in changes.items():
         fits = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=65536, **{**settings, **change},
                            host_total_bytes=need - 2**30).fits
         assert (fix in msg) == fits, fix
@@ -91,6 +93,13 @@ def test_plan_cli_for_another_gpu(capsys):
     assert main(args) == 1
     got = json.loads(capsys.readouterr().out)
     assert got["device_type"] == "cuda" and got["device_total_bytes"] == 141 * 2**30
+    # Full fine-tuning of 7B on fp32 master weights (the default, train.master_weights=auto): 16 B per
+    # parameter before any activation, more than the GPU holds at any length.
+    items = {i["name"]: i["gpu_bytes"] for i in got["items"]}
+    assert items["master weights"] == 4 * 7_615_616_512 and items["optimizer states"] == 8 * 7_615_616_512
+    assert got["largest_seq_len"] == 0
+    assert main([*args, "train.master_weights=false"]) == 1  # without them (moments in bf16), up to some length
+    got = json.loads(capsys.readouterr().out)
     assert 0 < got["largest_seq_len"] < 1048576
     assert main(["plan", "--gpu-memory", "lots"]) == 2
     assert "is not a memory size" in capsys.readouterr().out
