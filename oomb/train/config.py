@@ -80,7 +80,8 @@ class TrainConfig:
     """adamw (torch), adamw8bit (bitsandbytes, 8-bit states; CPU or CUDA) or paged_adamw8bit (bitsandbytes, CUDA)."""
     master_weights: bool | str = "auto"
     """auto, true or false: step fp32 copies of 16-bit trainable parameters (updates below half a bf16 step are
-    kept; 4 B per parameter more, AdamW moments in fp32); auto = on in one process, off under torchrun."""
+    kept; 4 B per parameter more, AdamW moments in fp32); auto = on in one process where the memory plan fits
+    with them, off under torchrun."""
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
     warmup_steps: int = 5

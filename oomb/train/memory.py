@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -114,6 +115,14 @@ def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype) -> Memor
     plan, longest = plan_for_config(cfg, device.type, dtype, gpu_bytes=gpu, host_bytes=host)
     if plan.fits:
         return plan
+    if cfg.train.master_weights == "auto" and plan.settings.get("master_weights"):
+        # auto means "when they fit": fp32 copies cost 4 bytes per parameter (and fp32 AdamW moments 4 more),
+        # e.g. 7B full fine-tuning on one H200 fits without them and not with them.
+        without = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, master_weights=False))
+        plan_without, _ = plan_for_config(without, device.type, dtype, gpu_bytes=gpu, host_bytes=host)
+        if plan_without.fits:
+            cfg.train.master_weights = False
+            return plan_without
     where = []
     if not plan.gpu_fits:
         where.append(f"{_gib(plan.gpu_bytes)} of GPU memory but {device} has {_gib(gpu)} free")

@@ -302,7 +302,13 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
         distributed.check_tensor_parallel(ctx, model_config(cfg))
     if cfg.data.document_mask:
         check_document_mask_support()
+    master_setting = cfg.train.master_weights
     plan = check_memory(cfg, device, dtype)  # the plan must fit before the model or a checkpoint is touched
+    if master_setting != cfg.train.master_weights:  # auto, and only the run without fp32 copies fits
+        console.print(
+            "note: train.master_weights=auto: fp32 master weights do not fit beside this run, so the optimizer "
+            f"steps the {dtype} weights directly (updates below half a {dtype} step are lost); "
+            "train.optimizer=adamw8bit or lora.r=16 make room for them")
     model = build(cfg, device, dtype)
     out = prepare_out_dir(cfg) if ctx is None else distributed.prepare_out_dir(ctx, cfg, prepare_out_dir)
     model.train()

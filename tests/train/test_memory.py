@@ -48,8 +48,8 @@ def test_train_refuses_a_run_that_does_not_fit_and_writes_nothing(tmp_path, caps
 
 def test_refusal_names_the_settings_that_would_fit(monkeypatch):
     cfg = load_run_config(None, ["model.preset=qwen2.5-0.5b", "data.seq_len=65536", "train.chunk_size=8192",
-                                        "train.device=cpu", "model.dtype=bfloat16"])
-    settings = dict(TINY, chunk_size=8192, page_size=128, dtype=torch.bfloat16, master_weights=True)  # auto: on
+                                        "train.device=cpu", "model.dtype=bfloat16", "train.master_weights=true"])
+    settings = dict(TINY, chunk_size=8192, page_size=128, dtype=torch.bfloat16, master_weights=True)
     need = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings).host_bytes
     _limit_host(monkeypatch, need - 2**30)
     with pytest.raises(ConfigError) as err:
@@ -109,3 +109,25 @@ def test_plan_cli_for_another_gpu(capsys):
                                          ("1.5TiB", 3 * 2**39)])
 def test_parse_bytes(text, nbytes):
     assert memory.parse_bytes(text) == nbytes
+
+
+def test_auto_master_weights_are_dropped_when_only_the_run_without_them_fits(monkeypatch):
+    overrides = ["model.preset=qwen2.5-0.5b", "data.seq_len=65536", "train.chunk_size=8192", "train.device=cpu",
+                 "model.dtype=bfloat16"]
+    settings = dict(TINY, chunk_size=8192, page_size=128, dtype=torch.bfloat16)
+    with_masters = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings, master_weights=True)
+    without = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings, master_weights=False)
+    assert without.host_bytes < with_masters.host_bytes
+    _limit_host(monkeypatch, (without.host_bytes + with_masters.host_bytes) // 2)
+    cfg = load_run_config(None, overrides)
+    plan = memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16)
+    assert cfg.train.master_weights is False and plan.settings["master_weights"] is False
+    # Asked for explicitly, they are kept and the run is refused with the way out named.
+    cfg = load_run_config(None, [*overrides, "train.master_weights=true"])
+    with pytest.raises(ConfigError, match="train.master_weights=false"):
+        memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16)
+    # Where they fit, auto keeps them.
+    _limit_host(monkeypatch, with_masters.host_bytes + 2**30)
+    cfg = load_run_config(None, overrides)
+    assert memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16).settings["master_weights"] is True
+    assert cfg.train.master_weights == "auto"
