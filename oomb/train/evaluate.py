@@ -544,7 +544,8 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
         "settings": {"chunk_size": args.chunk_size, "page_size": args.page_size, "batch_size": args.batch_size},
     }
     common = dict(batch_size=args.batch_size, chunk_size=args.chunk_size, page_size=args.page_size)
-    title = f"{args.model} ({loaded.source})"
+    # The model's last two path parts: a full path makes a title wider than the figure.
+    title = f"{'/'.join(Path(args.model).parts[-2:]) or args.model} ({loaded.source})"
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         if ppl_on:
