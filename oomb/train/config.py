@@ -124,9 +124,10 @@ class TrainConfig:
     """Page-sparse attention: one page list per KV head instead of one shared by all heads."""
     offload: bool = False
     """Keep K/V pages and their gradients in pinned host memory, two layers on the GPU (same gradients)."""
-    cache_attention: bool = False
+    cache_attention: bool | str = "auto"
     """Keep stage 1's attention outputs for stage 2 (one attention forward less per chunk; same gradients; GPU
-    memory H*(2D+4) B per token per layer in bf16, 200 KiB/token for Qwen2.5-7B); not with offload."""
+    memory H*(2D+4) B per token per layer in bf16, 200 KiB/token for Qwen2.5-7B); not with offload. auto: on
+    where the memory plan fits with it (off with train.offload or train.memory_check=false)."""
     memory_check: bool = True
     """Before building the model, refuse a run whose memory plan (see `oomb plan`) does not fit this machine."""
     tensor_parallel: int = 1

@@ -55,7 +55,7 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
         optimizer=t.optimizer, master_weights=wants_master_weights(t.master_weights, torchrun=torchrun),
         layer_checkpointing=t.layer_checkpointing, device_type=device_type,
         page_budget=t.page_budget, select_block=t.select_block, per_head_selection=t.select_per_head,
-        offload=t.offload and device_type == "cuda", cache_attention=t.cache_attention,
+        offload=t.offload and device_type == "cuda", cache_attention=t.cache_attention is True,
         tensor_parallel=t.tensor_parallel,
     )
 
@@ -79,7 +79,7 @@ def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dic
     base = _settings(cfg, device_type, dtype)
     t = cfg.train
     candidates: list[tuple[str, dict]] = []
-    if t.cache_attention:  # costs only speed
+    if t.cache_attention is True:  # costs only speed
         candidates.append(("train.cache_attention=false", {"cache_attention": False}))
     if not t.layer_checkpointing:
         candidates.append(("train.layer_checkpointing=true", {"layer_checkpointing": True}))
@@ -94,7 +94,7 @@ def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dic
     if cfg.lora.r == 0:
         candidates.append(("lora.r=16", {"lora_r": 16}))
     if device_type == "cuda" and not t.offload:
-        candidates.append(("train.offload=true" + (" train.cache_attention=false" if t.cache_attention else ""),
+        candidates.append(("train.offload=true" + (" train.cache_attention=false" if t.cache_attention is True else ""),
                            {"offload": True, "cache_attention": False}))
     found, chunk_found = [], False
     for text, change in candidates:
@@ -107,22 +107,52 @@ def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dic
     return found
 
 
+def _with(cfg: Config, **train) -> Config:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
+
+
+def resolve_auto_settings(cfg: Config, device_type: str, dtype: torch.dtype, *, gpu_bytes: int | None,
+                          host_bytes: int | None) -> tuple[MemoryPlan, int]:
+    """Settle the `auto` settings that trade memory for speed or precision against the plan, in cfg.
+
+    train.cache_attention=auto is on where the plan fits with it (it costs only memory; never with
+    offload). train.master_weights=auto drops the fp32 copies where only the run without them fits
+    (e.g. 7B full fine-tuning on one H200); the cache goes first. Returns the resolved run's plan.
+    """
+    auto_cache = cfg.train.cache_attention == "auto"
+    if auto_cache:
+        cfg.train.cache_attention = False
+    plan, longest = plan_for_config(cfg, device_type, dtype, gpu_bytes=gpu_bytes, host_bytes=host_bytes)
+    if plan.fits and auto_cache and not cfg.train.offload:
+        cached, cached_longest = plan_for_config(_with(cfg, cache_attention=True), device_type, dtype,
+                                                 gpu_bytes=gpu_bytes, host_bytes=host_bytes)
+        if cached.fits:
+            cfg.train.cache_attention = True
+            return cached, cached_longest
+    if not plan.fits and cfg.train.master_weights == "auto" and plan.settings.get("master_weights"):
+        # fp32 copies cost 4 bytes per parameter, and AdamW's moments 4 more in fp32.
+        without, without_longest = plan_for_config(_with(cfg, master_weights=False), device_type, dtype,
+                                                   gpu_bytes=gpu_bytes, host_bytes=host_bytes)
+        if without.fits:
+            cfg.train.master_weights = False
+            return without, without_longest
+    return plan, longest
+
+
 def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype) -> MemoryPlan | None:
-    """Refuse a run whose plan does not fit this machine (train.memory_check=false skips it)."""
+    """Refuse a run whose plan does not fit this machine (train.memory_check=false skips it).
+
+    Settles the `auto` settings in cfg (resolve_auto_settings); without the check they are off
+    (cache_attention) and on (master_weights).
+    """
     if not cfg.train.memory_check:
+        if cfg.train.cache_attention == "auto":
+            cfg.train.cache_attention = False
         return None
     gpu, host = available_memory(device)
-    plan, longest = plan_for_config(cfg, device.type, dtype, gpu_bytes=gpu, host_bytes=host)
+    plan, longest = resolve_auto_settings(cfg, device.type, dtype, gpu_bytes=gpu, host_bytes=host)
     if plan.fits:
         return plan
-    if cfg.train.master_weights == "auto" and plan.settings.get("master_weights"):
-        # auto means "when they fit": fp32 copies cost 4 bytes per parameter (and fp32 AdamW moments 4 more),
-        # e.g. 7B full fine-tuning on one H200 fits without them and not with them.
-        without = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, master_weights=False))
-        plan_without, _ = plan_for_config(without, device.type, dtype, gpu_bytes=gpu, host_bytes=host)
-        if plan_without.fits:
-            cfg.train.master_weights = False
-            return plan_without
     where = []
     if not plan.gpu_fits:
         where.append(f"{_gib(plan.gpu_bytes)} of GPU memory but {device} has {_gib(gpu)} free")
@@ -196,7 +226,7 @@ def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memo
     gpu_here, host_here = available_memory(device if cuda_here else torch.device("cpu"))
     gpu = parse_bytes(gpu_memory) if gpu_memory is not None else gpu_here if on_cuda else None
     host = parse_bytes(host_memory) if host_memory is not None else host_here
-    plan, longest = plan_for_config(cfg, device.type, dtype, gpu_bytes=gpu, host_bytes=host)
+    plan, longest = resolve_auto_settings(cfg, device.type, dtype, gpu_bytes=gpu, host_bytes=host)
     if as_json:
         print(json.dumps({**plan.to_dict(), "largest_seq_len": longest}, indent=2))
     else:

@@ -110,7 +110,10 @@ def check_config(cfg: Config) -> None:
     if cfg.model.path is None and cfg.model.preset not in preset_names():
         raise ConfigError(f"unknown model preset {cfg.model.preset!r}; built-in presets: {', '.join(preset_names())}")
     page_selection(cfg)  # page-sparse attention settings
-    if t.cache_attention and t.offload:
+    if not (t.cache_attention is True or t.cache_attention is False or t.cache_attention == "auto"):
+        raise ConfigError(f"train.cache_attention={t.cache_attention!r}: use auto (on where the memory plan fits "
+                          "with it), true or false")
+    if t.cache_attention is True and t.offload:
         raise ConfigError("train.cache_attention=true keeps attention outputs on the GPU and train.offload=true moves "
                           "pages off it: choose one")
 
@@ -303,7 +306,8 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
     if cfg.data.document_mask:
         check_document_mask_support()
     master_setting = cfg.train.master_weights
-    plan = check_memory(cfg, device, dtype)  # the plan must fit before the model or a checkpoint is touched
+    # The plan must fit before the model or a checkpoint is touched; it settles the `auto` settings.
+    plan = check_memory(cfg, device, dtype)
     if master_setting != cfg.train.master_weights:  # auto, and only the run without fp32 copies fits
         console.print(
             "note: train.master_weights=auto: fp32 master weights do not fit beside this run, so the optimizer "

@@ -74,12 +74,13 @@ def test_plan_cli_prints_the_tiny_preset(capsys):
         assert line in text, line
     assert main(["plan", "--json", "--host-memory", "64GiB", "data.seq_len=4096", "train.device=cpu"]) == 0
     got = json.loads(capsys.readouterr().out)
+    # train.cache_attention=auto: on, since the plan fits with it
     want = plan_memory(preset_config("tiny"), seq_len=4096, chunk_size=1024, page_size=128, dtype=torch.float32,
-                       device_type="cpu", host_total_bytes=64 * 2**30)
+                       device_type="cpu", host_total_bytes=64 * 2**30, cache_attention=True)
     assert got["items"] == want.to_dict()["items"] and got["host_bytes"] == want.host_bytes
     assert got["largest_seq_len"] == largest_context(preset_config("tiny"), chunk_size=1024, page_size=128,
                                                      dtype=torch.float32, device_type="cpu",
-                                                     host_total_bytes=64 * 2**30)
+                                                     host_total_bytes=64 * 2**30, cache_attention=True)
     assert main(["plan", "--host-memory", "1GiB", "train.device=cpu"]) == 1  # does not fit: exit status 1
     assert "does NOT fit" in capsys.readouterr().out
 
@@ -131,3 +132,28 @@ def test_auto_master_weights_are_dropped_when_only_the_run_without_them_fits(mon
     cfg = load_run_config(None, overrides)
     assert memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16).settings["master_weights"] is True
     assert cfg.train.master_weights == "auto"
+
+
+def test_auto_attention_cache_is_on_only_where_it_fits(monkeypatch):
+    overrides = ["model.preset=qwen2.5-0.5b", "data.seq_len=65536", "train.chunk_size=8192", "train.device=cpu",
+                 "model.dtype=bfloat16", "train.master_weights=false"]
+    settings = dict(TINY, chunk_size=8192, page_size=128, dtype=torch.bfloat16)
+    cached = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings, cache_attention=True)
+    plain = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings)
+    assert plain.host_bytes < cached.host_bytes
+    _limit_host(monkeypatch, cached.host_bytes + 2**30)
+    cfg = load_run_config(None, overrides)
+    assert memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16).settings["cache_attention"] is True
+    assert cfg.train.cache_attention is True
+    _limit_host(monkeypatch, (plain.host_bytes + cached.host_bytes) // 2)  # fits only without the cache
+    cfg = load_run_config(None, overrides)
+    assert memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16).settings["cache_attention"] is False
+    assert cfg.train.cache_attention is False
+    cfg = load_run_config(None, [*overrides, "train.cache_attention=true"])  # asked for: kept, and refused
+    with pytest.raises(ConfigError, match="train.cache_attention=false"):
+        memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16)
+    cfg = load_run_config(None, [*overrides, "train.memory_check=false"])  # no plan: no cache
+    assert memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16) is None and cfg.train.cache_attention is False
+    with pytest.raises(ConfigError, match="train.cache_attention='sometimes'"):
+        from oomb.train.trainer import check_config
+        check_config(load_run_config(None, [*overrides, "train.cache_attention=sometimes"]))
