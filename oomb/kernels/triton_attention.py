@@ -521,6 +521,20 @@ def _add_into_grad_pages(DK_POOL, DV_POOL, dk, dv, table_row, n0, n_pages, h_kv,
 
 
 @triton.jit
+def _key_block(K_POOL, V_POOL, table_row, n0, kv_len, n_pages, h_kv, s_page, s_head, s_slot,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """A dK/dV program's keys n0 .. n0 + BLOCK_N - 1 of KV head h_kv: (positions, in-range mask [BN, 1],
+    K and V tiles [BN, D] with keys past kv_len read as 0)."""
+    n_pos = n0 + tl.arange(0, BLOCK_N)
+    kv_ok = (n_pos < kv_len)[:, None]
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = _kv_offsets(table_row, n0, n_pages, h_kv * s_head, s_page, s_slot, BLOCK_N, PAGE_SIZE)
+    k = tl.load(K_POOL + rows[:, None] + offs_d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(V_POOL + rows[:, None] + offs_d[None, :], mask=kv_ok, other=0.0)
+    return n_pos, kv_ok, k, v
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
     Q,  # [B, H, C, D]
     DO,  # [B, H, C, D]
@@ -554,12 +568,8 @@ def _bwd_dkdv_kernel(
     n1 = tl.minimum(n0 + BLOCK_N, kv_len) - 1
 
     table_row = TABLE + b * st_b
-    n_pos = n0 + tl.arange(0, BLOCK_N)
-    kv_ok = (n_pos < kv_len)[:, None]
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = _kv_offsets(table_row, n0, n_pages, h_kv * s_head, s_page, s_slot, BLOCK_N, PAGE_SIZE)
-    k = tl.load(K_POOL + rows[:, None] + offs_d[None, :], mask=kv_ok, other=0.0)
-    v = tl.load(V_POOL + rows[:, None] + offs_d[None, :], mask=kv_ok, other=0.0)
+    n_pos, kv_ok, k, v = _key_block(K_POOL, V_POOL, table_row, n0, kv_len, n_pages, h_kv, s_page, s_head, s_slot,
+                                    HEAD_DIM, BLOCK_N, PAGE_SIZE)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
 
@@ -660,12 +670,9 @@ def _bwd_dkdv_sparse_kernel(
     if (n_att > 0) & (n0 < kv_len):
         hits_row = HITS + b * sh_b + h_kv * sh_h + page_idx * sh_p
         table_row = TABLE + b * st_b
-        n_pos = n0 + tl.arange(0, BLOCK_N)
-        kv_ok = (n_pos < kv_len)[:, None]  # the chunk's last page may be partly filled
-        offs_d = tl.arange(0, HEAD_DIM)
-        rows = _kv_offsets(table_row, n0, n_pages, h_kv * s_head, s_page, s_slot, BLOCK_N, PAGE_SIZE)
-        k = tl.load(K_POOL + rows[:, None] + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(V_POOL + rows[:, None] + offs_d[None, :], mask=kv_ok, other=0.0)
+        # Masked: the chunk's last page may be partly filled.
+        n_pos, kv_ok, k, v = _key_block(K_POOL, V_POOL, table_row, n0, kv_len, n_pages, h_kv, s_page, s_head,
+                                        s_slot, HEAD_DIM, BLOCK_N, PAGE_SIZE)
         dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
         q_base = Q + b * sq_b
