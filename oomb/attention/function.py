@@ -87,6 +87,8 @@ def _attend(step: StepContext, layer_idx: int, q, k, v, sinks, scale, sliding_wi
     known, pages = past_pages(step, layer_idx + 1)
     if known:
         store.prefetch(layer_idx + 1, pages, grads=False)  # the next layer's pages, while this one computes
+    else:  # a sparse layer chooses its pages when it runs: bring what it chooses them by
+        store.prefetch_mean_keys(layer_idx + 1)
     return out, lse, vis
 
 

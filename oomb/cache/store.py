@@ -285,6 +285,9 @@ class PagedKVStore(ChunkLedger):
     def writeback(self, layer_idx: int, *, grads: bool) -> None:
         """The kernels of this layer are queued: new K/V (or updated gradients) may go home."""
 
+    def prefetch_mean_keys(self, layer_idx: int) -> None:
+        """Nothing to move: every layer's mean keys are on the device (see OffloadedKVStore)."""
+
     def mean_keys(self, layer_idx: int) -> torch.Tensor:
         """[num_pages, H_kv, D] per-page mean keys (K's dtype), indexed through ``page_table``."""
         return self._layers[layer_idx].mean_k

@@ -67,6 +67,7 @@ def chunked_eval(
     page_budget: int | None = None,
     selection: PageSelection | None = None,
     offload: bool = False,
+    offload_gpu_bytes: int = 0,
 ) -> EvalResult:
     """Per-token NLL and argmax correctness of a long sequence, one chunk of activations at a time.
 
@@ -78,8 +79,9 @@ def chunked_eval(
         chunk_size: tokens per chunk (a multiple of ``page_size``).
         page_size: tokens per page of the K/V store.
         backend: attention kernels: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
-        doc_ids, page_budget, selection, offload: packed documents, page-sparse attention and
-            pages in host memory, as in ``chunked_backward`` (evaluate a model the way it was trained).
+        doc_ids, page_budget, selection, offload, offload_gpu_bytes: packed documents, page-sparse
+            attention and pages in host memory, as in ``chunked_backward`` (evaluate a model the way
+            it was trained).
 
     Runs under ``torch.no_grad`` with the model in eval mode (its mode is restored after).
     Positions without a target skip the LM head, so an evaluation that scores a few
@@ -90,21 +92,21 @@ def chunked_eval(
     model.eval()  # no dropout: evaluation is deterministic
     try:
         return _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend, doc_ids,
-                             selection_policy(page_budget, selection), offload)
+                             selection_policy(page_budget, selection), offload, offload_gpu_bytes)
     finally:
         model.train(was_training)
 
 
 @torch.no_grad()
 def _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend, doc_ids, selection,
-                  offload) -> EvalResult:
+                  offload, offload_gpu_bytes=0) -> EvalResult:
     targets = _validate(model, input_ids, labels, chunk_size, page_size)
     doc_start = document_starts(doc_ids, input_ids) if doc_ids is not None else None
     batch, seq_len = input_ids.shape
     device = input_ids.device
     # The store keeps gradient pages too (as in training); sharing the training step's
     # store means evaluating between training steps reallocates nothing.
-    store = _store_for(model, device, page_size, None, offload)
+    store = _store_for(model, device, page_size, None, offload, offload_gpu_bytes)
     store.reserve(batch, seq_len)
     step = StepContext(store=store, backend=get_backend(backend, device.type), stage="fill", doc_start=doc_start,
                        selection=selection, tp_group=tensor_parallel_group(model))

@@ -52,6 +52,8 @@ GiB = 2**30
 # CUDA context, cuBLAS/Triton workspaces and caching-allocator slack: memory the process uses
 # on the GPU outside torch's allocated bytes. An allowance, not a measurement (calibrate on the GPU).
 CUDA_CONTEXT_BYTES = 1 * GiB
+# offload_gpu_bytes="auto" leaves this much of the GPU free (allocator fragmentation, other processes).
+AUTO_GPU_MARGIN_BYTES = 1 * GiB
 # Host memory of the Python process itself (interpreter, torch, transformers, CUDA libraries,
 # data). An allowance, not a measurement.
 HOST_PROCESS_BYTES = 4 * GiB
@@ -382,6 +384,7 @@ def plan_memory(
     master_weights: bool = False,
     layer_checkpointing: bool = False,
     offload: bool = False,
+    offload_gpu_bytes: int | str = 0,
     cache_attention: bool = False,
     device_type: str = "cuda",
     loss_impl: str = "auto",
@@ -394,7 +397,9 @@ def plan_memory(
     ``device_type="cpu"`` puts every item in host memory (a CPU run); "cuda" puts the step on
     the GPU and the process on the host. ``page_budget`` (sparse mode) adds the page lists
     kept between the stages. ``offload`` moves the pages to host memory and keeps two layer
-    slots (and the mean keys) on the GPU, as oomb.offload.OffloadedKVStore does.
+    slots (and the mean keys) on the GPU, as oomb.offload.OffloadedKVStore does;
+    ``offload_gpu_bytes`` lets it keep the first layers whose pages fit in that many bytes whole
+    on the GPU ("auto": what the GPU has left after every other item, less 1 GiB).
     ``loss_impl`` as in chunked_backward ("auto": liger on CUDA). ``tensor_parallel``: the plan of
     one of that many ranks that split the heads: its paged store and page lists hold 1/T of the KV
     heads, and it holds 1/T of the attention and MLP weights (their gradients and optimizer
@@ -404,6 +409,7 @@ def plan_memory(
     train.master_weights=auto in one process): 4 B per parameter, fp32 optimizer states, and fp32
     gradients during the step; a no-op when the trainable parameters are fp32 (LoRA adapters).
     """
+    arguments = dict(locals())  # the parameters, for the "auto" GPU allowance's second plan
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("chunk_size", chunk_size),
                         ("page_size", page_size), ("select_block", select_block)):
         if value <= 0:
@@ -414,6 +420,15 @@ def plan_memory(
         raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
     if optimizer not in OPTIMIZER_KINDS:
         raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_KINDS)}")
+    if offload_gpu_bytes == "auto":
+        settings = {k: v for k, v in arguments.items() if k not in ("model_config", "offload_gpu_bytes")}
+        base = plan_memory(model_config, **settings)
+        headroom = 0
+        if offload and device_type == "cuda" and base.device_total_bytes is not None:
+            headroom = max(0, base.device_total_bytes - base.gpu_bytes - AUTO_GPU_MARGIN_BYTES)
+        return plan_memory(model_config, offload_gpu_bytes=headroom, **settings)
+    if not isinstance(offload_gpu_bytes, int) or offload_gpu_bytes < 0:
+        raise ValueError(f"offload_gpu_bytes must be a byte count >= 0 or 'auto', got {offload_gpu_bytes!r}")
     shape = ModelShape.from_config(model_config)
     notes = []
     if shape.family not in MEASURED_FAMILIES:
@@ -449,22 +464,31 @@ def plan_memory(
                       tensor_parallel=tensor_parallel)
     pages_per_seq = -(-seq_len // page_size)
     store = batch_size * pages_per_seq * spec.bytes_per_page() + batch_size * pages_per_seq * 4  # + page table
-    store_host = 0
+    store_host = resident = 0
     if offload:
-        # Host: every page's K, V, dK, dV (pinned). Device: mean keys, block tables and two layer slots,
-        # each holding the pages one kernel call reads (all past pages when dense; the page lists'
-        # union when sparse) plus the chunk's, grown by at most 5/4 over what they held; sparse
-        # pages also pass through a pinned staging buffer per slot.
+        # Host: every page's K, V, dK, dV and mean key (pinned, exactly this size). Device: block
+        # tables and two layer slots, each holding one layer's mean keys and the pages one kernel
+        # call reads (all past pages when dense; the page lists' union when sparse: at most one
+        # budget per selection block and list) plus the chunk's, grown by at most 5/4 over what
+        # they held. offload_gpu_bytes keeps the first layers whole on the device instead.
         page_layer_bytes = spec.bytes_per_token() * page_size // spec.num_layers
+        layer_pages = batch_size * pages_per_seq * page_layer_bytes  # one layer's K, V, dK, dV
+        layer_means = batch_size * pages_per_seq * (spec.bytes_per_page() - spec.bytes_per_token() * page_size) \
+            // spec.num_layers
+        # as OffloadedKVStore.reserve
+        resident = min(spec.num_layers, offload_gpu_bytes // (layer_pages + layer_means))
         chunk_pages = -(-min(chunk_size, seq_len) // page_size)
         slot_pages = pages_per_seq
         if page_budget is not None:
-            slot_pages = min(pages_per_seq, -(-min(chunk_size, seq_len) // select_block) * page_budget + chunk_pages)
-        slots = 2 * batch_size * slot_pages * page_layer_bytes * 5 // 4
-        staging = 0 if page_budget is None else slots
-        mean_keys = batch_size * pages_per_seq * (spec.bytes_per_page() - spec.bytes_per_token() * page_size)
-        store_host = batch_size * pages_per_seq * spec.bytes_per_token() * page_size + staging
-        store = mean_keys + slots + 3 * batch_size * pages_per_seq * 4  # + the store's and two slots' tables
+            lists = spec.num_kv_heads if per_head_selection else 1
+            chosen = -(-min(chunk_size, seq_len) // select_block) * page_budget * lists
+            slot_pages = min(pages_per_seq, chosen + chunk_pages)
+        offloaded = spec.num_layers - resident
+        # Mean keys: the kept layers' on the device, the others' on the host, one layer's per slot.
+        slots = (2 * batch_size * slot_pages * page_layer_bytes * 5 // 4 + 2 * layer_means) if offloaded else 0
+        store_host = offloaded * (layer_pages + layer_means)
+        # + the store's and two slots' tables
+        store = resident * (layer_pages + layer_means) + slots + 3 * batch_size * pages_per_seq * 4
 
     page_lists = 0
     if page_budget is not None:
@@ -533,7 +557,9 @@ def plan_memory(
              if masters else "off"),
         item("paged store", store, f"{batch_size} x {pages_per_seq} pages x {spec.bytes_per_page():,} B "
              f"(K, V, dK, dV, mean keys) + page table") if not offload else
-        item("paged store (device part)", store, "mean keys, block tables, two layer slots"),
+        item("paged store (device part)", store, f"{resident} of {spec.num_layers} layers kept whole, "
+             "block tables, two layer slots" if offload and resident else
+             "block tables, two layer slots (pages and mean keys of one layer each)"),
         item("sparse page lists", page_lists, "dense" if page_budget is None else
              f"budget {page_budget}, block {select_block}"),
         item("attention output cache", attention_outputs, "off" if not cache_attention else
@@ -545,7 +571,7 @@ def plan_memory(
     ]
     if offload:
         items.append(MemoryItem("offloaded pages", 0, store_host, f"{batch_size} x {pages_per_seq} pages of K, V, "
-                                "dK, dV in pinned host memory" + (" + staging" if page_budget is not None else "")))
+                                "dK, dV and mean keys in pinned host memory"))
     if gpu:
         items.append(MemoryItem("CUDA context", CUDA_CONTEXT_BYTES, 0, "allowance"))
     items.append(MemoryItem("process", 0, HOST_PROCESS_BYTES, "allowance: interpreter, libraries, data"))
@@ -553,7 +579,9 @@ def plan_memory(
         "family": shape.family, "seq_len": seq_len, "batch_size": batch_size, "chunk_size": chunk_size,
         "page_size": page_size, "dtype": _name(dtype), "grad_dtype": _name(grad_dtype), "page_budget": page_budget,
         "select_block": select_block, "lora_r": lora_r, "optimizer": optimizer, "master_weights": masters,
-        "layer_checkpointing": layer_checkpointing, "offload": offload, "cache_attention": cache_attention,
+        "layer_checkpointing": layer_checkpointing, "offload": offload,
+        "offload_gpu_bytes": offload_gpu_bytes if offload else 0, "offload_resident_layers": resident,
+        "cache_attention": cache_attention,
         "device_type": device_type, "tensor_parallel": tensor_parallel,
     }
     return MemoryPlan(items=items, settings=settings, device_type=device_type,

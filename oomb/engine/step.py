@@ -44,6 +44,7 @@ def chunked_backward(
     page_budget: int | None = None,
     selection: PageSelection | None = None,
     offload: bool = False,
+    offload_gpu_bytes: int = 0,
     cache_attention: bool = False,
     loss_divisor: float | None = None,
     before_last_backward: Callable[[], None] | None = None,
@@ -71,6 +72,8 @@ def chunked_backward(
             ``page_budget`` overrides its budget when both are given.
         offload: keep K, V and their gradient pages in (pinned) host memory, with only the layer
             being computed and the next one on the device (oomb.offload). Same gradients.
+        offload_gpu_bytes: with ``offload``, GPU memory the store may use to keep whole layers'
+            pages on the device (the first layers that fit; no copies for them). 0 = none.
         cache_attention: keep every chunk's attention outputs (and log-sum-exps) from stage 1 for
             stage 2, which then skips attending again: one attention forward less per chunk and
             layer (the same result), for H * (D * itemsize + 4) bytes per token per layer of device
@@ -99,12 +102,15 @@ def chunked_backward(
     if loss_divisor is not None and not loss_divisor > 0:
         raise ValueError(f"loss_divisor must be positive, got {loss_divisor}")
     divisor = n_targets if loss_divisor is None else loss_divisor
+    if offload_gpu_bytes and not offload:
+        raise ValueError("offload_gpu_bytes sets how much of an offloaded store stays on the GPU: "
+                         "it needs offload=True")
     if cache_attention and offload:
         raise ValueError("cache_attention=True keeps attention outputs on the device, against offload=True's "
                          "purpose: choose one")
 
     batch, seq_len = input_ids.shape
-    store = _store_for(model, input_ids.device, page_size, grad_dtype, offload)
+    store = _store_for(model, input_ids.device, page_size, grad_dtype, offload, offload_gpu_bytes)
     store.reserve(batch, seq_len)
     step = StepContext(store=store, backend=get_backend(backend, input_ids.device.type), doc_start=doc_start,
                        selection=selection, cache_attention=cache_attention, tp_group=tensor_parallel_group(model))
@@ -213,6 +219,7 @@ def store_for_model(model: torch.nn.Module) -> PagedKVStore | None:
 def _store_for(
     model: PreTrainedModel, device: torch.device, page_size: int, grad_dtype: torch.dtype | None,
     offload: bool = False,
+    offload_gpu_bytes: int = 0,
 ) -> PagedKVStore | OffloadedKVStore:
     group = tensor_parallel_group(model)
     split = 1 if group is None else torch.distributed.get_world_size(group)  # each rank stores its KV heads
@@ -225,6 +232,10 @@ def _store_for(
         release_memory(model)  # free the old pools before allocating new ones
         store = kind(spec)
         _STORES[model] = store
+    if offload:
+        if offload_gpu_bytes < 0:
+            raise ValueError(f"offload_gpu_bytes must be >= 0, got {offload_gpu_bytes}")
+        store.gpu_bytes = offload_gpu_bytes  # applied by the next reserve()
     return store
 
 

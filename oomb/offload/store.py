@@ -6,8 +6,17 @@ layers, in sequence order::
 
     host k, v, dk, dv : [num_layers, B, max_pages, H_kv, page_size, D]     (page p of row b
                                                                           at [layer, b, p])
-    mean_k (device)   : [num_layers, B * max_pages, H_kv, D] (K's dtype)  (page selection)
-    page_table        : [B, max_pages] int32 = b * max_pages + p          (for mean_k only)
+    host mean         : [num_layers, B, max_pages, H_kv, D] (K's dtype)   (page selection)
+    page_table        : [B, max_pages] int32 = b * max_pages + p          (for mean keys only)
+
+A layer's mean keys (what sparse attention chooses pages by) come to its slot before its
+selection runs (``mean_keys``; prefetched with ``prefetch_mean_keys`` while the previous
+layer computes), so nothing on the device grows with the context but the page tables.
+
+With a GPU allowance (``gpu_bytes``, 0 by default) the first layers whose pages fit in it
+stay whole on the device (``resident_layers``, laid out as the host pools; no copies at
+all), and only the others go through the slots: PCIe traffic and host memory shrink by
+the share of layers kept.
 
 The device holds ``num_slots`` working slots (default 2: the layer being computed and the
 next one). A slot holds, for one layer, the pages one kernel call reads, compacted::
@@ -16,9 +25,10 @@ next one). A slot holds, for one layer, the pages one kernel call reads, compact
     slot table        : [B, max_pages] int32            page p of row b -> its slot row
 
 Dense attention asks for every past page (one contiguous copy per row and kind); sparse
-attention for the pages its page lists name (gathered on the host into a pinned staging
-buffer, then one copy). Layer l uses slot l % num_slots. Copies run on their own CUDA
-stream and are ordered with events:
+attention for the pages its page lists name, gathered by a kernel that reads the mapped
+host pools directly (oomb/offload/copy.py: the page list stays on the GPU, the host never
+waits). Layer l uses slot l % num_slots. Copies run on their own CUDA stream and are
+ordered with events:
 
     compute:  ... kernels(l-1) -[free(l-1)]- kernels(l) ............ kernels(l+1)
     copy:                       wait free(l-1), K/V(l+1) host->slot -[ready(l+1)]-^
@@ -45,6 +55,7 @@ import torch
 from oomb.cache import ChunkRecord, LayerPools, StoreSpec
 from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
 from oomb.cache.store import ChunkLedger, _valid_per_page
+from oomb.offload.copy import copy_pages, pinned_empty
 
 _KINDS = ("k", "v", "dk", "dv")
 SYNC_ENV = "OOMB_OFFLOAD_SYNC"
@@ -62,31 +73,40 @@ class _Slot:
     pools: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> [capacity, H_kv, P, D]
     table: torch.Tensor | None = None  # [B, max_pages] int32
     key: tuple | None = None  # what the slot holds: (layer, chunk start, past pages id, grads)
-    past: torch.Tensor | None = None  # [m] sequence page indices of its past pages (None = 0..m-1)
+    past: torch.Tensor | None = None  # [m] sequence page indices of its past pages, on the device (None = 0..m-1)
     num_past: int = 0
     rows: int = 0  # M: pages per sequence in the slot (past + chunk)
-    staging: dict[str, torch.Tensor] = field(default_factory=dict)  # pinned host buffers (sparse)
     ready: object = None  # CUDA event: its pages have arrived
     free: object = None  # CUDA event: the kernels reading it are done
-    staging_done: object = None  # CUDA event: copies out of / into its staging buffers are done
-    pending_scatter: list = field(default_factory=list)  # host writes waiting for staging_done
+    mean: torch.Tensor | None = None  # [B, max_pages, H_kv, D]: one layer's mean keys
+    mean_key: tuple | None = None  # (layer, chunk start) whose past the mean keys hold
+    mean_ready: object = None  # CUDA event: they have arrived
 
 
 class OffloadedKVStore(ChunkLedger):
     """Drop-in for ``PagedKVStore`` whose pages live in host memory (see the module docstring)."""
 
-    def __init__(self, spec: StoreSpec, *, num_slots: int = 2) -> None:
+    def __init__(self, spec: StoreSpec, *, num_slots: int = 2, gpu_bytes: int = 0) -> None:
         if num_slots < 2:
             raise ValueError(f"offload needs at least 2 device slots (compute one layer, fetch the next), "
                              f"got {num_slots}")
         self.spec = spec
         self.num_slots = num_slots
+        if gpu_bytes < 0:
+            raise ValueError(f"gpu_bytes must be >= 0, got {gpu_bytes}")
+        self.gpu_bytes = gpu_bytes  # device allowance for whole layers' pages, applied by reserve()
+        self.resident_layers = 0  # layers 0 .. resident_layers-1 live on the device
+        # Bytes copied between host and device since the last reserve() (one step): a measure of the
+        # PCIe traffic, for benchmarks and the transfer-volume trade-offs of docs/offload.md.
+        self.moved_bytes = {"to_device": 0, "to_host": 0}
+        self._dev: dict[str, torch.Tensor] = {}  # kind -> [resident_layers, B, max_pages, H_kv, P, D] (mean: no P)
         self._cuda = spec.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(spec.device) if self._cuda else None
         self._host: dict[str, torch.Tensor] = {}
-        self._mean_k = torch.empty(0, device=spec.device)
         self._slots = [_Slot() for _ in range(num_slots)]
-        self._host_written: list = [None] * spec.num_layers  # CUDA event of the last copy into host[layer]
+        # Chosen pages move through the page-copy kernel (mapped host memory) on CUDA; without CUDA
+        # through torch indexing. Tests set this True on CPU to run the kernel in Triton's interpreter.
+        self.copy_kernels = self._cuda
         # CUDA event of the last copy batch that read or wrote the host gradient pools (dk, dv):
         # the host thread zeroes their pages in append_chunk and must not race such a copy.
         self._grad_copies: object = None
@@ -106,40 +126,60 @@ class OffloadedKVStore(ChunkLedger):
         return sum(t.numel() * t.element_size() for t in self._host.values())
 
     def nbytes(self) -> int:
-        """Device bytes held: the slots and the mean keys (the pages themselves are on the host)."""
-        slots = sum(t.numel() * t.element_size() for s in self._slots for t in s.pools.values())
-        return slots + self._mean_k.numel() * self._mean_k.element_size()
+        """Device bytes held: resident layers and the slots (the other layers' pages are on the host)."""
+        slots = sum(t.numel() * t.element_size() for s in self._slots
+                    for t in (*s.pools.values(), *([s.mean] if s.mean is not None else [])))
+        resident = sum(t.numel() * t.element_size() for t in self._dev.values())
+        return resident + slots
+
+    def layer_nbytes(self, batch_size: int, num_tokens: int) -> int:
+        """Bytes of one layer's K, V, dK, dV pages and mean keys for ``batch_size`` sequences of ``num_tokens``."""
+        s = self.spec
+        return batch_size * -(-num_tokens // s.page_size) * s.bytes_per_page() // s.num_layers
+
+    def _resident(self, layer_idx: int) -> bool:
+        return layer_idx < self.resident_layers
 
     def reserve(self, batch_size: int, num_tokens: int) -> None:
         """Make room for ``batch_size`` sequences of ``num_tokens`` (host pools grow, never shrink)."""
         self._check_reserve(batch_size, num_tokens)
         s = self.spec
         max_pages = -(-num_tokens // s.page_size)
-        if not self._host or batch_size != self.batch_size or max_pages > self._max_pages:
+        resident = min(s.num_layers, self.gpu_bytes // self.layer_nbytes(batch_size, max_pages * s.page_size))
+        if (not self._host and not self._dev or batch_size != self.batch_size or max_pages > self._max_pages
+                or resident != self.resident_layers):
             self._synchronize()
-            self._host = {}
-            self._mean_k = torch.empty(0, device=s.device)  # drop the old buffers before allocating
-            shape = (s.num_layers, batch_size, max_pages, s.num_kv_heads, s.page_size, s.head_dim)
-            for kind in _KINDS:
-                dtype = s.dtype if kind in ("k", "v") else s.grad_dtype
-                self._host[kind] = torch.zeros(shape, dtype=dtype, pin_memory=self._cuda)
-            self._mean_k = torch.zeros((s.num_layers, batch_size * max_pages, s.num_kv_heads, s.head_dim),
-                                       dtype=s.dtype, device=s.device)
+            self._host, self._dev = {}, {}  # drop the old buffers before allocating
+            for slot in self._slots:
+                slot.mean = None
+            page = (batch_size, max_pages, s.num_kv_heads, s.page_size, s.head_dim)
+            for kind in (*_KINDS, "mean"):
+                dtype = s.grad_dtype if kind in ("dk", "dv") else s.dtype
+                shape = page if kind != "mean" else (batch_size, max_pages, s.num_kv_heads, s.head_dim)
+                if resident:
+                    self._dev[kind] = torch.zeros((resident, *shape), dtype=dtype, device=s.device)
+                if resident < s.num_layers:
+                    # Pinned and mapped, exactly this size (pin_memory=True would round up to a power of two).
+                    shape = (s.num_layers - resident, *shape)
+                    self._host[kind] = (pinned_empty(shape, dtype) if self._cuda
+                                        else torch.zeros(shape, dtype=dtype))
             self._max_pages = max_pages
+            self.resident_layers = resident
         self.batch_size = batch_size
         rows = torch.arange(batch_size, device=s.device, dtype=torch.int32).view(-1, 1) * self._max_pages
         self.page_table = rows + torch.arange(self._max_pages, device=s.device, dtype=torch.int32)
         self.num_tokens = 0
+        self.moved_bytes = {"to_device": 0, "to_host": 0}
         for slot in self._slots:
-            slot.key = None
+            slot.key = slot.mean_key = None
 
     def release(self) -> None:
         """Free every chunk and all memory, host and device; the store stays usable."""
         self.clear()
         self._synchronize()
-        self._host = {}
-        self._mean_k = torch.empty(0, device=self.spec.device)
+        self._host, self._dev = {}, {}
         self._slots = [_Slot() for _ in range(self.num_slots)]
+        self.resident_layers = 0
         self._max_pages = 0
         self.batch_size = 0
 
@@ -157,7 +197,10 @@ class OffloadedKVStore(ChunkLedger):
         self._sync()
         self._wait_grad_copies()
         for kind in ("dk", "dv"):
-            self._host[kind][:, :, first_page : first_page + n_pages].zero_()
+            if kind in self._host:
+                self._host[kind][:, :, first_page : first_page + n_pages].zero_()
+            if kind in self._dev:  # on the device: ordered by the stream
+                self._dev[kind][:, :, first_page : first_page + n_pages].zero_()
         rows = torch.arange(self.batch_size).repeat_interleave(n_pages) * self._max_pages
         ids = tuple((rows + torch.arange(first_page, first_page + n_pages).repeat(self.batch_size)).tolist())
         record = ChunkRecord(start=self.num_tokens, end=self.num_tokens + num_tokens, first_page=first_page,
@@ -185,7 +228,36 @@ class OffloadedKVStore(ChunkLedger):
 
     # ------------------------------------------------------------------ working set
     def mean_keys(self, layer_idx: int) -> torch.Tensor:
-        return self._mean_k[layer_idx]
+        """[B * max_pages, H_kv, D]: the layer's per-page mean keys of the newest chunk's past, on the device."""
+        if self._resident(layer_idx):
+            return self._dev["mean"][layer_idx].flatten(0, 1)
+        slot = self._slot_of(layer_idx)
+        self.prefetch_mean_keys(layer_idx)
+        if self._cuda:
+            torch.cuda.current_stream(self.spec.device).wait_event(slot.mean_ready)
+        self._sync()
+        return slot.mean.flatten(0, 1)
+
+    def prefetch_mean_keys(self, layer_idx: int) -> None:
+        """Start copying the layer's mean keys of the newest chunk's past into its slot (for its selection)."""
+        if not self.resident_layers <= layer_idx < self.spec.num_layers:
+            return
+        slot = self._slot_of(layer_idx)
+        record = self.last_chunk()
+        key = (layer_idx, record.start)
+        if slot.mean_key == key:
+            return
+        self._sync()
+        self._ensure_mean(slot)
+        n = record.first_page
+        self.moved_bytes["to_device"] += slot.mean[:, :n].numel() * slot.mean.element_size()
+        with self._on_copy_stream(wait=slot.free):
+            slot.mean[:, :n].copy_(self._home("mean", layer_idx)[:, :n], non_blocking=self._cuda)
+            if self._cuda:
+                slot.mean_ready = torch.cuda.Event()
+                slot.mean_ready.record(self._copy_stream)
+        slot.mean_key = key
+        self._sync()
 
     def _slot_of(self, layer_idx: int) -> _Slot:
         return self._slots[layer_idx % self.num_slots]
@@ -196,7 +268,11 @@ class OffloadedKVStore(ChunkLedger):
         ``grads``: also their gradient pages, and the chunk's own K/V from the host (backward);
         otherwise the chunk's K/V come from ``write`` (forward).
         """
+        if self._resident(layer_idx):  # laid out as the block table says: no slot, no copy
+            pools = self._dev_pools(layer_idx)
+            return LayerPools(**pools, mean_k=self._dev["mean"][layer_idx].flatten(0, 1)), self.page_table
         slot = self._slot_of(layer_idx)
+        self._ensure_mean(slot)
         key = self._key(layer_idx, past_pages, grads)
         if slot.key != key:
             self._fill(slot, layer_idx, past_pages, grads, key)
@@ -204,12 +280,12 @@ class OffloadedKVStore(ChunkLedger):
             torch.cuda.current_stream(self.spec.device).wait_event(slot.ready)
         self._sync()
         pools = LayerPools(k=slot.pools["k"], v=slot.pools["v"], dk=slot.pools["dk"], dv=slot.pools["dv"],
-                           mean_k=self._mean_k[layer_idx])
+                           mean_k=slot.mean.flatten(0, 1))  # the layer's only after mean_keys()
         return pools, slot.table
 
     def prefetch(self, layer_idx: int, past_pages: torch.Tensor | None, *, grads: bool) -> None:
         """Start the copies ``fetch`` will need for this layer (into its slot), without waiting."""
-        if 0 <= layer_idx < self.spec.num_layers:
+        if self.resident_layers <= layer_idx < self.spec.num_layers:
             slot = self._slot_of(layer_idx)
             key = self._key(layer_idx, past_pages, grads)
             if slot.key != key:
@@ -218,6 +294,8 @@ class OffloadedKVStore(ChunkLedger):
     def writeback(self, layer_idx: int, *, grads: bool) -> None:
         """After this layer's kernels are queued: send the chunk's new K/V (forward) or the updated
         gradient pages of the past (backward) home, and mark the slot reusable once they ran."""
+        if self._resident(layer_idx):
+            return  # its pages are home already
         slot = self._slot_of(layer_idx)
         record = self.last_chunk()
         self._sync()  # debugging mode: the layer's kernels ran before anything is copied home
@@ -228,66 +306,107 @@ class OffloadedKVStore(ChunkLedger):
         with self._on_copy_stream(wait=slot.free):
             view = {kind: slot.pools[kind][: self.batch_size * slot.rows].view(
                 self.batch_size, slot.rows, *slot.pools[kind].shape[1:]) for kind in _KINDS}
+            page = self._page_nbytes()
             if not grads:
                 c0, n = record.first_page, record.num_pages
+                self.moved_bytes["to_host"] += 2 * self.batch_size * n * page
                 for kind in ("k", "v"):
-                    self._host[kind][layer_idx, :, c0 : c0 + n].copy_(
+                    self._home(kind, layer_idx)[:, c0 : c0 + n].copy_(
                         view[kind][:, slot.num_past : slot.num_past + n], non_blocking=self._cuda)
+                self._home("mean", layer_idx)[:, c0 : c0 + n].copy_(slot.mean[:, c0 : c0 + n],
+                                                                     non_blocking=self._cuda)
             elif slot.num_past:
+                self.moved_bytes["to_host"] += 2 * self.batch_size * slot.num_past * page
                 for kind in ("dk", "dv"):
                     src = view[kind][:, : slot.num_past]
                     if slot.past is None:  # pages 0 .. m-1: one contiguous copy per row
-                        self._host[kind][layer_idx, :, : slot.num_past].copy_(src, non_blocking=self._cuda)
-                    else:  # through the staging buffer, scattered on the host once the copy is done
-                        stage = self._staged(slot, kind, slot.num_past)
-                        stage.copy_(src, non_blocking=self._cuda)
-                        slot.pending_scatter.append((kind, layer_idx, slot.past.cpu(), stage))
-            if self._cuda:
-                slot.staging_done = torch.cuda.Event()
-                slot.staging_done.record(self._copy_stream)
-                self._host_written[layer_idx] = slot.staging_done
-                if grads:
-                    self._grad_copies = slot.staging_done
+                        self._home(kind, layer_idx)[:, : slot.num_past].copy_(src, non_blocking=self._cuda)
+                    else:  # the chosen pages, scattered into the mapped host pool by the copy kernel
+                        copy_pages(src, self._home(kind, layer_idx), dst_index=slot.past,
+                                   use_kernel=self.copy_kernels)
+            if self._cuda and grads:
+                done = torch.cuda.Event()
+                done.record(self._copy_stream)
+                self._grad_copies = done
         self._sync()
-        if not self._cuda:
-            self._finish_scatter(slot)
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the newest chunk's K/V [B, H_kv, T, D] into the layer's slot (``fetch`` first)."""
         s = self.spec
         record = self._check_write(k, v)
-        slot = self._slot_of(layer_idx)
-        if slot.key is None or slot.key[0] != layer_idx:
-            raise RuntimeError(f"write() for layer {layer_idx} before fetch(): its slot holds another layer")
         n = record.num_pages
         kt, vt = tokens_to_tiles(k, s.page_size), tokens_to_tiles(v, s.page_size)  # [B * n, H, P, D]
         for kind, tiles in (("k", kt), ("v", vt)):
-            view = slot.pools[kind][: self.batch_size * slot.rows].view(self.batch_size, slot.rows, *tiles.shape[1:])
-            view[:, slot.num_past : slot.num_past + n] = tiles.view(self.batch_size, n, *tiles.shape[1:])
+            view, first = self._chunk_rows(layer_idx, kind, record, "write()")
+            view[:, first : first + n] = tiles.view(self.batch_size, n, *tiles.shape[1:])
         valid = _valid_per_page(record, s.page_size, k.device)
         # The chunk's mean-key rows, read off the device block table (b * max_pages + p): a tensor
         # built from record.page_ids would be a pageable copy that waits for the queued kernels.
-        ids = self.page_table[:, record.first_page : record.first_page + n].reshape(-1).long()
-        mean = kt.float().sum(dim=2) / valid.repeat(self.batch_size).view(-1, 1, 1)
-        self._mean_k[layer_idx][ids] = mean.to(s.dtype)  # as the device store keeps it
+        mean = kt.float().sum(dim=2) / valid.repeat(self.batch_size).view(-1, 1, 1)  # as the device store keeps it
+        if self._resident(layer_idx):
+            means = self._dev["mean"][layer_idx]
+        else:  # into the slot (sent home by writeback); its other rows may belong to another layer
+            slot = self._slot_of(layer_idx)
+            self._ensure_mean(slot)
+            means = slot.mean
+            if slot.mean_key != (layer_idx, record.start):
+                slot.mean_key = None
+        c0 = record.first_page
+        means[:, c0 : c0 + n] = mean.to(s.dtype).view(self.batch_size, n, *mean.shape[1:])
         self._sync()
 
     def read_grad(self, layer_idx: int, record: ChunkRecord) -> tuple[torch.Tensor, torch.Tensor]:
         """The newest chunk's gradient pages as [B, H_kv, T, D], from its slot (after its backward)."""
         slot = self._slot_of(layer_idx)
-        if record != self.last_chunk() or slot.key is None or slot.key[0] != layer_idx or not slot.key[3]:
+        if record != self.last_chunk() or not self._resident(layer_idx) and (
+                slot.key is None or slot.key[0] != layer_idx or not slot.key[3]):
             raise RuntimeError("read_grad() reads the newest chunk of the layer just fetched with grads=True")
         n, t = record.num_pages, record.end - record.start
         out = []
         for kind in ("dk", "dv"):
-            view = slot.pools[kind][: self.batch_size * slot.rows].view(self.batch_size, slot.rows,
-                                                                        *slot.pools[kind].shape[1:])
+            view, first = self._chunk_rows(layer_idx, kind, record, "read_grad()")
             # A copy, never a view: the slot is refilled for another layer once this layer's kernels ran.
-            out.append(tiles_to_tokens(view[:, slot.num_past : slot.num_past + n])[:, :, :t].clone())
+            out.append(tiles_to_tokens(view[:, first : first + n])[:, :, :t].clone())
         self._sync()
         return out[0], out[1]
 
     # ------------------------------------------------------------------ internals
+    def _ensure_mean(self, slot: _Slot) -> None:
+        """Give the slot a mean-key buffer of the reserved shape (made on first use, like its pools)."""
+        s = self.spec
+        shape = (self.batch_size, self._max_pages, s.num_kv_heads, s.head_dim)
+        if slot.mean is None or tuple(slot.mean.shape) != shape:
+            self._synchronize()
+            slot.mean = torch.zeros(shape, dtype=s.dtype, device=s.device)
+            slot.mean_key = None
+            if self._cuda:  # copies into it wait slot.free: order them after this fill (as _ensure_capacity)
+                slot.free = torch.cuda.Event()
+                slot.free.record(torch.cuda.current_stream(s.device))
+
+    def _page_nbytes(self) -> int:
+        """Bytes of one page of one kind (K, V, dK or dV) of one layer (gradients in their own dtype
+        may differ: counted at the K/V size, which they are by default)."""
+        s = self.spec
+        return s.num_kv_heads * s.page_size * s.head_dim * torch.empty((), dtype=s.dtype).element_size()
+
+    def _home(self, kind: str, layer_idx: int) -> torch.Tensor:
+        """[B, max_pages, H_kv, P, D]: where a non-resident layer's pages live (host)."""
+        return self._host[kind][layer_idx - self.resident_layers]
+
+    def _dev_pools(self, layer_idx: int) -> dict[str, torch.Tensor]:
+        s = self.spec
+        return {kind: self._dev[kind][layer_idx].view(-1, s.num_kv_heads, s.page_size, s.head_dim) for kind in _KINDS}
+
+    def _chunk_rows(self, layer_idx: int, kind: str, record: ChunkRecord, what: str) -> tuple[torch.Tensor, int]:
+        """([B, rows, H_kv, P, D] view holding the layer's newest chunk, index of its first page there)."""
+        if self._resident(layer_idx):
+            return self._dev[kind][layer_idx], record.first_page
+        slot = self._slot_of(layer_idx)
+        if slot.key is None or slot.key[0] != layer_idx:
+            raise RuntimeError(f"{what} for layer {layer_idx} before fetch(): its slot holds another layer")
+        pool = slot.pools[kind]
+        return pool[: self.batch_size * slot.rows].view(self.batch_size, slot.rows, *pool.shape[1:]), slot.num_past
+
     def _key(self, layer_idx, past_pages, grads):
         past_id = None if past_pages is None else (past_pages.data_ptr(), past_pages.numel())
         return (layer_idx, self.last_chunk().start, past_id, grads)
@@ -296,23 +415,10 @@ class OffloadedKVStore(ChunkLedger):
         s = self.spec
         record = self.last_chunk()
         b = self.batch_size
-        if past_pages is None:
-            num_past, past_cpu = record.first_page, None
-        else:
-            past_cpu = past_pages.to("cpu", torch.long)
-            num_past = past_cpu.numel()
+        num_past = record.first_page if past_pages is None else past_pages.numel()
         rows = num_past + record.num_pages
         self._sync()  # debugging mode: every queued kernel and copy ran before the host touches anything
-        # Gradient pages still waiting in this slot's staging buffer go home first: the copies
-        # below may read them (and the staging buffer is about to be reused).
-        self._finish_scatter(slot)
-        if past_cpu is not None and self._cuda:
-            # The host is read on this thread (gather into staging): copies still writing it, or still
-            # reading the staging buffers, must be done first.
-            for event in (self._host_written[layer_idx], slot.staging_done):
-                if event is not None:
-                    event.synchronize()
-        self._ensure_capacity(slot, b * rows, num_past if past_cpu is not None else 0)
+        self._ensure_capacity(slot, b * rows)
         # The slot's table: page p of row b -> b * rows + its index in the slot. Built on the device:
         # a host-built table would be a pageable copy, which waits for the queued kernels.
         dev = s.device
@@ -323,32 +429,33 @@ class OffloadedKVStore(ChunkLedger):
         table[:, record.first_page : record.first_page + record.num_pages] = (
             base + num_past + torch.arange(record.num_pages, dtype=torch.int32, device=dev))
         slot.table = table
-        slot.key, slot.past, slot.num_past, slot.rows = key, past_cpu, num_past, rows
+        slot.past = None if past_pages is None else past_pages.to(dev)
+        slot.key, slot.num_past, slot.rows = key, num_past, rows
 
         kinds = _KINDS if grads else ("k", "v")
+        self.moved_bytes["to_device"] += len(kinds) * b * num_past * self._page_nbytes()
+        if grads:
+            self.moved_bytes["to_device"] += len(kinds) * b * record.num_pages * self._page_nbytes()
         with self._on_copy_stream(wait=slot.free):
             for kind in kinds:
                 view = slot.pools[kind][: b * rows].view(b, rows, *slot.pools[kind].shape[1:])
-                host = self._host[kind][layer_idx]  # [B, max_pages, H, P, D]
+                host = self._home(kind, layer_idx)  # [B, max_pages, H, P, D]
                 if num_past:
-                    if past_cpu is None:
+                    if slot.past is None:
                         view[:, :num_past].copy_(host[:, :num_past], non_blocking=self._cuda)
-                    else:
-                        stage = self._staged(slot, kind, num_past)
-                        torch.index_select(host, 1, past_cpu, out=stage)
-                        view[:, :num_past].copy_(stage, non_blocking=self._cuda)
+                    else:  # the chosen pages, read from the mapped host pool by the copy kernel
+                        copy_pages(host, view, src_index=slot.past, use_kernel=self.copy_kernels)
                 if grads:  # the chunk's own pages too (K/V were written home by the forward)
                     c0, n = record.first_page, record.num_pages
                     view[:, num_past:].copy_(host[:, c0 : c0 + n], non_blocking=self._cuda)
             if self._cuda:
                 slot.ready = torch.cuda.Event()
                 slot.ready.record(self._copy_stream)
-                slot.staging_done = slot.ready
                 if grads:
                     self._grad_copies = slot.ready
         self._sync()
 
-    def _ensure_capacity(self, slot: _Slot, pages: int, staged: int) -> None:
+    def _ensure_capacity(self, slot: _Slot, pages: int) -> None:
         s = self.spec
         have = slot.pools["k"].shape[0] if slot.pools else 0
         if pages > have:
@@ -368,31 +475,6 @@ class OffloadedKVStore(ChunkLedger):
                 # (on top of) the copied pages. _fill's copies wait ``slot.free``: make it this.
                 slot.free = torch.cuda.Event()
                 slot.free.record(torch.cuda.current_stream(s.device))
-        have_staged = slot.staging["k"].shape[0] if slot.staging else 0
-        if self.batch_size * staged > have_staged:
-            self._synchronize()
-            new = max(self.batch_size * staged, have_staged * 5 // 4)
-            slot.staging = {}
-            for kind in _KINDS:
-                dtype = s.dtype if kind in ("k", "v") else s.grad_dtype
-                slot.staging[kind] = torch.zeros((new, s.num_kv_heads, s.page_size, s.head_dim),
-                                                 dtype=dtype, pin_memory=self._cuda)
-
-    def _staged(self, slot: _Slot, kind: str, pages: int) -> torch.Tensor:
-        """A contiguous [B, pages, H_kv, P, D] view of the slot's pinned staging buffer."""
-        buf = slot.staging[kind]
-        return buf[: self.batch_size * pages].view(self.batch_size, pages, *buf.shape[1:])
-
-    def _finish_scatter(self, slot: _Slot) -> None:
-        """Complete the host-side scatter of gradient pages copied out through the slot's staging."""
-        if not slot.pending_scatter:
-            return
-        if self._cuda and slot.staging_done is not None:
-            slot.staging_done.synchronize()
-        self._sync()
-        for kind, layer_idx, past_cpu, stage in slot.pending_scatter:
-            self._host[kind][layer_idx].index_copy_(1, past_cpu, stage)
-        slot.pending_scatter.clear()
 
     def _sync(self) -> None:
         """Debugging mode (``synchronous``): wait for all work of the device, every stream."""
@@ -409,8 +491,6 @@ class OffloadedKVStore(ChunkLedger):
         if self._cuda and self._copy_stream is not None:
             self._copy_stream.synchronize()
             self._grad_copies = None
-        for slot in self._slots:
-            self._finish_scatter(slot)
 
     def _on_copy_stream(self, wait):
         """Context: run copies on the copy stream after ``wait`` (an event of the compute stream)."""

@@ -124,6 +124,10 @@ class TrainConfig:
     """Page-sparse attention: one page list per KV head instead of one shared by all heads."""
     offload: bool = False
     """Keep K/V pages and their gradients in pinned host memory, two layers on the GPU (same gradients)."""
+    offload_gpu_memory: str = "0"
+    """With train.offload: GPU memory for keeping whole layers' pages on the GPU (the first layers that fit;
+    no copies for them, less host memory), e.g. 40GiB; auto: what the memory plan leaves free, less 1 GiB;
+    0: only the two working layers."""
     cache_attention: bool | str = "auto"
     """Keep stage 1's attention outputs for stage 2 (one attention forward less per chunk; same gradients; GPU
     memory H*(2D+4) B per token per layer in bf16, 200 KiB/token for Qwen2.5-7B); not with offload. auto: on

@@ -65,6 +65,7 @@ from oomb.train.checkpoint import (
     write_text_atomic,
 )
 from oomb.train.config import Config, ConfigError
+from oomb.train.memory import offload_gpu_allowance
 from oomb.train.optim import wants_master_weights
 
 FORMAT = "dcp-fsdp2"  # state.json "format" of a checkpoint written by data parallel ranks together
@@ -353,7 +354,8 @@ def accumulate_gradients(model, batches, ctx: DistributedContext, cfg: Config) -
             loss += oomb.chunked_backward(
                 model, batch.input_ids.to(ctx.device), batch.labels.to(ctx.device),
                 chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, selection=page_selection(cfg),
-                offload=cfg.train.offload, cache_attention=cfg.train.cache_attention, loss_divisor=divisor,
+                offload=cfg.train.offload, offload_gpu_bytes=offload_gpu_allowance(cfg),
+                cache_attention=cfg.train.cache_attention, loss_divisor=divisor,
                 before_last_backward=(lambda: _gradient_sync(model, True)) if last else None, **extra,
             )
     finally:

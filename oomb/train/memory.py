@@ -37,6 +37,18 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def offload_gpu_bytes(value: str) -> int | str:
+    """train.offload_gpu_memory as plan_memory's offload_gpu_bytes: "auto" or a byte count."""
+    return "auto" if str(value).strip().lower() == "auto" else parse_bytes(str(value))
+
+
+def offload_gpu_allowance(cfg: Config) -> int:
+    """The offloaded store's GPU allowance for chunked_backward (train.offload_gpu_memory as settled by
+    the memory plan; 0 without train.offload, or where "auto" was never settled)."""
+    value = offload_gpu_bytes(cfg.train.offload_gpu_memory)
+    return value if cfg.train.offload and value != "auto" else 0
+
+
 def available_memory(device: torch.device) -> tuple[int | None, int]:
     """(GPU bytes free for this run or None off CUDA, host bytes available to this process)."""
     host = psutil.virtual_memory().available + psutil.Process(os.getpid()).memory_info().rss
@@ -56,6 +68,7 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
         layer_checkpointing=t.layer_checkpointing, device_type=device_type,
         page_budget=t.page_budget, select_block=t.select_block, per_head_selection=t.select_per_head,
         offload=t.offload and device_type == "cuda", cache_attention=t.cache_attention is True,
+        offload_gpu_bytes=offload_gpu_bytes(t.offload_gpu_memory),
         tensor_parallel=t.tensor_parallel,
     )
 
@@ -123,6 +136,8 @@ def resolve_auto_settings(cfg: Config, device_type: str, dtype: torch.dtype, *, 
     if auto_cache:
         cfg.train.cache_attention = False
     plan, longest = plan_for_config(cfg, device_type, dtype, gpu_bytes=gpu_bytes, host_bytes=host_bytes)
+    if offload_gpu_bytes(cfg.train.offload_gpu_memory) == "auto":
+        cfg.train.offload_gpu_memory = str(plan.settings["offload_gpu_bytes"])  # what the plan settled
     if plan.fits and auto_cache and not cfg.train.offload:
         cached, cached_longest = plan_for_config(_with(cfg, cache_attention=True), device_type, dtype,
                                                  gpu_bytes=gpu_bytes, host_bytes=host_bytes)
@@ -148,6 +163,8 @@ def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype) -> Memor
     if not cfg.train.memory_check:
         if cfg.train.cache_attention == "auto":
             cfg.train.cache_attention = False
+        if offload_gpu_bytes(cfg.train.offload_gpu_memory) == "auto":
+            cfg.train.offload_gpu_memory = "0"  # no plan, no allowance
         return None
     gpu, host = available_memory(device)
     plan, longest = resolve_auto_settings(cfg, device.type, dtype, gpu_bytes=gpu, host_bytes=host)

@@ -2,7 +2,8 @@
 
 Every step's record (metrics.jsonl) gains ``host_rss_gib`` (this process's resident
 memory), ``peak_gpu_gib`` on CUDA (``torch.cuda.max_memory_allocated`` since the run
-started) and ``eta_s`` (seconds left at the mean step time of this session). With
+started), ``pinned_host_gib`` with ``train.offload`` (the offloaded pages' pinned host
+pools, part of the RSS) and ``eta_s`` (seconds left at the mean step time of this session). With
 ``train.tensorboard=true`` the same numbers go to ``<out_dir>/tensorboard``; at the end
 ``<out_dir>/training.png`` draws loss and memory against the step.
 """
@@ -20,14 +21,16 @@ GIB = 2**30
 PLOT = "training.png"
 TENSORBOARD = "tensorboard"
 # Fields of a metrics record drawn as TensorBoard scalars (when present and not None).
-_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "host_rss_gib", "peak_gpu_gib")
+_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "host_rss_gib", "peak_gpu_gib", "pinned_host_gib")
 
 
-def memory_fields(device: torch.device) -> dict[str, float]:
-    """Host RSS and, on CUDA, the peak allocated GPU memory, in GiB."""
+def memory_fields(device: torch.device, pinned_bytes: int | None = None) -> dict[str, float]:
+    """Host RSS, on CUDA the peak allocated GPU memory, and the given pinned host bytes, in GiB."""
     fields = {"host_rss_gib": psutil.Process(os.getpid()).memory_info().rss / GIB}
     if device.type == "cuda":
         fields["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+    if pinned_bytes is not None:
+        fields["pinned_host_gib"] = pinned_bytes / GIB
     return fields
 
 
@@ -72,7 +75,8 @@ def plot_run(out_dir: Path) -> Path | None:
     ax_loss.plot(steps, [r["loss"] for r in records], color="tab:blue")
     ax_loss.set_ylabel("loss")
     ax_loss.grid(alpha=0.3)
-    for key, label in (("peak_gpu_gib", "peak GPU allocated"), ("host_rss_gib", "host RSS")):
+    for key, label in (("peak_gpu_gib", "peak GPU allocated"), ("host_rss_gib", "host RSS"),
+                       ("pinned_host_gib", "pinned pages (offload)")):
         points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
         if points:
             ax_mem.plot(*zip(*points, strict=True), label=label)

@@ -25,8 +25,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 import oomb
-from oomb.engine import release_memory
+from oomb.engine import release_memory, store_for_model
 from oomb.engine.diagnose import locate_nonfinite
+from oomb.offload import OffloadedKVStore
 from oomb.train import distributed
 from oomb.train.checkpoint import (
     CheckpointError,
@@ -58,7 +59,7 @@ from oomb.train.faults import (
     resume_command,
 )
 from oomb.train.inputs import build_inputs, model_config
-from oomb.train.memory import check_memory
+from oomb.train.memory import check_memory, offload_gpu_allowance, offload_gpu_bytes
 from oomb.train.monitor import TensorBoardLog, memory_fields, plot_run
 from oomb.train.optim import MasterWeights, build_optimizer, check_optimizer, wants_master_weights
 from oomb.train.presets import build_model, preset_names
@@ -113,6 +114,7 @@ def check_config(cfg: Config) -> None:
     if not (t.cache_attention is True or t.cache_attention is False or t.cache_attention == "auto"):
         raise ConfigError(f"train.cache_attention={t.cache_attention!r}: use auto (on where the memory plan fits "
                           "with it), true or false")
+    offload_gpu_bytes(t.offload_gpu_memory)  # a byte count or auto (ConfigError otherwise)
     if t.cache_attention is True and t.offload:
         raise ConfigError("train.cache_attention=true keeps attention outputs on the GPU and train.offload=true moves "
                           "pages off it: choose one")
@@ -435,13 +437,17 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
                 }
                 if nonfinite is not None:
                     record.update(skipped="non-finite", skipped_steps=skipped, **nonfinite)
-                record.update(memory_fields(device))
+                store = store_for_model(model)
+                record.update(memory_fields(device, store.host_nbytes() if isinstance(store, OffloadedKVStore)
+                                            else None))
                 record["eta_s"] = (record["elapsed"] / (step + 1 - start)) * (cfg.train.steps - step - 1)
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
                 if tensorboard is not None:
                     tensorboard.log(record)
                 memory = f"host {record['host_rss_gib']:.2f} GiB"
+                if "pinned_host_gib" in record:
+                    memory += f" ({record['pinned_host_gib']:.2f} pinned)"
                 if "peak_gpu_gib" in record:
                     memory = f"GPU {record['peak_gpu_gib']:.2f} GiB, " + memory
                 progress.update(bar, advance=1, loss=loss_value, tps=record["tokens_per_s"], memory=memory)
@@ -627,7 +633,8 @@ def accumulate_gradients(model, params, batches, device: torch.device, cfg: Conf
         loss += counts[m] / total * oomb.chunked_backward(
             model, batch.input_ids.to(device), batch.labels.to(device),
             chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, selection=page_selection(cfg),
-            offload=cfg.train.offload, cache_attention=cfg.train.cache_attention, **extra,
+            offload=cfg.train.offload, offload_gpu_bytes=offload_gpu_allowance(cfg),
+            cache_attention=cfg.train.cache_attention, **extra,
         )
     if counts[-1] != total:
         _scale_gradients(params, counts[-1] / total)

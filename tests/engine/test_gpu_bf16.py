@@ -107,14 +107,24 @@ def test_sparse_with_documents_bf16_close_to_fp32():
 
 @pytest.mark.parametrize("budget", [None, 8], ids=["dense", "sparse"])
 def test_offload_bit_identical_on_gpu(budget):
-    """Copies on their own stream with events: the same gradients, bit for bit, as pages on the GPU."""
+    """Copies on their own stream with events (sparse pages through the mapped-memory copy kernel), and
+    layers kept on the GPU by offload_gpu_bytes: the same gradients, bit for bit, as pages on the GPU."""
+    from oomb.engine import store_for_model
+
     ids = torch.randint(0, 4096, (1, 16384 + 77), device="cuda")
     model = _model(torch.bfloat16)
+    runs = {"gpu": {}, "offload": {"offload": True}, "offload, 2 layers kept": {"offload": True}}
     grads = {}
-    for offload in (False, True):
+    for name, kw in runs.items():
+        if name == "offload, 2 layers kept":
+            kw["offload_gpu_bytes"] = 2 * store_for_model(model).layer_nbytes(1, ids.shape[1])
         model.zero_grad(set_to_none=True)
-        oomb.chunked_backward(model, ids, chunk_size=2048, page_size=128, page_budget=budget, offload=offload)
-        grads[offload] = _flat_grads(model)
-        oomb.release_memory(model)
-    assert torch.isfinite(grads[True]).all()
-    assert torch.equal(grads[True], grads[False])
+        oomb.chunked_backward(model, ids, chunk_size=2048, page_size=128, page_budget=budget, **kw)
+        grads[name] = _flat_grads(model)
+        if "offload_gpu_bytes" in kw:
+            assert store_for_model(model).resident_layers == 2
+        if name != "offload":
+            oomb.release_memory(model)
+    for name in ("offload", "offload, 2 layers kept"):
+        assert torch.isfinite(grads[name]).all(), name
+        assert torch.equal(grads[name], grads["gpu"]), name

@@ -8,6 +8,7 @@ from tiny_models import FAMILIES, tiny_model
 import oomb
 from oomb.engine import store_for_model
 from oomb.engine.plan import (
+    AUTO_GPU_MARGIN_BYTES,
     LoraShape,
     ModelShape,
     checkpointed_bytes_per_token,
@@ -250,18 +251,52 @@ def test_offload_moves_the_pages_to_the_host():
     dense = plan_memory(cfg, **kw, offload=True)
     pages = 65536 // 128
     page_bytes = 4 * 2 * 64 * 128 * 2 * 4  # layers x KV heads x head_dim x page x 2 B x (K, V, dK, dV)
+    mean_bytes = 4 * 2 * 64 * 2  # layers x KV heads x head_dim x 2 B: a page's mean keys
     host = {i.name: i.host_bytes for i in dense.items}
-    assert host["offloaded pages"] == pages * page_bytes
+    assert host["offloaded pages"] == pages * (page_bytes + mean_bytes)
     gpu = {i.name: i.gpu_bytes for i in dense.items}
     assert gpu["paged store (device part)"] < {i.name: i.gpu_bytes for i in on_gpu.items}["paged store"] / 1.5
     # Sparse slots hold at most (query blocks x budget + chunk) pages: below every page past ~260K here.
     long = {**kw, "seq_len": 1 << 20}
     sparse_long = plan_memory(cfg, **long, offload=True, page_budget=64)
     assert sparse_long.gpu_bytes < plan_memory(cfg, **long, offload=True).gpu_bytes / 2
-    # Sparse + offload: past that, the device part grows only by the mean keys, tables and page lists.
+    # Sparse + offload: past that, the device part grows only by the tables, page lists and the slots'
+    # one-layer mean keys.
     longer = plan_memory(cfg, **{**kw, "seq_len": 1 << 21}, offload=True, page_budget=64)
     grows = (longer.gpu_bytes - sparse_long.gpu_bytes) / (1 << 20) * 1e4
     assert grows < 0.05 * page_bytes / 128 * 1e4
+
+
+def test_offload_gpu_allowance_keeps_whole_layers_on_the_gpu():
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 22)
+    kw = dict(seq_len=1 << 20, chunk_size=4096, page_size=128, dtype=torch.bfloat16, offload=True, page_budget=64)
+    # One layer's K, V, dK, dV (tokens x KV heads x head_dim x 2 B x 4) and mean keys (a row per page).
+    layer = (1 << 20) * 2 * 64 * 2 * 4 + (1 << 20) // 128 * 2 * 64 * 2
+    none = plan_memory(cfg, **kw)
+    two = plan_memory(cfg, **kw, offload_gpu_bytes=2 * layer + layer // 2)  # room for 2.5 layers: 2 kept
+    assert two.settings["offload_resident_layers"] == 2
+    host = {i.name: i.host_bytes for i in two.items}
+    assert host["offloaded pages"] == 2 * layer
+    assert two.host_bytes == none.host_bytes - 2 * layer
+    assert 2 * layer <= two.gpu_bytes - none.gpu_bytes <= 2 * layer + layer // 100
+    everything = plan_memory(cfg, **kw, offload_gpu_bytes=10 * layer)  # every layer: no working slots either
+    assert everything.settings["offload_resident_layers"] == 4
+    assert {i.name: i.host_bytes for i in everything.items}["offloaded pages"] == 0
+    # auto: what the GPU has left after everything else, less the margin.
+    total = none.gpu_bytes + 3 * layer + AUTO_GPU_MARGIN_BYTES + 1
+    auto = plan_memory(cfg, **kw, offload_gpu_bytes="auto", device_total_bytes=total)
+    assert auto.settings["offload_resident_layers"] == 3 and auto.fits
+    assert auto.settings["offload_gpu_bytes"] == 3 * layer + 1
+    # Host-bound contexts get longer with the allowance: pages spill from the host to the GPU.
+    host_total = none.host_bytes
+    longest = dict(chunk_size=4096, dtype=torch.bfloat16, offload=True, page_budget=64, host_total_bytes=host_total,
+                   device_total_bytes=total)
+    assert largest_context(cfg, **longest, offload_gpu_bytes="auto") > largest_context(cfg, **longest) >= 1 << 20
+    with pytest.raises(ValueError, match="offload_gpu_bytes"):
+        plan_memory(cfg, **kw, offload_gpu_bytes=-1)
 
 
 def test_planned_attention_cache_is_what_the_engine_keeps(monkeypatch):

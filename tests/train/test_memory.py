@@ -157,3 +157,25 @@ def test_auto_attention_cache_is_on_only_where_it_fits(monkeypatch):
     with pytest.raises(ConfigError, match="train.cache_attention='sometimes'"):
         from oomb.train.trainer import check_config
         check_config(load_run_config(None, [*overrides, "train.cache_attention=sometimes"]))
+
+
+def test_offload_gpu_memory_is_checked_and_settled_by_the_plan(monkeypatch):
+    from oomb.train.trainer import check_config
+
+    base = ["model.preset=qwen2.5-0.5b", "data.seq_len=131072", "train.device=cpu", "train.offload=true"]
+    with pytest.raises(ConfigError, match="not a memory size"):
+        check_config(load_run_config(None, [*base, "train.offload_gpu_memory=lots"]))
+    cfg = load_run_config(None, [*base, "train.offload_gpu_memory=3GiB"])
+    assert memory.offload_gpu_allowance(cfg) == 3 * 2**30
+    assert memory.offload_gpu_allowance(load_run_config(None, base)) == 0  # default: two working layers only
+    # auto is settled by the plan to a byte count (0 here: on the CPU nothing is offloaded), and is 0 unplanned.
+    cfg = load_run_config(None, [*base, "train.offload_gpu_memory=auto"])
+    assert memory.offload_gpu_allowance(cfg) == 0
+    memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16)
+    assert cfg.train.offload_gpu_memory == "0"
+    settings = memory._settings(load_run_config(None, [*base, "train.offload_gpu_memory=auto"]), "cuda",
+                                torch.bfloat16)
+    plan = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=131072, **settings,
+                       device_total_bytes=80 * 2**30, host_total_bytes=64 * 2**30)
+    assert plan.settings["offload_resident_layers"] == 24  # 3 GiB of pages fit the GPU's headroom whole
+    assert {i.name: i.host_bytes for i in plan.items}["offloaded pages"] == 0

@@ -1,0 +1,150 @@
+"""Copy chosen pages between host pools and device slots, addressed from the GPU.
+
+Sparse attention reads a different set of past pages for every chunk and layer. Copying
+them with the copy engine would take one ``cudaMemcpyAsync`` per page (thousands per
+layer), or a gather on the CPU into a staging buffer (the CPU thread then waits for the
+copies in flight and memcpys at a few GB/s). Instead, pinned host memory is mapped into the
+GPU's address space (unified virtual addressing), so a small Triton kernel on the copy
+stream reads the chosen host pages straight over PCIe into the slot (``gather``) and writes
+updated gradient pages straight back (``scatter``). The page list never leaves the GPU: no
+host synchronisation.
+
+Without CUDA the same copies are plain ``index_select`` / ``index_copy_`` on host tensors;
+under ``TRITON_INTERPRET=1`` the kernel also runs on CPU tensors (tests).
+
+Host pools come from ``pinned_empty``: ``torch.empty`` registered with the driver
+(``cudaHostRegister``), exactly the bytes asked for. ``pin_memory=True`` goes through
+PyTorch's caching host allocator, which rounds every block up to a power of two: 28 GiB
+asked (one pool of 1M tokens of Qwen2.5-7B) would pin 32 GiB, and four such pools would
+not fit a 128 GiB host.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with every CUDA build of torch
+    triton = None
+
+# cudaHostRegisterPortable | cudaHostRegisterMapped: usable from every device, mapped into
+# the device address space (the kernels below read and write it).
+_REGISTER_FLAGS = 0x01 | 0x02
+
+
+def _check_cuda(status, what: str) -> None:
+    code = getattr(status, "value", status)
+    if code not in (0, None):
+        raise RuntimeError(f"{what} failed with CUDA error {code}")
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled host tensor of exactly ``shape``, page-locked and mapped for the GPU.
+
+    The registration is undone when the tensor's storage is freed. Raises RuntimeError with the
+    byte count when the host cannot lock that much memory.
+    """
+    t = torch.zeros(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return t
+    cudart = torch.cuda.cudart()
+    ptr = t.data_ptr()
+    status = cudart.cudaHostRegister(ptr, nbytes, _REGISTER_FLAGS)
+    code = getattr(status, "value", status)
+    if code not in (0, None):
+        raise RuntimeError(f"could not pin {nbytes / 2**30:.2f} GiB of host memory for offloaded pages "
+                           f"(cudaHostRegister error {code}); use a shorter context or free host memory")
+    # Unregister when the storage dies (views keep the storage alive, so tie it to the storage).
+    weakref.finalize(t.untyped_storage(), _unregister, ptr)
+    return t
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone already
+        pass
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_pages_kernel(
+        SRC, DST, SRC_IDX, DST_IDX,
+        n_rows,  # pages per sequence row that move
+        src_b, src_p,  # strides (elements) of a sequence row and a page in SRC
+        dst_b, dst_p,
+        PAGE_ELEMS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        HAS_SRC_IDX: tl.constexpr,
+        HAS_DST_IDX: tl.constexpr,
+    ):
+        # One program moves BLOCK elements of one page: page r of sequence b goes from
+        # SRC[b, SRC_IDX[r] or r] to DST[b, DST_IDX[r] or r]. Many small programs keep enough
+        # bytes in flight to cover the PCIe latency of the mapped host side.
+        pid = tl.program_id(0)
+        b = tl.program_id(1)
+        r = pid // (PAGE_ELEMS // BLOCK)
+        part = pid % (PAGE_ELEMS // BLOCK)
+        if r < n_rows:
+            sp = r
+            dp = r
+            if HAS_SRC_IDX:
+                sp = tl.load(SRC_IDX + r)
+            if HAS_DST_IDX:
+                dp = tl.load(DST_IDX + r)
+            offs = part * BLOCK + tl.arange(0, BLOCK)
+            src = SRC + b.to(tl.int64) * src_b + sp.to(tl.int64) * src_p
+            dst = DST + b.to(tl.int64) * dst_b + dp.to(tl.int64) * dst_p
+            tl.store(dst + offs, tl.load(src + offs))
+
+
+def _block(page_elems: int) -> int:
+    block = 1
+    while block < 8192 and page_elems % (block * 2) == 0:
+        block *= 2
+    return block
+
+
+def copy_pages(src: torch.Tensor, dst: torch.Tensor, *, src_index: torch.Tensor | None = None,
+               dst_index: torch.Tensor | None = None, use_kernel: bool) -> None:
+    """dst[:, dst_index[r]] = src[:, src_index[r]] for r < len(index) (an absent index is 0, 1, ...).
+
+    ``src`` and ``dst``: [B, pages, *page] with contiguous pages. ``use_kernel``: the Triton
+    kernel (CUDA with mapped host memory, or the interpreter); otherwise torch indexing on the
+    tensors' own device (host tensors without CUDA).
+    """
+    index = src_index if src_index is not None else dst_index
+    if index is None:
+        raise ValueError("copy_pages needs src_index or dst_index")
+    n = index.numel()
+    if n == 0:
+        return
+    if not use_kernel:
+        rows = src.index_select(1, src_index.to(src.device, torch.long)) if src_index is not None else src[:, :n]
+        if dst_index is not None:
+            dst.index_copy_(1, dst_index.to(dst.device, torch.long), rows.to(dst.device))
+        else:
+            dst[:, :n].copy_(rows)
+        return
+    if triton is None:
+        raise RuntimeError("sparse offload on CUDA needs the triton package")
+    page_elems = src[0, 0].numel()
+    for t in (src, dst):
+        if not t[0, 0].is_contiguous() or t.stride(1) < page_elems:
+            raise ValueError("copy_pages needs contiguous pages")
+    block = _block(page_elems)
+    grid = (n * (page_elems // block), src.shape[0])
+    _copy_pages_kernel[grid](
+        src, dst,
+        src_index if src_index is not None else index, dst_index if dst_index is not None else index,
+        n, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+        PAGE_ELEMS=page_elems, BLOCK=block,
+        HAS_SRC_IDX=src_index is not None, HAS_DST_IDX=dst_index is not None,
+        num_warps=4,
+    )
