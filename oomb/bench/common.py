@@ -14,9 +14,11 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def run_benchmark(name: str, args, run: Callable[[object], dict], print_table: Callable[[dict], None]) -> int:
-    """Refuse without CUDA, run, write the JSON report to ``args.out`` (if given), print the table."""
-    if not torch.cuda.is_available():
+def run_benchmark(name: str, args, run: Callable[[object], dict], print_table: Callable[[dict], None], *,
+                  require_cuda: bool = True) -> int:
+    """Refuse without CUDA (unless not ``require_cuda``), run, write the JSON report to ``args.out``
+    (if given), print the table."""
+    if require_cuda and not torch.cuda.is_available():
         print(f"oomb bench {name} needs a CUDA GPU", file=sys.stderr)
         return 2
     report = run(args)

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Issue 5's offload measurements on one H200, in two ~8-minute device calls (session 5).
+#   PART=a OUT=/some/dir bash scripts/h200_session5.sh   # bit-identical check, GPU offload tests, 7B offload bench
+#   PART=b OUT=/some/dir bash scripts/h200_session5.sh   # longest context (7B, 0.5B), 20 steps host-memory check
+# PART a: scripts/h200_offload_check.py (offload vs device store, bit for bit), the GPU tests of tests/offload
+#   and tests/engine/test_gpu_bf16.py, then `oomb.bench.offload` on Qwen2.5-7B: the offload overhead pairs
+#   (dense 64K, sparse 128K with select blocks 4096 and 128), then GPU memory growth 64K -> 512K with block
+#   4096, then with block 128 (--select-blocks order = row order: the most important rows first).
+# PART b: one sparse + offload step at the longest context, Qwen2.5-7B (1M, then shorter fallbacks only if
+#   1M does not run: --longest-first-fit) and Qwen2.5-0.5B (4M, likewise), each refused by the bench
+#   (nothing lost) where the planner or the free host memory says it does not fit; then 20 consecutive
+#   sparse + offload steps of 0.5B at 128K (RSS and pinned bytes after each).
+# Every bench writes its JSON after each row (a run cut off by its timeout keeps what it did and names
+# the row it was in: "in_progress"). Everything under $W, a tar in $OUT. BUDGET (s) bounds the part.
+# Env: LONGEST_7B, LONGEST_05B (lengths, longest first), LONGEST_BLOCK and REPEAT_BLOCK (select block of
+# PART b, default 4096: far fewer pages move per chunk than with 128), HOST_MARGIN_GIB (default 4),
+# BENCH_EXTRA (appended to every bench command; later options win), e.g. a CPU check of this script:
+#   BENCH_EXTRA="--device cpu --dtype float32 --preset tiny --chunk 32 --page 8 --budget 2 --dense-lengths 64
+#   --sparse-lengths 128 --growth-lengths 64,128 --longest-lengths 256 --repeat-length 96 --repeat-steps 3
+#   --select-blocks 32,16" W=/tmp/w OUT=/tmp/o PART=a bash scripts/h200_session5.sh
+set -uo pipefail
+PART=${PART:-${1:-}}
+if [[ $PART != a && $PART != b ]]; then echo "usage: PART=a|b bash scripts/h200_session5.sh" >&2; exit 2; fi
+W=${W:-/root/w}; OUT=${OUT:-out}; mkdir -p "$W" "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+T0=$SECONDS
+left() { echo $(( ${BUDGET:-480} - (SECONDS - T0) )); }
+part() { echo "=== $1 ($(( SECONDS - T0 )) s so far, $(left) s left)"; }
+# limit RESERVE: seconds for the next step, keeping RESERVE for what follows; 0 if under 30 s would remain.
+limit() { local t=$(( $(left) - $1 )); if [ "$t" -lt 30 ]; then echo 0; else echo "$t"; fi; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"
+free -b > "$W/free.txt"; head -2 "$W/free.txt"
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
+  | tee "$W/versions.txt"
+git rev-parse HEAD > "$W/git.txt" 2>/dev/null; git status --porcelain >> "$W/git.txt" 2>/dev/null
+MARGIN=${HOST_MARGIN_GIB:-4}
+NOSPLIT=(--dense-lengths "" --sparse-lengths "" --growth-lengths "")
+
+bench() {  # bench NAME TIMEOUT ARGS...: the offload bench, its JSON and log under $W
+  local name=$1 t=$2; shift 2
+  if [ "$t" -le 0 ]; then echo "$name: skipped, no time left"; return; fi
+  # shellcheck disable=SC2086  # BENCH_EXTRA is split into words on purpose
+  timeout "$t" python3 -m oomb.bench.offload --time-budget $(( t - 40 > 0 ? t - 40 : 1 )) --out "$W/$name.json" "$@" \
+    ${BENCH_EXTRA:-} > "$W/$name.log" 2>&1
+  echo "$name exit $? (timeout $t s)"; tail -25 "$W/$name.log"
+}
+
+if [[ $PART == a ]]; then
+  part "bit-identical offload check"
+  OUT=$W timeout 100 python3 scripts/h200_offload_check.py --time-budget 85 --out "$W" > "$W/offload_check.log" 2>&1
+  echo "check exit $?"; tail -22 "$W/offload_check.log"
+
+  part "GPU offload tests (bf16)"
+  timeout 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/offload tests/engine/test_gpu_bf16.py \
+    > "$W/gpu_tests.log" 2>&1
+  echo "tests exit $?"; grep -E "passed|failed|FAIL|Error" "$W/gpu_tests.log" | tail -8
+
+  part "offload bench, Qwen2.5-7B: overhead pairs, growth (block 4096, then 128)"
+  bench offload_7b "$(limit 15)" --preset qwen2.5-7b --dense-lengths 65536 --sparse-lengths 131072 \
+    --growth-lengths 65536,131072,262144,524288 --select-blocks 4096,128 --chunk 4096
+else
+  part "longest context, Qwen2.5-7B"
+  bench longest_7b "$(limit 170)" --preset qwen2.5-7b "${NOSPLIT[@]}" \
+    --longest-lengths "${LONGEST_7B:-1048576,983040,917504}" --longest-first-fit \
+    --select-blocks "${LONGEST_BLOCK:-4096}" --chunk 4096 --host-margin-gib "$MARGIN"
+
+  part "longest context, Qwen2.5-0.5B"
+  bench longest_05b "$(limit 80)" --preset qwen2.5-0.5b "${NOSPLIT[@]}" \
+    --longest-lengths "${LONGEST_05B:-4194304,3670016,3145728}" --longest-first-fit \
+    --select-blocks "${LONGEST_BLOCK:-4096}" --chunk 4096 --host-margin-gib "$MARGIN"
+
+  part "20 sparse + offload steps, Qwen2.5-0.5B at 128K (host memory growth)"
+  bench repeat_05b "$(limit 10)" --preset qwen2.5-0.5b "${NOSPLIT[@]}" --repeat-steps 20 --repeat-length 131072 \
+    --select-blocks "${REPEAT_BLOCK:-4096}" --chunk 4096
+fi
+part "done"
+free -b >> "$W/free.txt"
+tar czf "$OUT/session5-$PART.tar.gz" -C "$W" --exclude='*.safetensors' --exclude='*.pt' --exclude=checkpoints \
+  --exclude=export .
