@@ -10,7 +10,7 @@ from rich.markup import escape
 
 _BENCHES = {"core": "oomb.bench.core", "attention": "oomb.bench.attention", "tune": "oomb.bench.tune_attention",
             "sparse": "oomb.bench.sparse", "sparse_quality": "oomb.bench.sparse_quality",
-            "offload": "oomb.bench.offload"}
+            "offload": "oomb.bench.offload", "copy": "oomb.bench.copy"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@
 #   --select-blocks 32,16" W=/tmp/w OUT=/tmp/o PART=a bash scripts/h200_session5.sh
 set -uo pipefail
 PART=${PART:-${1:-}}
-if [[ $PART != a && $PART != b ]]; then echo "usage: PART=a|b bash scripts/h200_session5.sh" >&2; exit 2; fi
+if [[ $PART != a && $PART != b && $PART != c ]]; then echo "usage: PART=a|b|c bash scripts/h200_session5.sh" >&2; exit 2; fi
 W=${W:-/root/w}; OUT=${OUT:-out}; mkdir -p "$W" "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -57,20 +57,32 @@ if [[ $PART == a ]]; then
   part "offload bench, Qwen2.5-7B: overhead pairs, growth (block 4096, then 128)"
   bench offload_7b "$(limit 15)" --preset qwen2.5-7b --dense-lengths 65536 --sparse-lengths 131072 \
     --growth-lengths "${GROWTH:-65536,131072,262144,524288}" --select-blocks "${BLOCKS:-4096,128}" --chunk 4096
-else
+elif [[ $PART == b ]]; then
+  part "page copies: copy engine against the copy kernel configurations, alone and beside a matmul"
+  timeout 90 python3 -m oomb.bench.copy --out "$W/copy.json" > "$W/copy.log" 2>&1; echo "copy exit $?"
+  tail -40 "$W/copy.log" | cut -c1-220
+
+  part "sparse 128K offload overhead with the persistent copy kernel, Qwen2.5-7B"
+  bench overhead_7b 120 --preset qwen2.5-7b --dense-lengths "" --sparse-lengths 131072 --growth-lengths "" \
+    --select-blocks "${BLOCKS:-4096}" --chunk 4096
+
   part "longest context, Qwen2.5-7B"
-  bench longest_7b "$(limit 170)" --preset qwen2.5-7b "${NOSPLIT[@]}" \
+  bench longest_7b "$(limit 5)" --preset qwen2.5-7b "${NOSPLIT[@]}" \
     --longest-lengths "${LONGEST_7B:-1048576,983040,917504}" --longest-first-fit \
     --select-blocks "${LONGEST_BLOCK:-4096}" --chunk 4096 --host-margin-gib "$MARGIN"
-
+else
   part "longest context, Qwen2.5-0.5B"
-  bench longest_05b "$(limit 80)" --preset qwen2.5-0.5b "${NOSPLIT[@]}" \
+  bench longest_05b "$(limit 100)" --preset qwen2.5-0.5b "${NOSPLIT[@]}" \
     --longest-lengths "${LONGEST_05B:-4194304,3670016,3145728}" --longest-first-fit \
     --select-blocks "${LONGEST_BLOCK:-4096}" --chunk 4096 --host-margin-gib "$MARGIN"
 
-  part "20 sparse + offload steps, Qwen2.5-0.5B at 128K (host memory growth)"
-  bench repeat_05b "$(limit 10)" --preset qwen2.5-0.5b "${NOSPLIT[@]}" --repeat-steps 20 --repeat-length 131072 \
-    --select-blocks "${REPEAT_BLOCK:-4096}" --chunk 4096
+  part "20 sparse + offload steps, Qwen2.5-0.5B (host memory growth)"
+  bench repeat_05b "$(limit 45)" --preset qwen2.5-0.5b "${NOSPLIT[@]}" --repeat-steps 20 \
+    --repeat-length "${REPEAT_LEN:-131072}" --select-blocks "${REPEAT_BLOCK:-4096}" --chunk 4096
+
+  part "page copies: copy engine against the copy kernel configurations, alone and beside a matmul"
+  timeout "$(limit 3)" python3 -m oomb.bench.copy --out "$W/copy.json" > "$W/copy.log" 2>&1; echo "copy exit $?"
+  tail -40 "$W/copy.log" | cut -c1-220
 fi
 part "done"
 free -b >> "$W/free.txt"

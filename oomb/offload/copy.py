@@ -77,6 +77,7 @@ if triton is not None:
     def _copy_pages_kernel(
         SRC, DST, SRC_IDX, DST_IDX,
         n_rows,  # pages per sequence row that move
+        batch,
         src_b, src_p,  # strides (elements) of a sequence row and a page in SRC
         dst_b, dst_p,
         PAGE_ELEMS: tl.constexpr,
@@ -84,40 +85,50 @@ if triton is not None:
         HAS_SRC_IDX: tl.constexpr,
         HAS_DST_IDX: tl.constexpr,
     ):
-        # One program moves BLOCK elements of one page: page r of sequence b goes from
-        # SRC[b, SRC_IDX[r] or r] to DST[b, DST_IDX[r] or r]. Many small programs keep enough
-        # bytes in flight to cover the PCIe latency of the mapped host side.
-        pid = tl.program_id(0)
-        b = tl.program_id(1)
-        r = pid // (PAGE_ELEMS // BLOCK)
-        part = pid % (PAGE_ELEMS // BLOCK)
-        if r < n_rows:
+        # A persistent grid: each program walks work items (sequence b, page r, part of the page)
+        # with a stride of the grid size, moving BLOCK elements each: page r of sequence b goes from
+        # SRC[b, SRC_IDX[r] or r] to DST[b, DST_IDX[r] or r]. Few programs leave the multiprocessors
+        # to the compute stream's kernels; each keeps BLOCK elements in flight against the PCIe
+        # latency of the mapped host side.
+        parts: tl.constexpr = PAGE_ELEMS // BLOCK
+        total = batch * n_rows * parts
+        offs = tl.arange(0, BLOCK)
+        for item in range(tl.program_id(0), total, tl.num_programs(0)):
+            part = item % parts
+            r = (item // parts) % n_rows
+            b = item // (parts * n_rows)
             sp = r
             dp = r
             if HAS_SRC_IDX:
                 sp = tl.load(SRC_IDX + r)
             if HAS_DST_IDX:
                 dp = tl.load(DST_IDX + r)
-            offs = part * BLOCK + tl.arange(0, BLOCK)
-            src = SRC + b.to(tl.int64) * src_b + sp.to(tl.int64) * src_p
-            dst = DST + b.to(tl.int64) * dst_b + dp.to(tl.int64) * dst_p
+            src = SRC + b.to(tl.int64) * src_b + sp.to(tl.int64) * src_p + part * BLOCK
+            dst = DST + b.to(tl.int64) * dst_b + dp.to(tl.int64) * dst_p + part * BLOCK
             tl.store(dst + offs, tl.load(src + offs))
 
 
-def _block(page_elems: int) -> int:
+# Programs of the copy kernel: enough bytes in flight for PCIe (32 x 32 KiB), few multiprocessors.
+DEFAULT_PROGRAMS = 32
+
+
+def _block(page_elems: int, limit: int) -> int:
     block = 1
-    while block < 8192 and page_elems % (block * 2) == 0:
+    while block < limit and page_elems % (block * 2) == 0:
         block *= 2
     return block
 
 
 def copy_pages(src: torch.Tensor, dst: torch.Tensor, *, src_index: torch.Tensor | None = None,
-               dst_index: torch.Tensor | None = None, use_kernel: bool) -> None:
+               dst_index: torch.Tensor | None = None, use_kernel: bool, programs: int = DEFAULT_PROGRAMS,
+               block: int = 16384, num_warps: int = 8) -> None:
     """dst[:, dst_index[r]] = src[:, src_index[r]] for r < len(index) (an absent index is 0, 1, ...).
 
     ``src`` and ``dst``: [B, pages, *page] with contiguous pages. ``use_kernel``: the Triton
     kernel (CUDA with mapped host memory, or the interpreter); otherwise torch indexing on the
-    tensors' own device (host tensors without CUDA).
+    tensors' own device (host tensors without CUDA). ``programs``, ``block``, ``num_warps``:
+    the kernel's grid size, elements per program per step and warps (tuning; see
+    oomb/bench/copy.py).
     """
     index = src_index if src_index is not None else dst_index
     if index is None:
@@ -138,13 +149,13 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, *, src_index: torch.Tensor 
     for t in (src, dst):
         if not t[0, 0].is_contiguous() or t.stride(1) < page_elems:
             raise ValueError("copy_pages needs contiguous pages")
-    block = _block(page_elems)
-    grid = (n * (page_elems // block), src.shape[0])
-    _copy_pages_kernel[grid](
+    block = _block(page_elems, block)
+    items = src.shape[0] * n * (page_elems // block)
+    _copy_pages_kernel[(max(1, min(programs, items)),)](
         src, dst,
         src_index if src_index is not None else index, dst_index if dst_index is not None else index,
-        n, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+        n, src.shape[0], src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
         PAGE_ELEMS=page_elems, BLOCK=block,
         HAS_SRC_IDX=src_index is not None, HAS_DST_IDX=dst_index is not None,
-        num_warps=4,
+        num_warps=num_warps,
     )
