@@ -4,15 +4,8 @@
 # sparse kernel speedups, then forward tile candidates if time is left. Everything under $W, a tar in $OUT.
 #   OUT=/some/dir bash scripts/h200_session4.sh
 set -uo pipefail
-W=${W:-/root/w}; OUT=${OUT:-out}; mkdir -p "$W" "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-T0=$SECONDS
-left() { echo $(( ${BUDGET:-540} - (SECONDS - T0) )); }
-part() { echo "=== $1 ($(( SECONDS - T0 )) s so far)"; }
+# shellcheck source=scripts/h200_env.sh
+source "$(dirname "$0")/h200_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"
 
 part "planner refusal (faults part 3)"

@@ -1,34 +1,33 @@
 #!/usr/bin/env bash
-# Issue 5's offload measurements on one H200, in two ~8-minute device calls (session 5).
-#   PART=a OUT=/some/dir bash scripts/h200_session5.sh   # bit-identical check, GPU offload tests, 7B offload bench
-#   PART=b OUT=/some/dir bash scripts/h200_session5.sh   # longest context (7B, 0.5B), 20 steps host-memory check
-# PART a: the GPU offload test of tests/engine/test_gpu_bf16.py (offload vs device store, bit for bit), then `oomb.bench.offload` on Qwen2.5-7B: the offload overhead pairs
-#   (dense 64K, sparse 128K with select blocks 4096 and 128), then GPU memory growth 64K -> 512K with block
-#   4096, then with block 128 (--select-blocks order = row order: the most important rows first).
-# PART b: one sparse + offload step at the longest context, Qwen2.5-7B (1M, then shorter fallbacks only if
-#   1M does not run: --longest-first-fit) and Qwen2.5-0.5B (4M, likewise), each refused by the bench
-#   (nothing lost) where the planner or the free host memory says it does not fit; then 20 consecutive
-#   sparse + offload steps of 0.5B at 128K (RSS and pinned bytes after each).
+# Issue 5's offload measurements on one H200, in three device calls (session 5, 2026-12-02).
+#   PART=a OUT=/some/dir bash scripts/h200_session5.sh   # GPU offload test, 7B offload bench
+#   PART=b OUT=/some/dir bash scripts/h200_session5.sh   # copy bench, sparse 128K overhead, 7B longest context
+#   PART=c OUT=/some/dir bash scripts/h200_session5.sh   # 0.5B longest context, 20 steps, copy bench
+# PART a: the GPU offload test of tests/engine/test_gpu_bf16.py (offload vs device store, bit for bit), then
+#   `oomb.bench.offload` on Qwen2.5-7B: the offload overhead pairs (dense 64K, sparse 128K with select
+#   blocks 4096 and 128), then GPU memory growth 64K -> 512K with block 4096, then with block 128
+#   (--select-blocks order = row order: the most important rows first).
+# PART b: `oomb.bench.copy` (copy engine against the copy kernel), the sparse 128K overhead pair, then one
+#   sparse + offload step at the longest context of Qwen2.5-7B (1M, then shorter fallbacks only if 1M
+#   does not run: --longest-first-fit), refused by the bench (nothing lost) where the planner or the free
+#   host memory says it does not fit.
+# PART c: the same for Qwen2.5-0.5B at 4M, then 20 consecutive sparse + offload steps of 0.5B (RSS and
+#   pinned bytes after each), then the copy bench if time is left.
 # Every bench writes its JSON after each row (a run cut off by its timeout keeps what it did and names
 # the row it was in: "in_progress"). Everything under $W, a tar in $OUT. BUDGET (s) bounds the part.
-# Env: LONGEST_7B, LONGEST_05B (lengths, longest first), LONGEST_BLOCK and REPEAT_BLOCK (select block of
-# PART b, default 4096: far fewer pages move per chunk than with 128), HOST_MARGIN_GIB (default 4),
-# BENCH_EXTRA (appended to every bench command; later options win), e.g. a CPU check of this script:
+# Env: LONGEST_7B, LONGEST_05B (lengths, longest first), LONGEST_BLOCK and REPEAT_BLOCK (select block,
+# default 4096: far fewer pages move per chunk than with 128), REPEAT_LEN, GROWTH, BLOCKS,
+# HOST_MARGIN_GIB (default 4), BENCH_EXTRA (appended to every bench command; later options win), e.g. a
+# CPU check of this script:
 #   BENCH_EXTRA="--device cpu --dtype float32 --preset tiny --chunk 32 --page 8 --budget 2 --dense-lengths 64
 #   --sparse-lengths 128 --growth-lengths 64,128 --longest-lengths 256 --repeat-length 96 --repeat-steps 3
 #   --select-blocks 32,16" W=/tmp/w OUT=/tmp/o PART=a bash scripts/h200_session5.sh
 set -uo pipefail
 PART=${PART:-${1:-}}
 if [[ $PART != a && $PART != b && $PART != c ]]; then echo "usage: PART=a|b|c bash scripts/h200_session5.sh" >&2; exit 2; fi
-W=${W:-/root/w}; OUT=${OUT:-out}; mkdir -p "$W" "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-T0=$SECONDS
-left() { echo $(( ${BUDGET:-480} - (SECONDS - T0) )); }
-part() { echo "=== $1 ($(( SECONDS - T0 )) s so far, $(left) s left)"; }
+DEFAULT_BUDGET=480
+# shellcheck source=scripts/h200_env.sh
+source "$(dirname "$0")/h200_env.sh"
 # limit RESERVE: seconds for the next step, keeping RESERVE for what follows; 0 if under 30 s would remain.
 limit() { local t=$(( $(left) - $1 )); if [ "$t" -lt 30 ]; then echo 0; else echo "$t"; fi; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"

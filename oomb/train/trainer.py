@@ -344,6 +344,15 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
         if main_rank:
             _roll_back_metrics(out / "metrics.jsonl", start)
         console.print(f"resuming {out} after step {start} from {resume_from}")
+        saved_lr = _apply_config_lr(scheduler, cfg.train.lr)
+        if saved_lr is not None:
+            console.print(f"note: train.lr={cfg.train.lr:g} replaces the checkpoint's {saved_lr:g}: the schedule "
+                          f"continues from step {start} with the new peak rate")
+        if main_rank:
+            kept = _record_resumed_config(out, cfg, start)
+            if kept is not None:
+                console.print(f"note: the resumed run's settings differ from {out / 'config.json'}: it now holds "
+                              f"them (the previous one is kept as {kept.name}), so a later resume continues them")
         if checkpoint_state(resume_from).get("master_weights", False) != masters:
             console.print(f"note: {resume_from} was written without fp32 master weights: they start from its "
                           f"{dtype} weights" if masters else
@@ -639,6 +648,50 @@ def accumulate_gradients(model, params, batches, device: torch.device, cfg: Conf
     if counts[-1] != total:
         _scale_gradients(params, counts[-1] / total)
     return loss
+
+
+def _record_resumed_config(out: Path, cfg: Config, step: int) -> Path | None:
+    """Make <run>/config.json the config this resumed run uses, keeping the one it replaces.
+
+    A later ``resume=<run>`` starts from config.json: without this it would go back to the
+    settings of the first start and drop the ones given when resuming. Returns the kept file.
+    """
+    path = out / "config.json"
+    new = config_to_dict(cfg)
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = None
+    if old is not None and {k: v for k, v in old.items() if k != "resume"} == {
+            k: v for k, v in new.items() if k != "resume"}:
+        return None
+    kept = out / f"config.before-step-{step:08d}.json"
+    n = 1
+    while kept.exists():  # resumed at this step before: keep every earlier config
+        kept, n = out / f"config.before-step-{step:08d}.{n}.json", n + 1
+    if old is not None:
+        kept.write_text(path.read_text())  # a copy first: config.json is never missing, even after a crash
+    tmp = out / "config.json.tmp"
+    tmp.write_text(json.dumps(new, indent=2))
+    os.replace(tmp, path)
+    return kept if old is not None else None
+
+
+def _apply_config_lr(scheduler, lr: float) -> float | None:
+    """After a resume: the schedule's peak rate becomes train.lr if the checkpoint's differs.
+
+    A restored LambdaLR keeps the peak rates it was saved with, so without this a changed
+    train.lr on resume would be silently ignored. Returns the replaced rate, or None.
+    """
+    saved = list(scheduler.base_lrs)
+    if all(b == lr for b in saved):
+        return None
+    scheduler.base_lrs = [lr] * len(saved)
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    return saved[0]
 
 
 def _scale_gradients(params, factor: float) -> None:

@@ -133,6 +133,31 @@ def test_resume_without_checkpoint_is_refused(tmp_path, capsys):
     assert "holds no checkpoint" in capsys.readouterr().out
 
 
+def test_a_changed_lr_on_resume_is_applied_not_ignored(tmp_path, capsys):
+    """resume=... train.lr=X: the schedule continues with the new peak rate (it used to keep the saved one)."""
+    run = tmp_path / "run"
+    base = [f"out_dir={run}", "train.steps=4", "train.save_every=2", "train.keep_last=0", *SMALL_RUN]
+    assert main(["train", *base]) == 0
+    before = {r["step"]: r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    capsys.readouterr()
+    ckpt = run / "checkpoints" / "step-00000002"
+    assert main(["train", f"resume={ckpt}", "train.lr=0.005"]) == 0
+    assert "replaces the checkpoint's 0.01" in capsys.readouterr().out
+    after = {r["step"]: r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert after[2] == before[2]  # steps before the resume are kept as they were
+    for step in (3, 4):
+        assert after[step] == pytest.approx(before[step] / 2, rel=1e-12), step
+    # config.json now holds the resumed settings (the first one kept), so a plain resume continues them.
+    assert json.loads((run / "config.json").read_text())["train"]["lr"] == 0.005
+    assert json.loads((run / "config.before-step-00000002.json").read_text())["train"]["lr"] == 0.01
+    capsys.readouterr()
+    assert main(["train", f"resume={run}", "train.steps=5"]) == 0
+    out = capsys.readouterr().out
+    assert "replaces the checkpoint" not in out
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 5 and last["lr"] < before[4]  # on the new, halved schedule
+
+
 def test_lora_trains_only_adapters_and_exports_merged(tmp_path):
     pytest.importorskip("peft")
     run = tmp_path / "lora"
