@@ -69,7 +69,10 @@ def _record_past_pages(step: StepContext, layer_idx: int, sliding_window: int | 
     step.layer_windows[layer_idx] = sliding_window
     key = (layer_idx, step.store.last_chunk().start)
     if key not in step.past_pages and vis.get("page_select") is not None:
-        step.past_pages[key] = torch.unique(vis["page_select"])  # every page some block or head reads
+        chosen = vis["page_select"]  # [B, H_sel, blocks, budget], each list ascending and distinct
+        # Every page some block or head reads. One list is its own union: no torch.unique, whose
+        # data-dependent size would make the host wait for the selection.
+        step.past_pages[key] = chosen.view(-1) if chosen.shape[:3] == (1, 1, 1) else torch.unique(chosen)
     return past_pages(step, layer_idx)[1]
 
 

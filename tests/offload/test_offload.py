@@ -196,3 +196,23 @@ def test_gpu_allowance_needs_offload():
     with pytest.raises(ValueError, match="needs offload=True"):
         oomb.chunked_backward(model, torch.randint(0, VOCAB, (1, 40)), chunk_size=32, page_size=8,
                               offload_gpu_bytes=1 << 20)
+
+
+def test_one_page_list_per_chunk_needs_no_union(monkeypatch):
+    """Select block = chunk, one sequence, shared lists: the list is the union (no torch.unique, no host
+    wait); offload stays bit-identical."""
+    import oomb.attention.function as function
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 160))
+    kw = dict(chunk_size=32, page_size=8, selection=PageSelection(page_budget=3, block=32))
+    ref_loss, ref = _step(model, ids, **kw)
+
+    def no_unique(*a, **k):
+        raise AssertionError("torch.unique called for a single page list")
+
+    monkeypatch.setattr(function.torch, "unique", no_unique)
+    loss, got = _step(model, ids, offload=True, **kw)
+    assert torch.equal(loss, ref_loss)
+    for name, g in ref.items():
+        assert torch.equal(got[name], g), name
