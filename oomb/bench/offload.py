@@ -397,6 +397,34 @@ class Bench:
             self.release()
         return row
 
+    def run_profile(self, s: Setting, trace_dir: str | None) -> dict:
+        """One step under torch.profiler: per-stream GPU busy time and the compute stream's idle time
+        (oomb.bench.timeline), after an unprofiled step of the same length."""
+        from oomb.bench.timeline import profile_streams
+
+        head = {"kind": "profile", "seq_len": s.seq_len, "mode": s.mode, "budget_pages": s.budget,
+                "select_block": s.block, "offload": s.offload}
+        if not self.cuda:
+            return {**head, "skipped": "needs CUDA"}
+        try:
+            self.warm_up(s)
+            ids, kw = self.ids(s.seq_len), self.step_kwargs(s)
+
+            def step():
+                oomb.chunked_backward(self.model, ids, **kw)
+
+            step()  # pools at their size, every kernel compiled
+            path = None
+            if trace_dir:
+                os.makedirs(trace_dir, exist_ok=True)
+                path = os.path.join(trace_dir, f"trace-{s.mode}-{'offload' if s.offload else 'gpu'}-{s.seq_len}"
+                                               ".json.gz")
+            return {**head, **profile_streams(step, trace_path=path), "trace": path}
+        except torch.OutOfMemoryError as e:
+            return {**head, "error": f"out of memory: {str(e).splitlines()[0]}"}
+        finally:
+            self.release()
+
     def run_repeat(self, n: int, steps: int, on_step=None) -> dict:
         """``steps`` steps at ``n`` tokens, the store kept between them; ``on_step(report so far)`` after each."""
         s = Setting("repeat", n, self.args.budget, self.args.select_blocks[0], True)
@@ -473,6 +501,14 @@ def run(args) -> dict:
     }
     results: list[dict] = []
     repeat = None
+    if args.profile_length:  # first: the diagnosis of an overhead is what the rest is read against
+        meta["stream_profiles"] = []
+        for off in (False, True):
+            s = Setting("profile", args.profile_length, args.budget, args.select_blocks[0], off)
+            meta["stream_profiles"].append(bench.run_profile(s, args.trace_dir))
+            print(json.dumps({k: v for k, v in meta["stream_profiles"][-1].items() if k != "top_kernels"}), flush=True)
+            if args.out:
+                _write(summarize(meta, results, repeat, False), args.out)
     settings = row_settings(args.dense_lengths, args.sparse_lengths, args.growth_lengths, args.longest_lengths,
                             args.select_blocks, args.budget)
     for s in settings:
@@ -544,6 +580,16 @@ def _print_table(report: dict) -> None:
               f"{len(g['lengths'])} points): peak {mib(g['gpu_mib_per_10k_tokens'])} MiB endpoints, "
               f"{mib(g['gpu_mib_per_10k_tokens_lstsq'])} MiB least squares; store device "
               f"{mib(g['store_device_mib_per_10k_tokens'])} / {mib(g['store_device_mib_per_10k_tokens_lstsq'])} MiB")
+    for p in report.get("stream_profiles", []):
+        where = "offload" if p["offload"] else "gpu"
+        if "wall_ms" not in p:
+            print(f"profile {p['mode']} {where} {p['seq_len']}: {p.get('error') or p.get('skipped')}")
+            continue
+        others = ", ".join(f"stream {k} busy {v['busy_ms']:.0f} ms" for k, v in p["streams"].items()
+                           if k != str(p["compute_stream"]))
+        print(f"profile {p['mode']} {where} {p['seq_len']} (block {p['select_block']}): "
+              f"GPU span {p['wall_ms']:.0f} ms, compute stream busy {p['compute_busy_ms']:.0f} ms, "
+              f"idle {p['compute_idle_ms']:.0f} ms; {others}")
     rep = report.get("repeat")
     if rep:
         if "skipped" in rep:
@@ -573,6 +619,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="longest rows: host memory that must stay available beyond what the row pins")
     p.add_argument("--repeat-steps", type=int, default=0, help="consecutive sparse + offload steps (0 = skip)")
     p.add_argument("--repeat-length", type=int, default=0, help="tokens of each repeated step")
+    p.add_argument("--profile-length", type=int, default=0,
+                   help="first, one sparse step this long with and without offload under torch.profiler: per-stream "
+                        "busy time and the compute stream's idle time (0 = skip)")
+    p.add_argument("--trace-dir", default=None, help="keep the profiled steps' traces here (gzipped Chrome traces)")
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="seconds: rows not started by then are recorded as skipped (0 = no limit)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],

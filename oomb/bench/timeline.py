@@ -1,0 +1,100 @@
+"""Where a step's GPU time goes, per CUDA stream, from a torch.profiler (Kineto) trace.
+
+A step that got slower can have longer kernels (they share the GPU with something, e.g. copy
+kernels on another stream) or gaps (the compute stream waits: for copies, for the host).
+``stream_summary`` tells the two apart: per stream, the time covered by kernels and copies,
+and for the stream that computes (the most kernel time) its idle time inside the step.
+
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof: step()
+    prof.export_chrome_trace(path); stream_summary(json.load(open(path))["traceEvents"])
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable
+
+_KERNEL = "kernel"
+_COPIES = ("gpu_memcpy", "gpu_memset")
+
+
+def _union_ms(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) spans (microseconds in, milliseconds out)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total / 1e3
+
+
+def stream_summary(events: list[dict], top: int = 8) -> dict:
+    """Per-stream busy time of GPU work in Kineto trace events, and the compute stream's gaps.
+
+    Returns {"wall_ms", "compute_stream", "compute_busy_ms", "compute_idle_ms", "streams":
+    {stream: {"kernel_ms", "copy_ms", "busy_ms", "kernels", "copies"}}, "top_kernels": [(name,
+    ms, count)] of the compute stream}. Times in milliseconds.
+    """
+    spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    per: dict[int, dict] = defaultdict(lambda: {"kernel_ms": 0.0, "copy_ms": 0.0, "kernels": 0, "copies": 0})
+    names: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    lo, hi = float("inf"), float("-inf")
+    for ev in events:
+        cat = ev.get("cat")
+        if ev.get("ph") != "X" or (cat != _KERNEL and cat not in _COPIES):
+            continue
+        stream = int(ev.get("args", {}).get("stream", -1))
+        start, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
+        spans[stream].append((start, start + dur))
+        lo, hi = min(lo, start), max(hi, start + dur)
+        if cat == _KERNEL:
+            per[stream]["kernel_ms"] += dur / 1e3
+            per[stream]["kernels"] += 1
+            entry = names[stream][ev.get("name", "?")[:90]]
+            entry[0] += dur / 1e3
+            entry[1] += 1
+        else:
+            per[stream]["copy_ms"] += dur / 1e3
+            per[stream]["copies"] += 1
+    if not spans:
+        return {"wall_ms": 0.0, "compute_stream": None, "compute_busy_ms": 0.0, "compute_idle_ms": 0.0,
+                "streams": {}, "top_kernels": []}
+    for stream, s in spans.items():
+        per[stream]["busy_ms"] = _union_ms(s)
+    compute = max(per, key=lambda k: per[k]["kernel_ms"])
+    wall = (hi - lo) / 1e3
+    busy = per[compute]["busy_ms"]
+    top_kernels = sorted(((n, v[0], v[1]) for n, v in names[compute].items()), key=lambda t: -t[1])[:top]
+    return {"wall_ms": wall, "compute_stream": compute, "compute_busy_ms": busy, "compute_idle_ms": wall - busy,
+            "streams": {str(k): dict(v) for k, v in sorted(per.items())}, "top_kernels": top_kernels}
+
+
+def profile_streams(fn: Callable[[], object], *, trace_path: str | None = None) -> dict:
+    """Run ``fn`` once under torch.profiler (CUDA activity) and summarise its streams.
+
+    ``trace_path``: also keep the trace there, gzipped (it opens in chrome://tracing or Perfetto).
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    fd, tmp = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        with open(tmp) as f:
+            trace = json.load(f)
+        if trace_path:
+            with open(tmp, "rb") as src, gzip.open(trace_path, "wb") as dst:
+                dst.write(src.read())
+    finally:
+        os.unlink(tmp)
+    return stream_summary(trace.get("traceEvents", []))

@@ -1,0 +1,31 @@
+"""stream_summary: per-stream busy time and the compute stream's gaps, from trace events."""
+
+from oomb.bench.timeline import stream_summary
+
+
+def _kernel(stream, ts, dur, name="k"):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_compute_stream_gaps_and_other_streams():
+    events = [
+        _kernel(7, 0, 100, "gemm"), _kernel(7, 150, 50, "attn"), _kernel(7, 300, 100, "gemm"),  # 250 us busy
+        _kernel(13, 90, 40, "copy_pages"),  # overlaps the compute stream
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 200, "dur": 80, "args": {"stream": 13}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000, "args": {}},  # not GPU work
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 5, "args": {"stream": 7}},  # not a span
+    ]
+    s = stream_summary(events)
+    assert s["compute_stream"] == 7
+    assert s["wall_ms"] == 0.4  # 0 .. 400 us
+    assert s["compute_busy_ms"] == 0.25 and abs(s["compute_idle_ms"] - 0.15) < 1e-12
+    copy = s["streams"]["13"]
+    assert copy["kernels"] == 1 and copy["copies"] == 1 and copy["busy_ms"] == 0.12
+    assert s["top_kernels"][0] == ("gemm", 0.2, 2)
+
+
+def test_overlapping_spans_count_once():
+    s = stream_summary([_kernel(1, 0, 100), _kernel(1, 50, 100), _kernel(1, 300, 10)])
+    assert s["streams"]["1"]["busy_ms"] == 0.16  # 0..150 and 300..310
+    assert abs(s["streams"]["1"]["kernel_ms"] - 0.21) < 1e-12  # summed durations
+    assert stream_summary([])["compute_stream"] is None
