@@ -257,11 +257,13 @@ def perplexity_by_position(
     chunk_size: int = 4096,
     page_size: int = 128,
     on_document: Callable[[], None] | None = None,
+    engine: dict | None = None,
 ) -> dict:
     """Mean NLL and perplexity per position bucket over the first ``length`` tokens of each document.
 
     Documents shorter than ``length`` are skipped (counted), so every bucket averages the same
-    documents; at most ``max_documents`` are used.
+    documents; at most ``max_documents`` are used. ``engine``: more chunked_eval keywords (sparse
+    attention, offload).
     """
     device = next(model.parameters()).device
     buckets = PositionBuckets(edges)
@@ -270,7 +272,7 @@ def perplexity_by_position(
     def flush() -> None:
         if pending:
             ids = torch.stack(pending).to(device)
-            buckets.add(chunked_eval(model, ids, chunk_size=chunk_size, page_size=page_size).nll)
+            buckets.add(chunked_eval(model, ids, chunk_size=chunk_size, page_size=page_size, **(engine or {})).nll)
             for _ in pending:
                 if on_document is not None:
                     on_document()
@@ -339,12 +341,14 @@ def retrieval_grid(
     chunk_size: int = 4096,
     page_size: int = 128,
     on_cell: Callable[[], None] | None = None,
+    engine: dict | None = None,
 ) -> dict:
     """Accuracy (all answer tokens right) per (length, depth) cell, ``samples`` sequences each.
 
     ``accuracy[i][j]`` is depth ``depths[i]`` at length ``lengths[j]``. A cell's sequences are the
     task's held-out sequences number HELD_OUT_STEP * samples + s, the same numbers in every
-    cell, so cells differ only in length and depth.
+    cell, so cells differ only in length and depth. ``engine``: more chunked_eval keywords (sparse
+    attention, offload).
     """
     device = next(model.parameters()).device
     tasks = {(n, d): make_task(n, d, seed, digits) for n in lengths for d in depths}  # raises on bad settings
@@ -357,7 +361,7 @@ def retrieval_grid(
                 ids = batch.input_ids[b0 : b0 + batch_size]
                 where = batch.answer_positions[b0 : b0 + batch_size]
                 out = chunked_eval(model, ids.to(device), answer_labels(ids, where).to(device),
-                                   chunk_size=chunk_size, page_size=page_size)
+                                   chunk_size=chunk_size, page_size=page_size, **(engine or {}))
                 rows = torch.arange(ids.shape[0])[:, None]
                 hits.append(answers_correct(out.correct, where).cpu())
                 token_hits.append(out.correct.cpu()[rows, where])
@@ -465,10 +469,40 @@ def add_arguments(parser) -> None:
                    help="tokens per chunk (a multiple of --page-size; default 4096)")
     g.add_argument("--page-size", type=int, default=128, metavar="N", help="tokens per K/V page (default 128)")
     g.add_argument("--batch-size", type=int, default=1, metavar="N", help="sequences per forward (default 1)")
+    g.add_argument("--page-budget", type=int, default=None, metavar="N",
+                   help="page-sparse attention: past pages each query block attends (default: dense, exact)")
+    g.add_argument("--select-block", type=int, default=128, metavar="N",
+                   help="with --page-budget: queries per selection block (default 128)")
+    g.add_argument("--offload", action="store_true", help="keep the K/V pages in host memory (docs/offload.md)")
+    g.add_argument("--offload-gpu-memory", default="0", metavar="SIZE",
+                   help="with --offload: GPU memory for keeping whole layers' pages on the GPU, e.g. 40GiB "
+                        "(default 0: two working layers)")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     g.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
                    help="parameter dtype: auto = a checkpoint's training dtype, else bfloat16 on CUDA, "
                         "float32 on CPU")
+
+
+def _engine_options(args) -> dict:
+    """chunked_eval's keywords for --page-budget/--select-block and --offload/--offload-gpu-memory."""
+    from oomb.sparse import PageSelection
+    from oomb.train.config import ConfigError
+    from oomb.train.memory import parse_bytes
+
+    engine: dict = {}
+    if args.page_budget is not None:
+        if args.page_budget < 1 or args.select_block < 1:
+            raise EvalError("--page-budget and --select-block must be positive")
+        engine["selection"] = PageSelection(page_budget=args.page_budget, block=args.select_block)
+    try:
+        gpu_bytes = parse_bytes(args.offload_gpu_memory)
+    except ConfigError as e:
+        raise EvalError(f"--offload-gpu-memory: {e}") from e
+    if gpu_bytes and not args.offload:
+        raise EvalError("--offload-gpu-memory sets what an offloaded store keeps on the GPU: add --offload")
+    if args.offload:
+        engine.update(offload=True, offload_gpu_bytes=gpu_bytes)
+    return engine
 
 
 def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
@@ -482,6 +516,7 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
             raise EvalError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.chunk_size % args.page_size:
         raise EvalError(f"--chunk-size {args.chunk_size} must be a multiple of --page-size {args.page_size}")
+    engine = _engine_options(args)
     lengths = parse_lengths(args.lengths) if retrieval_on else []
     depths = parse_depths(args.depths) if retrieval_on else []
     edges = bucket_edges(args.ppl_length, args.buckets) if ppl_on else []
@@ -541,9 +576,11 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
                   "vocab_size": vocab,
                   "max_position_embeddings": getattr(model_config, "max_position_embeddings", None),
                   "rope_scaled": rope_is_scaled(model_config)},
-        "settings": {"chunk_size": args.chunk_size, "page_size": args.page_size, "batch_size": args.batch_size},
+        "settings": {"chunk_size": args.chunk_size, "page_size": args.page_size, "batch_size": args.batch_size,
+                     "page_budget": args.page_budget, "select_block": args.select_block if args.page_budget else None,
+                     "offload": args.offload, "offload_gpu_bytes": engine.get("offload_gpu_bytes", 0)},
     }
-    common = dict(batch_size=args.batch_size, chunk_size=args.chunk_size, page_size=args.page_size)
+    common = dict(batch_size=args.batch_size, chunk_size=args.chunk_size, page_size=args.page_size, engine=engine)
     # The model's last two path parts: a full path makes a title wider than the figure.
     title = f"{'/'.join(Path(args.model).parts[-2:]) or args.model} ({loaded.source})"
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -170,7 +170,8 @@ def test_cli_writes_results_and_plots(tmp_path, hf_dir, capsys):
     results = json.loads((out / "results.json").read_text())
     assert results["command"].startswith("oomb eval ") and "--retrieval" in results["command"]
     assert results["model"]["source"] == "huggingface" and results["model"]["vocab_size"] == 300
-    assert results["settings"] == {"chunk_size": 64, "page_size": 32, "batch_size": 2}
+    assert results["settings"] == {"chunk_size": 64, "page_size": 32, "batch_size": 2, "page_budget": None,
+                                   "select_block": None, "offload": False, "offload_gpu_bytes": 0}
     ppl = results["perplexity"]
     assert ppl["documents"] == 3 and ppl["skipped_short_documents"] == 1
     assert [b["start"] for b in ppl["buckets"]] == [1, 75, 150, 225] and ppl["tokens"] == 3 * 299
@@ -182,6 +183,25 @@ def test_cli_writes_results_and_plots(tmp_path, hf_dir, capsys):
     assert len(grid["cells"]) == 6
     printed = capsys.readouterr().out
     assert "perplexity by position" in printed and "retrieval accuracy" in printed
+
+
+def test_sparse_and_offloaded_evaluation(tmp_path, hf_dir):
+    """--offload gives the same numbers; --page-budget at least the pages is dense; a small budget runs."""
+    def grid(name, *extra):
+        out = tmp_path / name
+        assert main(["eval", str(hf_dir), "--retrieval", "--lengths", "256", "--depths", "0.2,0.9", "--samples",
+                     "2", "--chunk-size", "64", "--page-size", "32", "--out", str(out), *extra]) == 0
+        return json.loads((out / "results.json").read_text())
+
+    dense = grid("dense")
+    offloaded = grid("offload", "--offload", "--offload-gpu-memory", "1")
+    assert offloaded["settings"]["offload"] is True
+    assert offloaded["retrieval"]["cells"] == dense["retrieval"]["cells"]
+    assert grid("wide", "--page-budget", "8")["retrieval"]["cells"] == dense["retrieval"]["cells"]  # 8 pages: all
+    sparse = grid("sparse", "--page-budget", "2", "--select-block", "32")
+    assert sparse["settings"]["page_budget"] == 2 and sparse["settings"]["select_block"] == 32
+    assert [c["answer_mean_nll"] for c in sparse["retrieval"]["cells"]] != [
+        c["answer_mean_nll"] for c in dense["retrieval"]["cells"]]  # 2 of 7 past pages: not the dense result
 
 
 def test_checkpoint_loads_the_trained_weights(tmp_path):
@@ -222,6 +242,9 @@ def test_checkpoint_loads_the_trained_weights(tmp_path):
         (["{hf}", "--retrieval", "--lengths", "2k"], "longer than the model's max_position_embeddings=1024"),
         (["{hf}", "--perplexity", "{docs}", "--ppl-length", "2048"], "max_position_embeddings=1024"),
         (["{hf}", "--perplexity", "{docs}", "--buckets", "pow3"], "pow2' or a positive number"),
+        (["tiny", "--retrieval", "--page-budget", "0"], "--page-budget and --select-block must be positive"),
+        (["tiny", "--retrieval", "--offload-gpu-memory", "1GiB"], "add --offload"),
+        (["tiny", "--retrieval", "--offload", "--offload-gpu-memory", "lots"], "not a memory size"),
     ],
 )
 def test_cli_refuses_bad_input_before_work(tmp_path, hf_dir, capsys, args, match):
@@ -254,5 +277,6 @@ def test_help_lists_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--perplexity", "--ppl-length", "--ppl-docs", "--buckets", "--text-field", "--tokenizer",
                    "--retrieval", "--task", "--lengths", "--depths", "--samples", "--digits", "--seed", "--out",
-                   "--chunk-size", "--page-size", "--batch-size", "--device", "--dtype"):
+                   "--chunk-size", "--page-size", "--batch-size", "--device", "--dtype", "--page-budget",
+                   "--select-block", "--offload", "--offload-gpu-memory"):
         assert option in text, option
