@@ -22,6 +22,9 @@ import sys
 
 import torch
 
+from oomb.bench.common import int_list, run_benchmark
+from oomb.bench.core import _time_steps
+
 CONFIGS = {  # name: (programs, block elements, warps); "per-part": one program per work item
     "p16-b16k-w8": (16, 16384, 8),
     "p32-b16k-w8": (32, 16384, 8),
@@ -32,17 +35,8 @@ CONFIGS = {  # name: (programs, block elements, warps); "per-part": one program 
 }
 
 
-def _time(fn, repeats: int, stream=None) -> float:
-    stream = stream or torch.cuda.current_stream()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        fn()
-        end.record(stream)
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _median_ms(fn, repeats: int) -> float:
+    return statistics.median(_time_steps(fn, repeats)) * 1e3
 
 
 def run(args) -> dict:
@@ -83,7 +77,7 @@ def run(args) -> dict:
         for name, fn in rows.items():
             fn()
             torch.cuda.synchronize()
-            ms = _time(fn, args.repeats)
+            ms = _median_ms(fn, args.repeats)
             results.append({"pages": n, "copy": name, "ms": ms, "gb_per_s": nbytes / ms / 1e6})
             print(json.dumps(results[-1]), flush=True)
 
@@ -96,7 +90,7 @@ def run(args) -> dict:
                 a @ a
 
         matmuls()
-        alone = _time(matmuls, args.repeats)
+        alone = _median_ms(matmuls, args.repeats)
         for name in ("copy engine (contiguous)", "gather p32-b16k-w8", "gather p132-b16k-w8",
                      "gather per-part-b8k-w4"):
             fn = rows[name]
@@ -135,22 +129,24 @@ def run(args) -> dict:
     }
 
 
+def _print_table(report: dict) -> None:
+    print(f"\n{report['gpu']}  {report['date']}  pages of {report['page_bytes'] // 1024} KiB")
+    for r in report["results"]:
+        if "copy" in r:
+            print(f"{r['pages']:>5} pages  {r['copy']:<28}{r['ms']:8.3f} ms {r['gb_per_s']:7.1f} GB/s")
+        else:
+            print(f"{r['pages']:>5} pages  beside a matmul: {r['overlap']:<28} "
+                  f"matmul {100 * r['matmul_slowdown']:+.1f}%, copy {r['copy_gb_per_s_during']:.1f} GB/s")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="oomb bench copy", description=__doc__.splitlines()[0])
-    p.add_argument("--pages", type=lambda s: [int(x) for x in s.split(",")], default=[64, 900])
+    p.add_argument("--pages", type=int_list, default=[64, 900])
     p.add_argument("--pool-pages", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--matmuls", type=int, default=10)
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("oomb bench copy needs a CUDA device", file=sys.stderr)
-        return 2
-    report = run(args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    return 0
+    p.add_argument("--out", default=None, help="write the JSON report here")
+    return run_benchmark("copy", p.parse_args(argv), run, _print_table)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,11 @@ class Setting:
     def key(self) -> tuple:
         return (self.seq_len, self.budget, self.block, self.offload)
 
+    def head(self) -> dict:
+        """The fields that open every row of this setting."""
+        return {"kind": self.kind, "seq_len": self.seq_len, "mode": self.mode, "budget_pages": self.budget,
+                "select_block": self.block, "offload": self.offload}
+
 
 def row_settings(dense_lengths, sparse_lengths, growth_lengths, longest_lengths, select_blocks,
                  budget) -> list[Setting]:
@@ -356,8 +361,7 @@ class Bench:
 
     # --------------------------------------------------------------- rows
     def run_row(self, s: Setting) -> dict:
-        row = {"kind": s.kind, "seq_len": s.seq_len, "mode": s.mode, "budget_pages": s.budget,
-               "select_block": s.block, "offload": s.offload}
+        row = s.head()
         pred = self.plan(s)
         row["plan"] = pred
         try:
@@ -402,8 +406,7 @@ class Bench:
         (oomb.bench.timeline), after an unprofiled step of the same length."""
         from oomb.bench.timeline import profile_streams
 
-        head = {"kind": "profile", "seq_len": s.seq_len, "mode": s.mode, "budget_pages": s.budget,
-                "select_block": s.block, "offload": s.offload}
+        head = s.head()
         if not self.cuda:
             return {**head, "skipped": "needs CUDA"}
         try:
@@ -512,8 +515,7 @@ def run(args) -> dict:
     settings = row_settings(args.dense_lengths, args.sparse_lengths, args.growth_lengths, args.longest_lengths,
                             args.select_blocks, args.budget)
     for s in settings:
-        head = {"kind": s.kind, "seq_len": s.seq_len, "mode": s.mode, "budget_pages": s.budget,
-                "select_block": s.block, "offload": s.offload}
+        head = s.head()
         if args.time_budget and time.perf_counter() - t0 > args.time_budget:
             row = {**head, "skipped": "time budget"}
         elif (s.kind == "longest" and args.longest_first_fit

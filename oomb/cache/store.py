@@ -52,6 +52,10 @@ class StoreSpec:
         mean_key = self.num_layers * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
         return self.bytes_per_token() * self.page_size + mean_key
 
+    def layer_bytes(self, pages: int) -> int:
+        """``pages`` pages of one layer: K, V, dK, dV and mean keys (what offload keeps per layer)."""
+        return pages * self.bytes_per_page() // self.num_layers
+
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()

@@ -473,10 +473,9 @@ def plan_memory(
         # they held. offload_gpu_bytes keeps the first layers whole on the device instead.
         page_layer_bytes = spec.bytes_per_token() * page_size // spec.num_layers
         layer_pages = batch_size * pages_per_seq * page_layer_bytes  # one layer's K, V, dK, dV
-        layer_means = batch_size * pages_per_seq * (spec.bytes_per_page() - spec.bytes_per_token() * page_size) \
-            // spec.num_layers
+        layer_means = spec.layer_bytes(batch_size * pages_per_seq) - layer_pages  # and its mean keys
         # as OffloadedKVStore.reserve
-        resident = min(spec.num_layers, offload_gpu_bytes // (layer_pages + layer_means))
+        resident = min(spec.num_layers, offload_gpu_bytes // spec.layer_bytes(batch_size * pages_per_seq))
         chunk_pages = -(-min(chunk_size, seq_len) // page_size)
         slot_pages = pages_per_seq
         if page_budget is not None:

@@ -36,12 +36,6 @@ except ImportError:  # pragma: no cover - triton ships with every CUDA build of 
 _REGISTER_FLAGS = 0x01 | 0x02
 
 
-def _check_cuda(status, what: str) -> None:
-    code = getattr(status, "value", status)
-    if code not in (0, None):
-        raise RuntimeError(f"{what} failed with CUDA error {code}")
-
-
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled host tensor of exactly ``shape``, page-locked and mapped for the GPU.
 

@@ -54,7 +54,7 @@ import torch
 
 from oomb.cache import ChunkRecord, LayerPools, StoreSpec
 from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
-from oomb.cache.store import ChunkLedger, _valid_per_page
+from oomb.cache.store import ChunkLedger, _itemsize, _valid_per_page
 from oomb.offload.copy import copy_pages, pinned_empty
 
 _KINDS = ("k", "v", "dk", "dv")
@@ -138,8 +138,7 @@ class OffloadedKVStore(ChunkLedger):
 
     def layer_nbytes(self, batch_size: int, num_tokens: int) -> int:
         """Bytes of one layer's K, V, dK, dV pages and mean keys for ``batch_size`` sequences of ``num_tokens``."""
-        s = self.spec
-        return batch_size * -(-num_tokens // s.page_size) * s.bytes_per_page() // s.num_layers
+        return self.spec.layer_bytes(batch_size * -(-num_tokens // self.spec.page_size))
 
     def _resident(self, layer_idx: int) -> bool:
         return layer_idx < self.resident_layers
@@ -344,8 +343,6 @@ class OffloadedKVStore(ChunkLedger):
             view, first = self._chunk_rows(layer_idx, kind, record, "write()")
             view[:, first : first + n] = tiles.view(self.batch_size, n, *tiles.shape[1:])
         valid = _valid_per_page(record, s.page_size, k.device)
-        # The chunk's mean-key rows, read off the device block table (b * max_pages + p): a tensor
-        # built from record.page_ids would be a pageable copy that waits for the queued kernels.
         mean = kt.float().sum(dim=2) / valid.repeat(self.batch_size).view(-1, 1, 1)  # as the device store keeps it
         if self._resident(layer_idx):
             means = self._dev["mean"][layer_idx]
@@ -391,7 +388,7 @@ class OffloadedKVStore(ChunkLedger):
         """Bytes of one page of one kind (K, V, dK or dV) of one layer (gradients in their own dtype
         may differ: counted at the K/V size, which they are by default)."""
         s = self.spec
-        return s.num_kv_heads * s.page_size * s.head_dim * torch.empty((), dtype=s.dtype).element_size()
+        return s.num_kv_heads * s.page_size * s.head_dim * _itemsize(s.dtype)
 
     def _home(self, kind: str, layer_idx: int) -> torch.Tensor:
         """[B, max_pages, H_kv, P, D]: where a non-resident layer's pages live (host)."""

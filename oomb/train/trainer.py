@@ -670,10 +670,8 @@ def _record_resumed_config(out: Path, cfg: Config, step: int) -> Path | None:
     while kept.exists():  # resumed at this step before: keep every earlier config
         kept, n = out / f"config.before-step-{step:08d}.{n}.json", n + 1
     if old is not None:
-        kept.write_text(path.read_text())  # a copy first: config.json is never missing, even after a crash
-    tmp = out / "config.json.tmp"
-    tmp.write_text(json.dumps(new, indent=2))
-    os.replace(tmp, path)
+        write_text_atomic(kept, path.read_text())  # a copy first: config.json is never missing, even after a crash
+    write_text_atomic(path, json.dumps(new, indent=2))
     return kept if old is not None else None
 
 
