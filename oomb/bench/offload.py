@@ -504,10 +504,13 @@ def run(args) -> dict:
     }
     results: list[dict] = []
     repeat = None
-    if args.profile_length:  # first: the diagnosis of an overhead is what the rest is read against
+    profiles = [Setting("profile", args.profile_dense_length, None, None, off)
+                for off in (False, True) if args.profile_dense_length]
+    profiles += [Setting("profile", args.profile_length, args.budget, args.select_blocks[0], off)
+                 for off in (False, True) if args.profile_length]
+    if profiles:  # first: the diagnosis of an overhead is what the rest is read against
         meta["stream_profiles"] = []
-        for off in (False, True):
-            s = Setting("profile", args.profile_length, args.budget, args.select_blocks[0], off)
+        for s in profiles:
             meta["stream_profiles"].append(bench.run_profile(s, args.trace_dir))
             print(json.dumps({k: v for k, v in meta["stream_profiles"][-1].items() if k != "top_kernels"}), flush=True)
             if args.out:
@@ -592,6 +595,9 @@ def _print_table(report: dict) -> None:
         print(f"profile {p['mode']} {where} {p['seq_len']} (block {p['select_block']}): "
               f"GPU span {p['wall_ms']:.0f} ms, compute stream busy {p['compute_busy_ms']:.0f} ms, "
               f"idle {p['compute_idle_ms']:.0f} ms; {others}")
+        groups = ", ".join(f"{g} {v['ms']:.0f} ms" for g, v in p.get("kernel_groups", {}).items())
+        if groups:
+            print(f"  compute stream kernels: {groups}")
     rep = report.get("repeat")
     if rep:
         if "skipped" in rep:
@@ -624,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-length", type=int, default=0,
                    help="first, one sparse step this long with and without offload under torch.profiler: per-stream "
                         "busy time and the compute stream's idle time (0 = skip)")
+    p.add_argument("--profile-dense-length", type=int, default=0,
+                   help="the same for one dense step this long (before the sparse profile; 0 = skip)")
     p.add_argument("--trace-dir", default=None, help="keep the profiled steps' traces here (gzipped Chrome traces)")
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="seconds: rows not started by then are recorded as skipped (0 = no limit)")

@@ -20,6 +20,29 @@ from collections.abc import Callable
 
 _KERNEL = "kernel"
 _COPIES = ("gpu_memcpy", "gpu_memset")
+# Kernel name -> group, first match wins (lower-cased substrings). Our Triton kernels keep their
+# Python names (oomb/kernels/triton_attention.py, oomb/offload/copy.py); cuBLAS/CUTLASS matmuls
+# are named nvjet_*, sm90_xmma_*, cutlass*, *gemm*.
+KERNEL_GROUPS = (
+    ("attention forward", ("_fwd_kernel",)),
+    ("attention dq", ("_bwd_dq_kernel",)),
+    ("attention dk/dv", ("_bwd_dkdv",)),
+    ("attention delta", ("_bwd_delta_kernel",)),
+    ("page copies", ("copy_pages", "_copy_pages")),
+    ("page selection", ("select", "topk", "radix", "sort")),
+    ("matmul", ("nvjet", "gemm", "xmma", "cutlass", "cublas")),
+    ("loss", ("cross_entropy", "liger")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+    ("reduction", ("reduce",)),
+)
+
+
+def kernel_group(name: str) -> str:
+    low = name.lower()
+    for group, keys in KERNEL_GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return "other"
 
 
 def _union_ms(spans: list[tuple[float, float]]) -> float:
@@ -33,16 +56,19 @@ def _union_ms(spans: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
-def stream_summary(events: list[dict], top: int = 8) -> dict:
+def stream_summary(events: list[dict], top: int = 20) -> dict:
     """Per-stream busy time of GPU work in Kineto trace events, and the compute stream's gaps.
 
     Returns {"wall_ms", "compute_stream", "compute_busy_ms", "compute_idle_ms", "streams":
-    {stream: {"kernel_ms", "copy_ms", "busy_ms", "kernels", "copies"}}, "top_kernels": [(name,
-    ms, count)] of the compute stream}. Times in milliseconds.
+    {stream: {"kernel_ms", "copy_ms", "busy_ms", "kernels", "copies", "groups"}}, "top_kernels":
+    [(name, ms, count)] and "kernel_groups" {group: {"ms", "count"}} (``kernel_group``) of the
+    compute stream}. Times in milliseconds; kernel times are summed durations (kernels of one
+    stream do not overlap, so on the compute stream they add up to its busy time).
     """
     spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
     per: dict[int, dict] = defaultdict(lambda: {"kernel_ms": 0.0, "copy_ms": 0.0, "kernels": 0, "copies": 0})
     names: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    groups: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
     lo, hi = float("inf"), float("-inf")
     for ev in events:
         cat = ev.get("cat")
@@ -55,23 +81,28 @@ def stream_summary(events: list[dict], top: int = 8) -> dict:
         if cat == _KERNEL:
             per[stream]["kernel_ms"] += dur / 1e3
             per[stream]["kernels"] += 1
-            entry = names[stream][ev.get("name", "?")[:90]]
-            entry[0] += dur / 1e3
-            entry[1] += 1
+            name = ev.get("name", "?")
+            for entry in (names[stream][name[:90]], groups[stream][kernel_group(name)]):
+                entry[0] += dur / 1e3
+                entry[1] += 1
         else:
             per[stream]["copy_ms"] += dur / 1e3
             per[stream]["copies"] += 1
     if not spans:
         return {"wall_ms": 0.0, "compute_stream": None, "compute_busy_ms": 0.0, "compute_idle_ms": 0.0,
-                "streams": {}, "top_kernels": []}
+                "streams": {}, "top_kernels": [], "kernel_groups": {}}
     for stream, s in spans.items():
         per[stream]["busy_ms"] = _union_ms(s)
+        if groups[stream]:
+            per[stream]["groups"] = {g: {"ms": v[0], "count": v[1]}
+                                     for g, v in sorted(groups[stream].items(), key=lambda t: -t[1][0])}
     compute = max(per, key=lambda k: per[k]["kernel_ms"])
     wall = (hi - lo) / 1e3
     busy = per[compute]["busy_ms"]
     top_kernels = sorted(((n, v[0], v[1]) for n, v in names[compute].items()), key=lambda t: -t[1])[:top]
     return {"wall_ms": wall, "compute_stream": compute, "compute_busy_ms": busy, "compute_idle_ms": wall - busy,
-            "streams": {str(k): dict(v) for k, v in sorted(per.items())}, "top_kernels": top_kernels}
+            "streams": {str(k): dict(v) for k, v in sorted(per.items())}, "top_kernels": top_kernels,
+            "kernel_groups": per[compute].get("groups", {})}
 
 
 def profile_streams(fn: Callable[[], object], *, trace_path: str | None = None) -> dict:

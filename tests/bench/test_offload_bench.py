@@ -234,3 +234,16 @@ def test_bad_select_blocks_are_refused(capsys):
     with pytest.raises(SystemExit):
         ob.main(["--device", "cpu", "--select-blocks", "0"])
     assert "--select-blocks" in capsys.readouterr().err
+
+
+def test_profiles_dense_then_sparse_with_and_without_offload(tmp_path):
+    out = tmp_path / "p.json"
+    rc = ob.main(["--device", "cpu", "--dtype", "float32", "--preset", "tiny", "--chunk", "32", "--page", "8",
+                  "--budget", "2", "--dense-lengths", "", "--sparse-lengths", "", "--growth-lengths", "",
+                  "--profile-dense-length", "64", "--profile-length", "96", "--select-blocks", "16",
+                  "--out", str(out)])
+    assert rc == 0
+    profiles = json.loads(out.read_text())["stream_profiles"]
+    assert [(p["mode"], p["seq_len"], p["offload"]) for p in profiles] == [
+        ("dense", 64, False), ("dense", 64, True), ("sparse", 96, False), ("sparse", 96, True)]
+    assert profiles[2]["select_block"] == 16 and all(p["skipped"] == "needs CUDA" for p in profiles)

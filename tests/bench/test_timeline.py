@@ -1,6 +1,6 @@
 """stream_summary: per-stream busy time and the compute stream's gaps, from trace events."""
 
-from oomb.bench.timeline import stream_summary
+from oomb.bench.timeline import kernel_group, stream_summary
 
 
 def _kernel(stream, ts, dur, name="k"):
@@ -22,6 +22,17 @@ def test_compute_stream_gaps_and_other_streams():
     copy = s["streams"]["13"]
     assert copy["kernels"] == 1 and copy["copies"] == 1 and copy["busy_ms"] == 0.12
     assert s["top_kernels"][0] == ("gemm", 0.2, 2)
+    assert s["kernel_groups"] == {"matmul": {"ms": 0.2, "count": 2}, "other": {"ms": 0.05, "count": 1}}
+    assert copy["groups"] == {"page copies": {"ms": 0.04, "count": 1}}
+
+
+def test_kernel_groups_name_our_kernels_and_library_matmuls():
+    assert kernel_group("_fwd_kernel") == "attention forward"
+    assert kernel_group("_bwd_dkdv_sparse_kernel") == "attention dk/dv"
+    assert kernel_group("_bwd_dq_kernel") == "attention dq"
+    assert kernel_group("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNN") == "matmul"
+    assert kernel_group("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
+    assert kernel_group("some_new_kernel") == "other"
 
 
 def test_overlapping_spans_count_once():

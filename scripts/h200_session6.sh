@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Session 6 (2026-12-03) on one H200, in device calls:
+#   PART=a OUT=/some/dir bash scripts/h200_session6.sh
+# PART a (issues 5 and 3, measured alone on the GPU): `oomb.bench.offload` on Qwen2.5-7B
+#   1. per-stream profiles (oomb/bench/timeline.py: busy/idle time per stream and the compute
+#      stream's kernel time by group) of one dense 64K step and one sparse 128K step (select block
+#      4096), each without and with offload: where the offload overhead goes, and where a dense
+#      step's time goes against transformers' (issue 3);
+#   2. the overhead pairs again, with the high-priority copy stream and the sync-free single page
+#      list: dense 64K, sparse 128K with select blocks 4096 and 128;
+#   then `oomb.bench.core` at 64K with chunk 8192 (against chunk 4096's 17.31 / 15.40 s).
+# Every bench writes its JSON after each row. Everything under $W, a tar in $OUT. BUDGET bounds it.
+set -uo pipefail
+PART=${PART:-${1:-}}
+if [[ $PART != a ]]; then echo "usage: PART=a bash scripts/h200_session6.sh" >&2; exit 2; fi
+DEFAULT_BUDGET=540
+# shellcheck source=scripts/h200_env.sh
+source "$(dirname "$0")/h200_env.sh"
+limit() { local t=$(( $(left) - $1 )); if [ "$t" -lt 30 ]; then echo 0; else echo "$t"; fi; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
+  | tee "$W/versions.txt"
+git rev-parse HEAD > "$W/git.txt" 2>/dev/null; git status --porcelain >> "$W/git.txt" 2>/dev/null
+
+if [[ $PART == a ]]; then
+  part "offload bench, Qwen2.5-7B: stream profiles, then the overhead pairs"
+  t=$(limit 100)
+  # shellcheck disable=SC2086
+  timeout "$t" python3 -m oomb.bench.offload --time-budget $(( t - 60 )) --out "$W/offload_7b.json" \
+    --preset qwen2.5-7b --chunk 4096 --profile-dense-length 65536 --profile-length 131072 \
+    --dense-lengths 65536 --sparse-lengths 131072 --growth-lengths "" --select-blocks 4096,128 \
+    ${BENCH_EXTRA:-} > "$W/offload_7b.log" 2>&1
+  echo "offload exit $? (timeout $t s)"; tail -30 "$W/offload_7b.log" | cut -c1-400
+
+  part "core bench, Qwen2.5-7B at 64K with chunk 8192"
+  t=$(limit 5)
+  if [ "$t" -gt 0 ]; then
+    timeout "$t" python3 -m oomb.bench.core --lengths 65536 --cache-lengths 65536 --chunk 8192 \
+      --out "$W/core_chunk8192.json" > "$W/core_chunk8192.log" 2>&1
+    echo "core exit $?"; tail -12 "$W/core_chunk8192.log" | cut -c1-300
+  fi
+fi
+part "done"
+tar czf "$OUT/session6-$PART.tar.gz" -C "$W" --exclude='*.safetensors' --exclude='*.pt' --exclude=checkpoints \
+  --exclude=export .
