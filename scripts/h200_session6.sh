@@ -9,10 +9,15 @@
 #   2. the overhead pairs again, with the high-priority copy stream and the sync-free single page
 #      list: dense 64K, sparse 128K with select blocks 4096 and 128;
 #   then `oomb.bench.core` at 64K with chunk 8192 (against chunk 4096's 17.31 / 15.40 s).
+# PART b (issues 5 and 4, alone on the GPU): the overhead pairs again, each timed at steady state (one
+#   step at the row's length first, as a run's first step that allocates and pins the store; then the
+#   timed step): dense 64K, sparse 128K with select blocks 4096 and 128; then the stream profile of the
+#   sparse 128K step with the compute stream's idle gaps by the ops around them; then oomb.bench.core's
+#   sparse 128K step with chunk 8192, plain and with cache_attention (issue 4's <= 20 s target).
 # Every bench writes its JSON after each row. Everything under $W, a tar in $OUT. BUDGET bounds it.
 set -uo pipefail
 PART=${PART:-${1:-}}
-if [[ $PART != a ]]; then echo "usage: PART=a bash scripts/h200_session6.sh" >&2; exit 2; fi
+if [[ $PART != a && $PART != b ]]; then echo "usage: PART=a|b bash scripts/h200_session6.sh" >&2; exit 2; fi
 DEFAULT_BUDGET=540
 # shellcheck source=scripts/h200_env.sh
 source "$(dirname "$0")/h200_env.sh"
@@ -38,6 +43,30 @@ if [[ $PART == a ]]; then
     timeout "$t" python3 -m oomb.bench.core --lengths 65536 --cache-lengths 65536 --chunk 8192 \
       --out "$W/core_chunk8192.json" > "$W/core_chunk8192.log" 2>&1
     echo "core exit $?"; tail -12 "$W/core_chunk8192.log" | cut -c1-300
+  fi
+elif [[ $PART == b ]]; then
+  part "offload bench, Qwen2.5-7B: steady-state overhead pairs, then the sparse stream profile"
+  t=$(limit 90)
+  # shellcheck disable=SC2086
+  timeout "$t" python3 -m oomb.bench.offload --time-budget $(( t - 60 )) --out "$W/offload_7b_steady.json" \
+    --preset qwen2.5-7b --chunk 4096 --dense-lengths 65536 --sparse-lengths 131072 --growth-lengths "" \
+    --select-blocks 4096,128 ${BENCH_EXTRA:-} > "$W/offload_7b_steady.log" 2>&1
+  echo "offload exit $? (timeout $t s)"; tail -14 "$W/offload_7b_steady.log" | cut -c1-300
+  t=$(limit 85)
+  if [ "$t" -gt 0 ]; then
+    # shellcheck disable=SC2086
+    timeout "$t" python3 -m oomb.bench.offload --out "$W/offload_7b_profile.json" --preset qwen2.5-7b --chunk 4096 \
+      --profile-length 131072 --dense-lengths "" --sparse-lengths "" --growth-lengths "" --select-blocks 4096 \
+      ${BENCH_EXTRA:-} > "$W/offload_7b_profile.log" 2>&1
+    echo "profile exit $? (timeout $t s)"; grep -A9 "^profile" "$W/offload_7b_profile.log" | cut -c1-300
+  fi
+
+  part "core bench, Qwen2.5-7B sparse 128K with chunk 8192"
+  t=$(limit 3)
+  if [ "$t" -gt 0 ]; then
+    timeout "$t" python3 -m oomb.bench.core --lengths "" --sparse-lengths 131072 --sparse-cache-lengths 131072 \
+      --chunk 8192 --out "$W/core_sparse_chunk8192.json" > "$W/core_sparse_chunk8192.log" 2>&1
+    echo "core exit $?"; tail -6 "$W/core_sparse_chunk8192.log" | cut -c1-300
   fi
 fi
 part "done"

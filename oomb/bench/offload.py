@@ -9,6 +9,10 @@
 
 One chunked_backward step of ``--preset`` (random init, bf16, bf16 gradients kept allocated, no
 optimizer) per row, after a warm-up step of the same setting at a short length (CUDA events).
+Pair rows (``--steady``, the default) first run one step at their own length, timed apart as
+``first_step_s``: it allocates the store and pins its host pools, which a training run does once;
+the overheads are of the steps after it, as a run's steps are (``offload_overhead``), with the
+first step's beside them (``offload_overhead_first_step``).
 Rows, in this order (the JSON is rewritten after every row, so a run cut short keeps what it did):
 
 1. pairs: dense with and without offload at ``--dense-lengths``; for each ``--select-blocks``
@@ -167,11 +171,15 @@ def overhead_key(row: dict) -> str:
     return f"sparse@{row['seq_len']}/block{row['select_block']}"
 
 
-def offload_overheads(rows: list[dict]) -> dict:
-    """Step time with offload over without, minus 1, for every setting measured both ways."""
+def offload_overheads(rows: list[dict], field: str = "step_s") -> dict:
+    """Step time with offload over without, minus 1, for every setting measured both ways.
+
+    ``field``: "step_s" (the timed steps: after a first step at the same length when the rows are
+    ``steady``) or "first_step_s" (that first step, which allocates the store and pins its pools).
+    """
     by = {(r["seq_len"], r["mode"], r["select_block"], r["offload"]): r for r in rows
-          if _ok(r) and r.get("kind") != "longest"}
-    return {overhead_key(r): r["step_s"] / by[(n, mode, block, False)]["step_s"] - 1
+          if _ok(r) and r.get("kind") != "longest" and field in r}
+    return {overhead_key(r): r[field] / by[(n, mode, block, False)][field] - 1
             for (n, mode, block, off), r in by.items() if off and (n, mode, block, False) in by}
 
 
@@ -386,8 +394,16 @@ class Bench:
                 torch.cuda.reset_peak_memory_stats()
             repeats = 1 if s.kind == "longest" else self.args.repeats
             kw = self.step_kwargs(s)
+            steady = s.kind == "pair" and self.args.steady
+            if steady:
+                # A training run's first step allocates the store (and pins its host pools); every
+                # later step reuses it. Time that first step apart, then the steps that follow it.
+                row["first_step_s"] = self.time_steps(lambda: oomb.chunked_backward(self.model, ids, **kw), 1)[0]
+                if self.cuda:
+                    torch.cuda.reset_peak_memory_stats()
             times = self.time_steps(lambda: oomb.chunked_backward(self.model, ids, **kw), repeats)
-            row.update(step_s=sorted(times)[len(times) // 2], step_times_s=times, **self.memory_now(s.offload))
+            row.update(step_s=sorted(times)[len(times) // 2], step_times_s=times, steady=steady,
+                       **self.memory_now(s.offload))
             row["rss_before_gib"] = rss_before / GIB
             row["planner"] = planner_agreement(
                 pred, peak_gpu_bytes=None if row["peak_gpu_gib"] is None else int(row["peak_gpu_gib"] * GIB),
@@ -472,6 +488,7 @@ class Bench:
 def summarize(meta: dict, results: list[dict], repeat: dict | None, complete: bool) -> dict:
     return {**meta, "complete": complete, "results": results,
             "offload_overhead": offload_overheads(results),
+            "offload_overhead_first_step": offload_overheads(results, "first_step_s"),
             "sparse_offload_memory_growth": memory_growth(results),
             "repeat": repeat}
 
@@ -576,8 +593,10 @@ def _print_table(report: dict) -> None:
               f"{r['store_host_gib']:8.2f}{r['rss_gib']:7.1f}{r['peak_rss_gib']:8.1f}"
               f"{p['predicted_gpu_bytes'] / GIB:9.2f}{_pct(p['gpu_ratio']):>6}"
               f"{p['predicted_host_bytes'] / GIB:10.2f}{_pct(p['host_ratio']):>6}")
+    first = report.get("offload_overhead_first_step", {})
     for k, v in report["offload_overhead"].items():
-        print(f"offload overhead {k}: {100 * v:+.1f}%")
+        also = f" (first step, which allocates and pins the store: {100 * first[k]:+.1f}%)" if k in first else ""
+        print(f"offload overhead {k}: {100 * v:+.1f}%{also}")
     for block, g in report["sparse_offload_memory_growth"].items():
         def mib(v):
             return "-" if v is None else f"{v:.2f}"
@@ -598,6 +617,8 @@ def _print_table(report: dict) -> None:
         groups = ", ".join(f"{g} {v['ms']:.0f} ms" for g, v in p.get("kernel_groups", {}).items())
         if groups:
             print(f"  compute stream kernels: {groups}")
+        for before, after, ms, n in p.get("top_gaps", [])[:6]:
+            print(f"  idle {ms:7.1f} ms in {n:6d} gaps between {before[:45]} and {after[:45]}")
     rep = report.get("repeat")
     if rep:
         if "skipped" in rep:
@@ -633,6 +654,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-dense-length", type=int, default=0,
                    help="the same for one dense step this long (before the sparse profile; 0 = skip)")
     p.add_argument("--trace-dir", default=None, help="keep the profiled steps' traces here (gzipped Chrome traces)")
+    p.add_argument("--steady", action=argparse.BooleanOptionalAction, default=True,
+                   help="pair rows: one step at the row's length first (allocating the store and pinning its "
+                        "pools, as a run's first step does; recorded as first_step_s), then the timed steps")
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="seconds: rows not started by then are recorded as skipped (0 = no limit)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],

@@ -61,11 +61,13 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
 
     Returns {"wall_ms", "compute_stream", "compute_busy_ms", "compute_idle_ms", "streams":
     {stream: {"kernel_ms", "copy_ms", "busy_ms", "kernels", "copies", "groups"}}, "top_kernels":
-    [(name, ms, count)] and "kernel_groups" {group: {"ms", "count"}} (``kernel_group``) of the
-    compute stream}. Times in milliseconds; kernel times are summed durations (kernels of one
-    stream do not overlap, so on the compute stream they add up to its busy time).
+    [(name, ms, count)], "kernel_groups" {group: {"ms", "count"}} (``kernel_group``) and
+    "top_gaps" [(work before, work after, idle ms, count)] of the compute stream}. Times in
+    milliseconds; kernel times are summed durations (kernels of one stream do not overlap, so on
+    the compute stream they add up to its busy time).
     """
     spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    named: dict[int, list[tuple[float, float, str]]] = defaultdict(list)  # (start, end, name) per stream
     per: dict[int, dict] = defaultdict(lambda: {"kernel_ms": 0.0, "copy_ms": 0.0, "kernels": 0, "copies": 0})
     names: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
     groups: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
@@ -77,6 +79,7 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
         stream = int(ev.get("args", {}).get("stream", -1))
         start, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
         spans[stream].append((start, start + dur))
+        named[stream].append((start, start + dur, ev.get("name", "?")[:60]))
         lo, hi = min(lo, start), max(hi, start + dur)
         if cat == _KERNEL:
             per[stream]["kernel_ms"] += dur / 1e3
@@ -90,7 +93,7 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
             per[stream]["copies"] += 1
     if not spans:
         return {"wall_ms": 0.0, "compute_stream": None, "compute_busy_ms": 0.0, "compute_idle_ms": 0.0,
-                "streams": {}, "top_kernels": [], "kernel_groups": {}}
+                "streams": {}, "top_kernels": [], "kernel_groups": {}, "top_gaps": []}
     for stream, s in spans.items():
         per[stream]["busy_ms"] = _union_ms(s)
         if groups[stream]:
@@ -100,9 +103,23 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
     wall = (hi - lo) / 1e3
     busy = per[compute]["busy_ms"]
     top_kernels = sorted(((n, v[0], v[1]) for n, v in names[compute].items()), key=lambda t: -t[1])[:top]
+    # The compute stream's idle time by what it waited between: (work before, work after) -> total.
+    # A host sync (the host waiting for a result before it queues more) shows as many gaps after
+    # the same op; a stream waiting for copies shows as gaps before the op that reads them.
+    gaps: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    work = sorted(named[compute])
+    end, before = float("-inf"), None
+    for start, stop, name in work:
+        if before is not None and start > end:
+            entry = gaps[(before, name)]
+            entry[0] += (start - end) / 1e3
+            entry[1] += 1
+        if stop > end:
+            end, before = stop, name
+    top_gaps = sorted(((a, b, v[0], v[1]) for (a, b), v in gaps.items()), key=lambda t: -t[2])[:top]
     return {"wall_ms": wall, "compute_stream": compute, "compute_busy_ms": busy, "compute_idle_ms": wall - busy,
             "streams": {str(k): dict(v) for k, v in sorted(per.items())}, "top_kernels": top_kernels,
-            "kernel_groups": per[compute].get("groups", {})}
+            "kernel_groups": per[compute].get("groups", {}), "top_gaps": top_gaps}
 
 
 def profile_streams(fn: Callable[[], object], *, trace_path: str | None = None) -> dict:

@@ -72,6 +72,9 @@ def test_offload_overheads_pair_by_mode_length_and_block():
     ]
     got = ob.offload_overheads(rows)
     assert got == pytest.approx({"dense@65536": 0.2, "sparse@131072/block128": 0.25, "sparse@131072/block4096": 0.1})
+    # The first (allocating, pinning) step's overhead, only where both rows of a pair have it.
+    rows[0]["first_step_s"], rows[1]["first_step_s"], rows[2]["first_step_s"] = 11.0, 15.4, 4.0
+    assert ob.offload_overheads(rows, "first_step_s") == pytest.approx({"dense@65536": 0.4})
 
 
 def test_row_settings_order_and_no_duplicates():
@@ -189,6 +192,10 @@ def test_cpu_run_report(cpu_report):
         assert (x["store_host_gib"] > 0) == x["offload"]
         assert ("moved_gib" in x) == x["offload"] and (not x["offload"] or x["moved_gib"]["to_host"] > 0)
         assert set(x["plan"]["excluded"]) == set(ob.EXCLUDED_PLAN_ITEMS)
+    for x in measured:  # pair rows: a first step at their length, timed apart (--steady, the default)
+        assert x["steady"] == (x["kind"] == "pair") and ("first_step_s" in x) == x["steady"]
+        assert not x["steady"] or x["first_step_s"] > 0
+    assert set(r["offload_overhead_first_step"]) == set(r["offload_overhead"])
     failed = [x for x in rows if "error" in x]
     assert [(x["seq_len"], x["select_block"]) for x in failed] == [(192, 16)]
     assert failed[0]["error"].startswith("RuntimeError: could not pin")

@@ -24,6 +24,9 @@ def test_compute_stream_gaps_and_other_streams():
     assert s["top_kernels"][0] == ("gemm", 0.2, 2)
     assert s["kernel_groups"] == {"matmul": {"ms": 0.2, "count": 2}, "other": {"ms": 0.05, "count": 1}}
     assert copy["groups"] == {"page copies": {"ms": 0.04, "count": 1}}
+    # idle: 100..150 between gemm and attn, 200..300 between attn and gemm
+    assert [(a, b, round(ms, 6), n) for a, b, ms, n in s["top_gaps"]] == [("attn", "gemm", 0.1, 1),
+                                                                       ("gemm", "attn", 0.05, 1)]
 
 
 def test_kernel_groups_name_our_kernels_and_library_matmuls():
