@@ -68,7 +68,7 @@ def past_pages(step: StepContext, layer_idx: int) -> tuple[bool, torch.Tensor | 
 def _record_past_pages(step: StepContext, layer_idx: int, sliding_window: int | None, vis: dict) -> torch.Tensor | None:
     step.layer_windows[layer_idx] = sliding_window
     key = (layer_idx, step.store.last_chunk().start)
-    if key not in step.past_pages and vis.get("page_select") is not None:
+    if key not in step.past_pages and vis.get("page_select") is not None and step.store.needs_page_list(layer_idx):
         chosen = vis["page_select"]  # [B, H_sel, blocks, budget], each list ascending and distinct
         # Every page some block or head reads. One list is its own union: no torch.unique, whose
         # data-dependent size would make the host wait for the selection.

@@ -283,6 +283,12 @@ class PagedKVStore(ChunkLedger):
         before the newest chunk; None = all of them) and the newest chunk of one layer."""
         return self._layers[layer_idx], self.page_table
 
+    def needs_page_list(self, layer_idx: int) -> bool:
+        """Whether ``fetch`` uses the list of past pages a sparse layer reads (to move only those).
+        Here every page is on the device, so the list (a torch.unique, which waits for the
+        selection) is not built."""
+        return False
+
     def prefetch(self, layer_idx: int, past_pages: torch.Tensor | None, *, grads: bool) -> None:
         """Start bringing what ``fetch`` will ask for next (nothing to do when all pages are here)."""
 
@@ -339,5 +345,7 @@ def _valid_per_page(record: ChunkRecord, page_size: int, device: torch.device) -
     """Number of real (non-padding) tokens in each page of a chunk, as float32 [num_pages]."""
     n = record.end - record.start
     valid = torch.full((record.num_pages,), float(page_size), device=device)
-    valid[-1] = n - (record.num_pages - 1) * page_size
+    # fill_, not ``valid[-1] = x``: assigning a number to one element of a CUDA tensor copies it
+    # from pageable host memory and waits for the stream, once per layer and chunk.
+    valid[-1:].fill_(n - (record.num_pages - 1) * page_size)
     return valid

@@ -143,6 +143,10 @@ class OffloadedKVStore(ChunkLedger):
     def _resident(self, layer_idx: int) -> bool:
         return layer_idx < self.resident_layers
 
+    def needs_page_list(self, layer_idx: int) -> bool:
+        """Layers in host memory move only the pages a sparse layer reads; resident ones move none."""
+        return not self._resident(layer_idx)
+
     def reserve(self, batch_size: int, num_tokens: int) -> None:
         """Make room for ``batch_size`` sequences of ``num_tokens`` (host pools grow, never shrink)."""
         self._check_reserve(batch_size, num_tokens)
