@@ -14,10 +14,13 @@
 #   timed step): dense 64K, sparse 128K with select blocks 4096 and 128; then the stream profile of the
 #   sparse 128K step with the compute stream's idle gaps by the ops around them; then oomb.bench.core's
 #   sparse 128K step with chunk 8192, plain and with cache_attention (issue 4's <= 20 s target).
+# PART c: the GPU test of host syncs per step (tests/engine/test_gpu_syncs.py); the sparse 128K step of
+#   Qwen2.5-7B after the sync fix (oomb.bench.core, plain and cached; issue 4's <= 20 s target); then issue
+#   4's quality study (`python -m oomb.bench.sparse_quality`) with the time left (it writes after each phase).
 # Every bench writes its JSON after each row. Everything under $W, a tar in $OUT. BUDGET bounds it.
 set -uo pipefail
 PART=${PART:-${1:-}}
-if [[ $PART != a && $PART != b ]]; then echo "usage: PART=a|b bash scripts/h200_session6.sh" >&2; exit 2; fi
+if [[ $PART != a && $PART != b && $PART != c ]]; then echo "usage: PART=a|b|c bash scripts/h200_session6.sh" >&2; exit 2; fi
 DEFAULT_BUDGET=540
 # shellcheck source=scripts/h200_env.sh
 source "$(dirname "$0")/h200_env.sh"
@@ -68,6 +71,23 @@ elif [[ $PART == b ]]; then
       --chunk 8192 --out "$W/core_sparse_chunk8192.json" > "$W/core_sparse_chunk8192.log" 2>&1
     echo "core exit $?"; tail -6 "$W/core_sparse_chunk8192.log" | cut -c1-300
   fi
+elif [[ $PART == c ]]; then
+  part "GPU test: a step's host syncs do not grow with its chunks"
+  timeout 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/engine/test_gpu_syncs.py \
+    > "$W/gpu_syncs.log" 2>&1
+  echo "tests exit $?"; grep -E "host syncs|passed|failed|Error" "$W/gpu_syncs.log" | tail -8
+
+  part "core bench, Qwen2.5-7B sparse 128K (chunk 4096), plain and with cache_attention, after the sync fix"
+  timeout 170 python3 -m oomb.bench.core --lengths "" --sparse-lengths 131072 --sparse-cache-lengths 131072 \
+    --chunk 4096 --out "$W/core_sparse_128k.json" > "$W/core_sparse_128k.log" 2>&1
+  echo "core exit $?"; tail -5 "$W/core_sparse_128k.log" | cut -c1-300
+
+  part "sparse quality study (issue 4), with what is left"
+  timeout "$(limit 5)" python3 -m oomb.bench.sparse_quality --out "$W/sparse_quality" --data-workers 12 \
+    > "$W/sparse_quality.log" 2>&1
+  echo "sparse_quality exit $?"; tail -6 "$W/sparse_quality.log" | cut -c1-300
+  if [ -f "$W/sparse_quality/sparse_quality.md" ]; then head -80 "$W/sparse_quality/sparse_quality.md"; fi
+  rm -rf "$W/sparse_quality/dense_model"
 fi
 part "done"
 tar czf "$OUT/session6-$PART.tar.gz" -C "$W" --exclude='*.safetensors' --exclude='*.pt' --exclude=checkpoints \
