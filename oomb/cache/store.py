@@ -236,12 +236,17 @@ class PagedKVStore(ChunkLedger):
             ids = self._allocator.allocate(want)
         except OutOfPagesError as e:  # unreachable after _grow; kept to name the store in the message
             raise OutOfPagesError(f"paged store: {e}") from e
-        ids_t = torch.tensor(ids, dtype=torch.int32).view(self.batch_size, n_pages).to(s.device)
+        # The ids come from the host allocator. A pageable copy would wait for the stream (a host
+        # sync per chunk), and ``pool[ids] = 0`` copies its 0 from the host the same way, once per
+        # layer and kind: pinned + non_blocking, and index_fill_ (the value is a kernel argument).
+        cuda = s.device.type == "cuda"
+        ids_t = torch.tensor(ids, dtype=torch.int32, pin_memory=cuda).view(self.batch_size, n_pages)
+        ids_t = ids_t.to(s.device, non_blocking=cuda)
         self.page_table[:, first_page : first_page + n_pages] = ids_t
         ids_long = ids_t.view(-1).long()
         for pools in self._layers:
-            pools.dk[ids_long] = 0
-            pools.dv[ids_long] = 0
+            pools.dk.index_fill_(0, ids_long, 0)
+            pools.dv.index_fill_(0, ids_long, 0)
         record = ChunkRecord(
             start=self.num_tokens,
             end=self.num_tokens + num_tokens,

@@ -64,6 +64,9 @@ class DataConfig:
     """Digits of the passkey (or of the needle's value) to retrieve."""
     depth: float | None = None
     """Where the passkey or needle sits, as a fraction of the sequence; null = random per sequence."""
+    needles: int = 1
+    """data.task=needle: key/value sentences per sequence, each asked once at the end (M answers per sequence);
+    more than 1 spreads them over the sequence and needs data.depth null."""
     loss_on: str = "all"
     """Which tokens carry loss: all (language modelling of the whole sequence) or answer (the digits only)."""
 

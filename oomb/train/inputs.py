@@ -110,6 +110,13 @@ def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs:
         raise ConfigError(f"data.task={d.task!r}: choose passkey, needle (built-in retrieval) or text (data.paths)")
     if d.document_mask and d.task != "text":
         raise ConfigError("data.document_mask=true needs data.task=text (the built-in tasks hold one document)")
+    if d.needles < 1:
+        raise ConfigError(f"data.needles must be >= 1, got {d.needles}")
+    if d.needles > 1 and d.task != "needle":
+        raise ConfigError(f"data.needles={d.needles} needs data.task=needle (passkey and text have no needles)")
+    if d.needles > 1 and d.depth is not None:
+        raise ConfigError(f"data.needles={d.needles} spreads its needles over the sequence: leave data.depth null "
+                          f"(it is {d.depth})")
     check_positions(cfg, config)
     vocab = config.vocab_size
     if d.task == "text":
@@ -137,9 +144,9 @@ def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs:
         except DataError as e:
             raise ConfigError(f"data.paths: {e}") from e
         return TextInputs(corpus, t.batch_size, t.grad_accum, tokenizer)
-    kind = NeedleTask if d.task == "needle" else PasskeyTask
+    kind, extra = (NeedleTask, {"needles": d.needles}) if d.task == "needle" else (PasskeyTask, {})
     try:
-        task = kind(d.seq_len, digits=d.passkey_digits, depth=d.depth, loss_on=d.loss_on, seed=t.seed)
+        task = kind(d.seq_len, digits=d.passkey_digits, depth=d.depth, loss_on=d.loss_on, seed=t.seed, **extra)
     except ValueError as e:
         raise ConfigError(f"data: {e}") from e
     if vocab < task.vocab_size:

@@ -1,10 +1,12 @@
-"""On a GPU: a step's host syncs do not grow with its chunks (none per layer and chunk).
+"""On a GPU: no host sync per layer, and at most three per chunk, none of them oomb's.
 
-A host sync inside the per-layer loop (``.item()``, ``tensor[i] = number`` on a CUDA tensor,
-torch.unique, a blocking copy) empties the GPU's queue once per layer and chunk; the
-GPU then waits while the host queues the next kernels. On the H200 two such syncs per
-layer and chunk left the compute stream idle for about 2 s of a 23 s sparse 128K step of
-Qwen2.5-7B (results/h200/offload-2026-12-03-session6). Run with `pytest -m gpu`.
+A host sync (``.item()``, a blocking or pageable copy, torch.unique, ``pool[ids] = 0`` on a
+CUDA tensor) empties the GPU's queue; the GPU then waits while the host queues the next
+kernels. Session 6's first run of this test (H200, 2026-12-03) counted 12 syncs per chunk
+for a 4-layer model on the device store: 9 of them oomb's (the page-id copy and the zeroing
+of every layer's gradient pages in ``append_chunk``), since fixed; and 3 outside oomb, seen
+with the offloaded store too: transformers' mask preparation once per decoder call (stage 1
+and stage 2) and the fused loss's count of targets. Run with `pytest -m gpu`.
 """
 
 import warnings
@@ -21,16 +23,19 @@ pytestmark = pytest.mark.gpu
 CHUNK = 1024
 
 
-def _model():
+PER_CHUNK_OUTSIDE_OOMB = 3  # transformers' mask preparation x 2 decoder calls, the fused loss's .item()
+
+
+def _model(layers: int):
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+    cfg = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=65536,
                       attention_dropout=0.0)
     with torch.device("cuda"):
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
 
 
-def _host_syncs(model, chunks: int, **kw) -> list[str]:
+def _host_syncs(model, chunks: int, **kw) -> int:
     """The synchronizing CUDA calls of one step (after a step of the same length: kernels compiled,
     store and slots at their size)."""
     ids = torch.randint(0, 4096, (1, chunks * CHUNK), device="cuda")
@@ -44,20 +49,20 @@ def _host_syncs(model, chunks: int, **kw) -> list[str]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     oomb.release_memory(model)
-    return [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
 @pytest.mark.parametrize("setting", ["dense", "sparse", "sparse-one-list-offload", "dense-offload"])
-def test_host_syncs_do_not_grow_with_chunks(setting):
-    model = _model()
+def test_no_host_sync_per_layer_and_few_per_chunk(setting):
     kw = {}
     if setting.startswith("sparse"):
         block = CHUNK if "one-list" in setting else 128
         kw["selection"] = PageSelection(page_budget=2, block=block)
     if setting.endswith("offload"):
         kw["offload"] = True
-    few, many = _host_syncs(model, 4, **kw), _host_syncs(model, 8, **kw)
-    print(f"{setting}: {len(few)} host syncs in a 4-chunk step, {len(many)} in an 8-chunk step")
-    assert len(many) == len(few), many[:3]
-    if setting == "sparse":  # on the device store no page union (torch.unique) is built
-        assert len(few) == len(_host_syncs(model, 4))
+    shallow, deep = _model(2), _model(4)
+    few, many, few_deep = _host_syncs(shallow, 4, **kw), _host_syncs(shallow, 8, **kw), _host_syncs(deep, 4, **kw)
+    print(f"{setting}: {few} host syncs in a 4-chunk step, {many} in an 8-chunk step (2 layers); "
+          f"{few_deep} in a 4-chunk step of 4 layers")
+    assert few_deep == few  # nothing per layer
+    assert many - few <= PER_CHUNK_OUTSIDE_OOMB * 4

@@ -165,6 +165,11 @@ def test_8bit_optimizer_trains_and_resumes_exactly(tmp_path):
     (["train.grad_accum=1.5"], "train.grad_accum .* must be int"),
     (["data.document_mask=true"], "needs data.task=text"),
     (["data.task=needles"], "data.task='needles': choose passkey, needle"),
+    (["data.task=needle", "data.needles=0"], "data.needles must be >= 1, got 0"),
+    (["data.needles=4"], "data.needles=4 needs data.task=needle"),
+    (["data.task=needle", "data.needles=4", "data.depth=0.5"], "data.needles=4 spreads .* leave data.depth null"),
+    (["data.task=needle", "data.needles=20"], r"seq_len=256 is too short for 20 needles.*need >= 423"),
+    (["data.task=needle", "data.needles=2.5"], "data.needles .* must be int"),
     # The byte-level tokenizer (257 ids) does not fit the tiny preset's 64-row embedding.
     (["data.task=text", "data.paths=[{texts}]"], r"257 ids but the model's embedding has only 64 rows"),
 ])
@@ -178,6 +183,21 @@ def test_bad_inputs_stop_before_work(tmp_path, capsys, text_dir, args, match):
 
     assert re.search(match, capsys.readouterr().out.replace("\n", "")), match
     assert not out.exists()
+
+
+def test_multi_needle_run_trains_on_every_answer(tmp_path):
+    from oomb.train.inputs import build_inputs
+    from oomb.train.presets import preset_config
+
+    args = ["data.task=needle", "data.needles=4", "data.passkey_digits=2", "data.loss_on=answer"]
+    inputs = build_inputs(load_config(None, [*FAST, *args]), preset_config("tiny"))
+    assert inputs.task.needles == 4
+    (batch,) = inputs.batches(0)
+    assert batch.answer_positions.shape == (1, 8) and int((batch.labels != -100).sum()) == 8
+    run = tmp_path / "run"
+    assert main(["train", f"out_dir={run}", "train.steps=2", "train.export=false", *FAST, *args]) == 0
+    assert json.loads((run / "config.json").read_text())["data"]["needles"] == 4
+    assert all(r["loss"] == r["loss"] for r in _metrics(run))  # finite, not NaN
 
 
 def test_sequences_beyond_the_model_positions_need_rope_scaling(tmp_path, capsys, text_dir):

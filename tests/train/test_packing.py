@@ -1,5 +1,6 @@
 """Packing documents into sequences (order, document ids, labels, exact resume) and the needle task."""
 
+import hashlib
 import inspect
 import json
 
@@ -9,7 +10,7 @@ from tiny_models import tiny_model
 
 import oomb
 from oomb.train.corpus import DataError, byte_level_tokenizer
-from oomb.train.data import DIGIT0, END, KEY, QUERY, NeedleTask
+from oomb.train.data import BOS, DIGIT0, END, KEY, QUERY, NeedleTask
 from oomb.train.packing import IGNORE_INDEX, PackedCorpus
 
 DOCS = [f"document {i}: " + "abcdefghij"[i % 10] * (5 + 7 * i) for i in range(12)]
@@ -104,6 +105,93 @@ def test_needle_task_layout():
     assert int((answer_only.labels != -100).sum()) == 4
     with pytest.raises(ValueError, match="too short"):
         NeedleTask(20, digits=5)
+
+
+def _digest(batch) -> str:
+    h = hashlib.sha256()
+    for t in (batch.input_ids, batch.labels, batch.answer_positions):
+        h.update(t.to(torch.int64).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("seq_len,kwargs,digest", [
+    # Digests of batch(3, 2) written by the single-needle code before data.needles existed: training runs
+    # and oomb eval's retrieval sequences (needles=1, depth given) must not change.
+    (400, {"digits": 4, "depth": 0.5, "seed": 2}, "1091934e9bd659bc"),
+    (512, {"digits": 2, "seed": 0, "loss_on": "answer"}, "2c646383614ed36e"),
+    (300, {"digits": 5, "depth": 0.0, "seed": 7}, "58eb0349761d408f"),
+    (1000, {"digits": 3, "depth": 1.0, "seed": 11, "loss_on": "answer", "needles": 1}, "5930ab255d1bc2fd"),
+])
+def test_one_needle_sequences_are_unchanged(seq_len, kwargs, digest):
+    assert _digest(NeedleTask(seq_len, **kwargs).batch(3, 2)) == digest
+
+
+def _needles_of(row: torch.Tensor, key_tokens: int, digits: int) -> list[tuple[int, tuple, tuple]]:
+    """(position, key, value) of every KEY sentence in a sequence."""
+    out = []
+    for at in (row == KEY).nonzero().flatten().tolist():
+        key = tuple(row[at + 1 : at + 1 + key_tokens].tolist())
+        assert row[at + 1 + key_tokens] == END and row[at + 2 + key_tokens + digits] == END
+        out.append((at, key, tuple(row[at + 2 + key_tokens : at + 2 + key_tokens + digits].tolist())))
+    return out
+
+
+def test_multi_needle_layout_labels_and_determinism():
+    m, d, k, n = 8, 2, 3, 1024
+    task = NeedleTask(n, digits=d, needles=m, loss_on="answer", seed=4)
+    b = task.batch(step=5, batch_size=3)
+    assert b.input_ids.shape == (3, n) and b.answer_positions.shape == (3, m * d)
+    orders = set()
+    for row, pos, labels in zip(b.input_ids, b.answer_positions, b.labels, strict=True):
+        assert row[0] == BOS
+        needles = _needles_of(row, k, d)
+        assert len(needles) == m and len({key for _, key, _ in needles}) == m  # distinct keys
+        value_of = {key: value for _, key, value in needles}
+        # Needle i lies in the i-th of m equal stretches of the filler: the needles cover the sequence.
+        body = n - 1 - m * (k + d + 3) - m * (k + 2 + d)
+        for i, (at, _, _) in enumerate(needles):
+            assert i * body // m <= at - 1 - i * (k + d + 3) <= (i + 1) * body // m
+        questions = (row == QUERY).nonzero().flatten().tolist()
+        assert len(questions) == m and questions[0] > needles[-1][0]
+        asked = []
+        for j, q in enumerate(questions):  # QUERY key END value, back to back up to the end of the sequence
+            assert q == n - (m - j) * (k + 2 + d)
+            key = tuple(row[q + 1 : q + 1 + k].tolist())
+            assert row[q + 1 + k] == END and key in value_of
+            assert tuple(row[q + 2 + k : q + 2 + k + d].tolist()) == value_of[key]  # its needle's value
+            assert pos[j * d : (j + 1) * d].tolist() == list(range(q + 1 + k, q + 1 + k + d))
+            asked.append(key)
+        assert sorted(asked) == sorted(value_of)  # every key asked exactly once
+        orders.add(tuple(sorted(value_of).index(key) for key in asked))
+        # The labels are exactly the answered digits, and answer_positions point just before them.
+        targets = (labels != -100).nonzero().flatten()
+        assert torch.equal(targets, torch.sort(pos + 1).values)
+        assert torch.equal(labels[targets], row[targets]) and (row[pos + 1] >= DIGIT0).all()
+    assert len(orders) > 1  # the questions come in a random order
+    again = NeedleTask(n, digits=d, needles=m, loss_on="answer", seed=4).batch(step=5, batch_size=3)
+    for field in ("input_ids", "labels", "answer_positions"):
+        assert torch.equal(getattr(again, field), getattr(b, field))  # a pure function of (seed, index)
+    assert not torch.equal(task.batch(6, 3).input_ids, b.input_ids)
+    assert not torch.equal(NeedleTask(n, digits=d, needles=m, seed=5).batch(5, 3).input_ids, b.input_ids)
+    ids, first = task.sequence(5 * 3)  # sequence(): the ids and the position before the first answer
+    assert torch.equal(ids, b.input_ids[0]) and first == int(b.answer_positions[0, 0])
+    all_loss = NeedleTask(n, digits=d, needles=m, seed=4).batch(step=5, batch_size=3)
+    assert torch.equal(all_loss.input_ids, b.input_ids) and torch.equal(all_loss.labels, b.input_ids)
+
+
+def test_multi_needle_bad_settings_are_refused():
+    NeedleTask(63, digits=2, needles=4)  # the shortest: no filler at all
+    with pytest.raises(ValueError, match=r"too short for 4 needles.*need >= 63"):
+        NeedleTask(62, digits=2, needles=4)
+    with pytest.raises(ValueError, match="depth must be None"):
+        NeedleTask(4096, needles=2, depth=0.5)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="needles must be an integer >= 1"):
+            NeedleTask(4096, needles=bad)
+    with pytest.raises(ValueError, match="distinct keys"):
+        NeedleTask(4096, digits=1, key_tokens=1, filler_tokens=4, needles=5)
+    row = NeedleTask(200, digits=1, key_tokens=1, filler_tokens=4, needles=4).batch(0, 1).input_ids[0]
+    assert sorted(key for _, key, _ in _needles_of(row, 1, 1)) == [(14,), (15,), (16,), (17,)]  # all 4 keys
 
 
 HAS_DOC_IDS = "doc_ids" in inspect.signature(oomb.chunked_backward).parameters
