@@ -619,6 +619,9 @@ def _print_table(report: dict) -> None:
             print(f"  compute stream kernels: {groups}")
         for before, after, ms, n in p.get("top_gaps", [])[:6]:
             print(f"  idle {ms:7.1f} ms in {n:6d} gaps between {before[:45]} and {after[:45]}")
+        calls = ", ".join(f"{name} {ms:.0f} ms x {n}" for name, ms, n in p.get("host_calls", [])[:5])
+        if calls:
+            print(f"  host CUDA calls: {calls}")
     rep = report.get("repeat")
     if rep:
         if "skipped" in rep:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 _KERNEL = "kernel"
 _COPIES = ("gpu_memcpy", "gpu_memset")
+_HOST_CALLS = ("cuda_runtime", "cuda_driver")  # the host's CUDA API calls (with ProfilerActivity.CPU)
 # Kernel name -> group, first match wins (lower-cased substrings). Our Triton kernels keep their
 # Python names (oomb/kernels/triton_attention.py, oomb/offload/copy.py); cuBLAS/CUTLASS matmuls
 # are named nvjet_*, sm90_xmma_*, cutlass*, *gemm*.
@@ -62,7 +63,8 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
     Returns {"wall_ms", "compute_stream", "compute_busy_ms", "compute_idle_ms", "streams":
     {stream: {"kernel_ms", "copy_ms", "busy_ms", "kernels", "copies", "groups"}}, "top_kernels":
     [(name, ms, count)], "kernel_groups" {group: {"ms", "count"}} (``kernel_group``) and
-    "top_gaps" [(work before, work after, idle ms, count)] of the compute stream}. Times in
+    "top_gaps" [(work before, work after, idle ms, count)] of the compute stream, and
+    "host_calls" [(CUDA API call, ms, count)] of the host}. Times in
     milliseconds; kernel times are summed durations (kernels of one stream do not overlap, so on
     the compute stream they add up to its busy time).
     """
@@ -72,8 +74,14 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
     names: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
     groups: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
     lo, hi = float("inf"), float("-inf")
+    host_calls: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for ev in events:
         cat = ev.get("cat")
+        if ev.get("ph") == "X" and cat in _HOST_CALLS:
+            entry = host_calls[ev.get("name", "?")]
+            entry[0] += float(ev.get("dur", 0.0)) / 1e3
+            entry[1] += 1
+            continue
         if ev.get("ph") != "X" or (cat != _KERNEL and cat not in _COPIES):
             continue
         stream = int(ev.get("args", {}).get("stream", -1))
@@ -93,7 +101,8 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
             per[stream]["copies"] += 1
     if not spans:
         return {"wall_ms": 0.0, "compute_stream": None, "compute_busy_ms": 0.0, "compute_idle_ms": 0.0,
-                "streams": {}, "top_kernels": [], "kernel_groups": {}, "top_gaps": []}
+                "streams": {}, "top_kernels": [], "kernel_groups": {}, "top_gaps": [],
+                "host_calls": _top_host_calls(host_calls, top)}
     for stream, s in spans.items():
         per[stream]["busy_ms"] = _union_ms(s)
         if groups[stream]:
@@ -119,7 +128,15 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
     top_gaps = sorted(((a, b, v[0], v[1]) for (a, b), v in gaps.items()), key=lambda t: -t[2])[:top]
     return {"wall_ms": wall, "compute_stream": compute, "compute_busy_ms": busy, "compute_idle_ms": wall - busy,
             "streams": {str(k): dict(v) for k, v in sorted(per.items())}, "top_kernels": top_kernels,
-            "kernel_groups": per[compute].get("groups", {}), "top_gaps": top_gaps}
+            "kernel_groups": per[compute].get("groups", {}), "top_gaps": top_gaps,
+            "host_calls": _top_host_calls(host_calls, top)}
+
+
+def _top_host_calls(host_calls: dict[str, list[float]], top: int) -> list[tuple[str, float, int]]:
+    """The host's CUDA API calls by total time: a host that waits for the GPU shows up as
+    cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize (or a blocking cudaMemcpy);
+    a host that is merely slow does not (its time is in Python and in cudaLaunchKernel)."""
+    return sorted(((n, v[0], v[1]) for n, v in host_calls.items()), key=lambda t: -t[1])[:top]
 
 
 def profile_streams(fn: Callable[[], object], *, trace_path: str | None = None) -> dict:

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from oomb.engine.plan import MemoryPlan, largest_context, plan_memory
 from oomb.engine.plan import format_bytes as _gib
-from oomb.train.config import Config, ConfigError
+from oomb.train.config import Config, ConfigError, offload_selection_note
 from oomb.train.inputs import model_config
 from oomb.train.optim import wants_master_weights
 
@@ -250,4 +250,6 @@ def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memo
         print_plan(plan, longest, console,
                    gpu_source="--gpu-memory" if gpu_memory is not None else f"free on {device}",
                    host_source="--host-memory" if host_memory is not None else "available on this machine")
+        if (advice := offload_selection_note(cfg)) is not None:
+            console.print(f"note: {advice}", highlight=False, soft_wrap=True)
     return 0 if plan.fits else 1

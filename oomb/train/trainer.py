@@ -43,7 +43,14 @@ from oomb.train.checkpoint import (
     verify_checkpoint,
     write_text_atomic,
 )
-from oomb.train.config import Config, ConfigError, config_to_dict, load_config, page_selection
+from oomb.train.config import (
+    Config,
+    ConfigError,
+    config_to_dict,
+    load_config,
+    offload_selection_note,
+    page_selection,
+)
 from oomb.train.faults import (
     EXIT_CHECKPOINT_WRITE,
     EXIT_INTERRUPTED,
@@ -373,6 +380,8 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
     )
     if plan is not None:
         console.print(plan.summary() + " (oomb plan prints the breakdown)")
+    if (advice := offload_selection_note(cfg)) is not None:
+        console.print(f"note: {advice}")
     run = _Run(cfg, out, model, optimizer, scheduler, inputs, device,
                saved_step=start if resume_from is not None else None, ctx=ctx)
     tokens_per_step = cfg.train.grad_accum * cfg.train.batch_size * cfg.data.seq_len * (ctx.data_parallel if ctx else 1)

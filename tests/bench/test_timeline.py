@@ -13,11 +13,15 @@ def test_compute_stream_gaps_and_other_streams():
         _kernel(13, 90, 40, "copy_pages"),  # overlaps the compute stream
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 200, "dur": 80, "args": {"stream": 13}},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000, "args": {}},  # not GPU work
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 100, "dur": 60, "args": {}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 10, "dur": 5, "args": {}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 20, "dur": 5, "args": {}},
         {"ph": "i", "cat": "kernel", "name": "marker", "ts": 5, "args": {"stream": 7}},  # not a span
     ]
     s = stream_summary(events)
     assert s["compute_stream"] == 7
-    assert s["wall_ms"] == 0.4  # 0 .. 400 us
+    assert s["wall_ms"] == 0.4  # 0 .. 400 us: host calls are not GPU work
+    assert s["host_calls"] == [("cudaStreamSynchronize", 0.06, 1), ("cudaLaunchKernel", 0.01, 2)]
     assert s["compute_busy_ms"] == 0.25 and abs(s["compute_idle_ms"] - 0.15) < 1e-12
     copy = s["streams"]["13"]
     assert copy["kernels"] == 1 and copy["copies"] == 1 and copy["busy_ms"] == 0.12

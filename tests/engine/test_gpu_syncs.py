@@ -3,10 +3,12 @@
 A host sync (``.item()``, a blocking or pageable copy, torch.unique, ``pool[ids] = 0`` on a
 CUDA tensor) empties the GPU's queue; the GPU then waits while the host queues the next
 kernels. Session 6's first run of this test (H200, 2026-12-03) counted 12 syncs per chunk
-for a 4-layer model on the device store: 9 of them oomb's (the page-id copy and the zeroing
-of every layer's gradient pages in ``append_chunk``), since fixed; and 3 outside oomb, seen
-with the offloaded store too: transformers' mask preparation once per decoder call (stage 1
-and stage 2) and the fused loss's count of targets. Run with `pytest -m gpu`.
+for a 4-layer model on the device store. By their count (1 + 2 per layer), 9 were oomb's
+``append_chunk``: the pageable copy of the page ids and ``pool[ids] = 0`` for every layer's
+gradient pages, both changed since (pinned non-blocking copy, ``index_fill_``; not yet run on
+the GPU). The other 3, seen with the offloaded store too, come from outside oomb: transformers'
+mask preparation once per decoder call (stage 1 and stage 2) and the fused loss's count of
+its targets. Run with `pytest -m gpu`.
 """
 
 import warnings

@@ -179,3 +179,17 @@ def test_offload_gpu_memory_is_checked_and_settled_by_the_plan(monkeypatch):
                        device_total_bytes=80 * 2**30, host_total_bytes=64 * 2**30)
     assert plan.settings["offload_resident_layers"] == 24  # 3 GiB of pages fit the GPU's headroom whole
     assert {i.name: i.host_bytes for i in plan.items}["offloaded pages"] == 0
+
+
+def test_offload_with_small_selection_blocks_gets_a_note(capsys):
+    from oomb.train.config import load_config, offload_selection_note
+
+    base = ["train.offload=true", "train.page_budget=4", "train.chunk_size=1024"]
+    note = offload_selection_note(load_config(None, base))
+    assert note is not None and "train.select_block=1024" in note and "+29.9%" in note
+    assert offload_selection_note(load_config(None, [*base, "train.select_block=1024"])) is None
+    assert offload_selection_note(load_config(None, ["train.page_budget=4"])) is None  # no offload
+    assert offload_selection_note(load_config(None, ["train.offload=true"])) is None  # dense
+    args = ["plan", "--host-memory", "64GiB", "data.seq_len=4096", "train.device=cpu", *base]
+    assert main(args) == 0
+    assert "note: train.offload with train.select_block=128" in capsys.readouterr().out.replace("\n", "")
