@@ -5,6 +5,13 @@
 # tokens (131072, dense by default), then `oomb eval --retrieval` over lengths x depths (dense).
 #
 #   bash scripts/h200_longrun.sh       # everything under $OUT/longrun (./out/longrun without $OUT)
+#   RESUME=1 bash scripts/h200_longrun.sh   # the next device call, on the machine still warm: continue
+#
+# A run longer than one device call (10 minutes): call again within the machine's warm period with
+# RESUME=1 and the same settings (checked against $OUT/longrun/settings.txt). Finished phases are
+# skipped; a long phase stopped by the time guard resumes from its checkpoint (one kept,
+# train.keep_last=1) and may be given more LONG_STEPS; each call evaluates into eval, eval-2, ...
+# (SKIP_EVAL=1: not this call). The weights are deleted only once the long phase has finished.
 #
 # Why this shape (CPU evidence in docs/LOG.md, 2026-12-02 session 3):
 # - loss on the answer digits only (data.loss_on=answer): with the loss on all tokens the filler
@@ -49,10 +56,12 @@ PRESET=${PRESET:-qwen2.5-0.5b}
 DIGITS=${DIGITS:-2}            # passkey digits; exact-match chance is 10^-DIGITS (0.1 per digit)
 TASK=${TASK:-passkey}          # passkey or needle
 SEED=${SEED:-0}
-# the curriculum (dense): "len:batch:steps:lr" per phase, each from the previous phase's export
+# the curriculum (dense): "len:batch:steps:lr[:needles]" per phase, each from the previous phase's export;
+# needles (data.needles, TASK=needle only, default 1): key/value needles per sequence, each asked once at the end
 CURRICULUM=${CURRICULUM:-"128:64:150:5e-4 1024:16:60:4e-4 8192:4:30:2e-4 32768:1:40:1e-4"}
 # the long run (>= 128K for issue 6), batch 1
 LONG_LEN=${LONG_LEN:-131072}; LONG_STEPS=${LONG_STEPS:-12}; LONG_LR=${LONG_LR:-1e-4}  # constant lr after warmup
+LONG_NEEDLES=${LONG_NEEDLES:-1}  # needles per long sequence (TASK=needle): retrieval examples per long step
 # time guard: the long phase gets at most DEADLINE - (seconds used so far) - EVAL_RESERVE seconds
 # (at least LONG_MIN_S); when that runs out it is stopped by SIGTERM at a chunk boundary, saves its
 # last completed step (oomb's graceful stop, exit 75) and the eval uses that checkpoint.
@@ -63,6 +72,11 @@ WARMUP=${WARMUP:-10}           # warmup steps of a phase (fresh AdamW each), at 
 # eval grid (dense forward over every chunk)
 EVAL_LENGTHS=${EVAL_LENGTHS:-4k,32k,128k}; EVAL_DEPTHS=${EVAL_DEPTHS:-0.1,0.5,0.9}; EVAL_SAMPLES=${EVAL_SAMPLES:-4}
 KEEP_WEIGHTS=${KEEP_WEIGHTS:-0} # 0: delete checkpoints/ and export/ once used (GBs of random-init weights)
+# RESUME=1: continue the run already in $OUT (same settings), e.g. in the next device call on a machine
+# that is still warm (its files are kept only while it is): phases finished earlier are skipped, and a
+# long phase stopped by the time guard resumes from its checkpoint (oomb train resume=...) up to LONG_STEPS.
+RESUME=${RESUME:-0}
+SKIP_EVAL=${SKIP_EVAL:-0}      # 1: no eval this call (an intermediate call of a run spread over several)
 EXTRA=${EXTRA:-}               # extra key=value for every training phase (e.g. train.page_size=64)
 EVAL_EXTRA=${EVAL_EXTRA:-}     # extra options for oomb eval (e.g. --page-size 64)
 
@@ -80,10 +94,20 @@ fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
   'cuda:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"
 
-if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT" 2>/dev/null)" ]; then
-  echo "error: $OUT already holds files; set OUT=... to another folder" >&2; exit 2
+SETTINGS="PRESET=$PRESET DIGITS=$DIGITS TASK=$TASK SEED=$SEED CURRICULUM=$CURRICULUM LONG_LEN=$LONG_LEN \
+LONG_LR=$LONG_LR LONG_NEEDLES=$LONG_NEEDLES LONG_BUDGET=$LONG_BUDGET CHUNK=$CHUNK WARMUP=$WARMUP EXTRA=$EXTRA"
+if [ "$RESUME" = 1 ] && [ -f "$OUT/settings.txt" ]; then
+  if [ "$(cat "$OUT/settings.txt")" != "$SETTINGS" ]; then
+    echo "error: RESUME=1 with other settings than the run in $OUT was started with:" >&2
+    echo "  then: $(cat "$OUT/settings.txt")" >&2; echo "  now:  $SETTINGS" >&2; exit 2
+  fi
+  echo "resuming the run in $OUT"
+elif [ -e "$OUT" ] && [ -n "$(ls -A "$OUT" 2>/dev/null)" ]; then
+  echo "error: $OUT already holds files; set OUT=... to another folder (or RESUME=1 to continue its run)" >&2
+  exit 2
 fi
 mkdir -p "$OUT"
+if [ ! -f "$OUT/settings.txt" ]; then printf '%s' "$SETTINGS" > "$OUT/settings.txt"; fi
 START=$SECONDS
 COMMON="data.task=$TASK data.loss_on=answer data.passkey_digits=$DIGITS train.seed=$SEED"
 FROM="model.preset=$PRESET"
@@ -92,15 +116,29 @@ PHASES=""
 
 phase() {  # name len batch steps lr [key=value...]; $LIMIT (seconds, empty = none) caps the phase
   local name=$1 len=$2 batch=$3 steps=$4 lr=$5; shift 5
-  local chunk=$CHUNK t0=$SECONDS losses rc=0 run=("${OOMB[@]}" train)
+  local chunk=$CHUNK t0=$SECONDS losses rc=0 run=("${OOMB[@]}" train) log="$OUT/$name.log"
+  if [ -f "$OUT/$name.done" ]; then  # RESUME=1: finished in an earlier call
+    echo "=== phase $name: finished in an earlier call"
+    PHASES+="$(cat "$OUT/$name.done")"$'\n'
+    PREV="$OUT/$name"; FROM="model.path=$OUT/$name/export"
+    return
+  fi
   if [ -n "${LIMIT:-}" ]; then run=(timeout --preserve-status -s TERM -k 180 "$LIMIT" "${OOMB[@]}" train); fi
   if [ "$len" -lt "$chunk" ]; then chunk=$len; fi
   local warmup=$(( steps / 5 < WARMUP ? steps / 5 : WARMUP ))
   lr=$(python3 -c "import sys; print(repr(float(sys.argv[1])))" "$lr")  # 5e-4 -> 0.0005 (YAML reads 5e-4 as text)
-  echo "=== phase $name: $len tokens x $batch x $steps steps, lr $lr, from $FROM ($(( SECONDS - START )) s so far)"
-  # shellcheck disable=SC2086
-  "${run[@]}" $FROM $COMMON data.seq_len="$len" train.batch_size="$batch" train.steps="$steps" \
-      train.lr="$lr" train.warmup_steps="$warmup" train.chunk_size="$chunk" out_dir="$OUT/$name" $EXTRA "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+  if [ "$RESUME" = 1 ] && ls -d "$OUT/$name"/checkpoints/step-* >/dev/null 2>&1; then
+    # stopped by the time guard in an earlier call: continue from its latest checkpoint
+    echo "=== phase $name: resuming from its latest checkpoint, up to $steps steps ($(( SECONDS - START )) s so far)"
+    if [ -f "$log" ]; then mv "$log" "$OUT/$name.before-$(date +%s).log"; fi
+    "${run[@]}" resume="$OUT/$name" train.steps="$steps" > "$log" 2>&1 || rc=$?
+  else
+    echo "=== phase $name: $len tokens x $batch x $steps steps, lr $lr, from $FROM ($(( SECONDS - START )) s so far)"
+    # shellcheck disable=SC2086
+    "${run[@]}" $FROM $COMMON data.seq_len="$len" train.batch_size="$batch" train.steps="$steps" \
+        train.lr="$lr" train.warmup_steps="$warmup" train.chunk_size="$chunk" out_dir="$OUT/$name" $EXTRA "$@" \
+        > "$log" 2>&1 || rc=$?
+  fi
   if [ "$rc" = 75 ] && [ -n "${LIMIT:-}" ] && [ -d "$OUT/$name/checkpoints" ] && [ -s "$OUT/$name/metrics.jsonl" ]; then
     echo "phase $name: stopped by the time guard after ${LIMIT} s; its last completed step is saved"
     python3 -c "import sys; from pathlib import Path; from oomb.train.monitor import plot_run; plot_run(Path(sys.argv[1]))" \
@@ -122,7 +160,9 @@ PY
 )
   local done_steps
   done_steps=$(grep -c '"step"' "$OUT/$name/metrics.jsonl" || true)
-  PHASES+="  $name: $len tokens x $batch x $done_steps/$steps steps, lr $lr, $(( SECONDS - t0 )) s: answer loss $losses"$'\n'
+  local line="  $name: $len tokens x $batch x $done_steps/$steps steps, lr $lr, $(( SECONDS - t0 )) s: answer loss $losses"
+  PHASES+="$line"$'\n'
+  if [ "$rc" = 0 ]; then printf '%s' "$line" > "$OUT/$name.done"; fi  # RESUME=1 skips it
   if [ "$KEEP_WEIGHTS" = 0 ] && [ -z "${LIMIT:-}" ]; then  # the next phase starts from this export
     rm -rf "$OUT/$name/checkpoints"
     if [ -n "$PREV" ]; then rm -rf "$PREV/export"; fi
@@ -131,11 +171,19 @@ PY
   FROM="model.path=$OUT/$name/export"
 }
 
+needles_arg() {  # needles_arg N: the data.needles override for TASK=needle (none for one needle)
+  if [ "${1:-1}" != 1 ]; then
+    if [ "$TASK" != needle ]; then echo "error: needles need TASK=needle" >&2; exit 2; fi
+    echo "data.needles=$1"
+  fi
+}
 for spec in $CURRICULUM; do
-  IFS=: read -r len batch steps lr <<< "$spec"
-  phase "len$len" "$len" "$batch" "$steps" "$lr"
+  IFS=: read -r len batch steps lr needles <<< "$spec"
+  # shellcheck disable=SC2046  # an empty needles_arg adds no word
+  phase "len$len" "$len" "$batch" "$steps" "$lr" $(needles_arg "${needles:-1}")
 done
-LONG_EXTRA=(train.min_lr_ratio=1.0)  # the time guard may stop it anywhere: no decay
+LONG_EXTRA=(train.min_lr_ratio=1.0 train.keep_last=1)  # the guard may stop it anywhere: no decay; one checkpoint
+if [ "$LONG_NEEDLES" != 1 ]; then LONG_EXTRA+=("$(needles_arg "$LONG_NEEDLES")"); fi
 if [ -n "$LONG_BUDGET" ]; then LONG_EXTRA+=(train.page_budget="$LONG_BUDGET"); fi
 LIMIT=$(( DEADLINE - SECONDS + START - EVAL_RESERVE ))
 if [ "$LIMIT" -lt "$LONG_MIN_S" ]; then LIMIT=$LONG_MIN_S; fi
@@ -146,21 +194,33 @@ LONG="$PREV"
 EVAL_MODEL="$LONG/export"  # a run stopped by the time guard has no export: its latest checkpoint
 if [ ! -f "$EVAL_MODEL/config.json" ]; then EVAL_MODEL="$LONG"; fi
 
+# a long phase that did not finish keeps its checkpoint (and the export it started from) for RESUME=1
+cleanup() {
+  if [ "$KEEP_WEIGHTS" != 0 ]; then return; fi
+  if [ -f "$LONG.done" ]; then rm -rf "$LONG/export" "$LONG/checkpoints" "$BASE/export"
+  else echo "  kept $LONG/checkpoints and $BASE/export: the long phase is unfinished (RESUME=1 continues it)"; fi
+}
+if [ "$SKIP_EVAL" = 1 ]; then
+  echo; echo "=== summary ($OUT, $(( SECONDS - START )) s in all; no eval this call)"; printf '%s' "$PHASES"
+  cleanup; exit 0
+fi
+EVAL_DIR="$OUT/eval"; n=1
+while [ -e "$EVAL_DIR" ]; do n=$(( n + 1 )); EVAL_DIR="$OUT/eval-$n"; done  # one per call of a resumed run
 echo "=== eval: $EVAL_LENGTHS x depths $EVAL_DEPTHS x $EVAL_SAMPLES samples ($(( SECONDS - START )) s so far)"
 t0=$SECONDS
 # shellcheck disable=SC2086
 if ! "${OOMB[@]}" eval "$EVAL_MODEL" --retrieval --task "$TASK" --digits "$DIGITS" --seed "$SEED" \
     --lengths "$EVAL_LENGTHS" --depths "$EVAL_DEPTHS" --samples "$EVAL_SAMPLES" --chunk-size "$CHUNK" \
-    --out "$OUT/eval" $EVAL_EXTRA > "$OUT/eval.log" 2>&1; then
-  echo "error: the eval failed; the last lines of $OUT/eval.log:" >&2; tail -30 "$OUT/eval.log" >&2; exit 1
+    --out "$EVAL_DIR" $EVAL_EXTRA > "$EVAL_DIR.log" 2>&1; then
+  echo "error: the eval failed; the last lines of $EVAL_DIR.log:" >&2; tail -30 "$EVAL_DIR.log" >&2; exit 1
 fi
 EVAL_S=$(( SECONDS - t0 ))
-if [ "$KEEP_WEIGHTS" = 0 ]; then rm -rf "$LONG/export" "$LONG/checkpoints" "$BASE/export"; fi
+cleanup
 
 echo
 echo "=== summary ($OUT, $(( SECONDS - START )) s in all; eval of $EVAL_MODEL)"
 printf '%s' "$PHASES"
-python3 - "$OUT/eval/results.json" "$DIGITS" "$EVAL_S" <<'PY'
+python3 - "$EVAL_DIR/results.json" "$DIGITS" "$EVAL_S" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))["retrieval"]
 digits = int(sys.argv[2])
@@ -174,4 +234,4 @@ for length, cells in sorted(by_len.items()):
     per_depth = ", ".join(f"depth {c['depth']:g}: {c['accuracy']:.2f}" for c in cells)
     print(f"  length {length}: accuracy {acc:.2f}, digits {tok:.2f} ({per_depth})")
 PY
-echo "  files: $LONG/metrics.jsonl, $LONG/training.png, $OUT/eval/results.json, $OUT/eval/retrieval.png"
+echo "  files: $LONG/metrics.jsonl, $LONG/training.png, $EVAL_DIR/results.json, $EVAL_DIR/retrieval.png"
