@@ -60,6 +60,7 @@ OPTIONS: dict[str, dict] = {
     "local4": {"local_pages": 4},
     "per_head": {"per_head": True},
     "sink1+local4+per_head": {"sink_pages": 1, "local_pages": 4, "per_head": True},
+    "bound": {"score": "bound"},  # pages ranked by the upper bound over their keys (per-channel min / max)
 }
 
 

@@ -3,7 +3,8 @@
 Layout (one set of pools per attention layer, page ids shared by all layers)::
 
     k_pool, v_pool, dk_pool, dv_pool : [num_pages, H_kv, page_size, D]
-    mean_k                           : [num_pages, H_kv, D]  (the K dtype)
+    mean_k                           : [num_pages, H_kv, summary_dim]  (the K dtype; the mean key,
+                                       then per-channel min and max with key_summary="bounds")
     page_table                       : [B, max_pages]        int32 (block table)
 
     sequence b, absolute position p  ->  page_table[b, p // page_size], slot p % page_size
@@ -41,6 +42,16 @@ class StoreSpec:
     dtype: torch.dtype
     grad_dtype: torch.dtype
     device: torch.device
+    key_summary: str = "mean"  # per-page key summary for page selection: "mean", or "bounds" (mean | min | max)
+
+    def __post_init__(self) -> None:
+        if self.key_summary not in KEY_SUMMARIES:
+            raise ValueError(f"key_summary must be one of {KEY_SUMMARIES}, got {self.key_summary!r}")
+
+    @property
+    def summary_dim(self) -> int:
+        """Last dimension of the per-page key summary: D (the mean key), or 3D (mean | min | max)."""
+        return self.head_dim * (3 if self.key_summary == "bounds" else 1)
 
     def bytes_per_token(self) -> int:
         """K, V and their gradient pages, all layers (the memory that grows with the context)."""
@@ -48,8 +59,8 @@ class StoreSpec:
         return self.num_layers * self.num_kv_heads * per_head_token
 
     def bytes_per_page(self) -> int:
-        """One page id across all layers: K, V, dK, dV and the mean key (in K's dtype)."""
-        mean_key = self.num_layers * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
+        """One page id across all layers: K, V, dK, dV and the key summary (in K's dtype)."""
+        mean_key = self.num_layers * self.num_kv_heads * self.summary_dim * _itemsize(self.dtype)
         return self.bytes_per_token() * self.page_size + mean_key
 
     def layer_bytes(self, pages: int) -> int:
@@ -57,8 +68,26 @@ class StoreSpec:
         return pages * self.bytes_per_page() // self.num_layers
 
 
+KEY_SUMMARIES = ("mean", "bounds")
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def page_key_summary(tiles: torch.Tensor, valid: torch.Tensor, kind: str) -> torch.Tensor:
+    """Key tiles [n, H_kv, P, D] -> per-page summaries (fp32) over each page's ``valid`` [n] slots:
+    [n, H_kv, D] mean keys, or for ``kind="bounds"`` [n, H_kv, 3D] = mean | per-channel min | max
+    (what an upper bound of q . k over the page's keys needs: q+ . max + q- . min)."""
+    t = tiles.float()
+    mean = t.sum(dim=2) / valid.view(-1, 1, 1)  # padding slots are zero
+    if kind == "mean":
+        return mean
+    slots = torch.arange(t.shape[2], device=t.device)
+    pad = (slots.view(1, -1) >= valid.view(-1, 1)).view(t.shape[0], 1, t.shape[2], 1)
+    k_min = t.masked_fill(pad, float("inf")).amin(dim=2)
+    k_max = t.masked_fill(pad, float("-inf")).amax(dim=2)
+    return torch.cat([mean, k_min, k_max], dim=-1)
 
 
 @dataclass
@@ -69,7 +98,7 @@ class LayerPools:
     v: torch.Tensor  # [num_pages, H_kv, page_size, D]
     dk: torch.Tensor  # [num_pages, H_kv, page_size, D], grad_dtype
     dv: torch.Tensor  # [num_pages, H_kv, page_size, D], grad_dtype
-    mean_k: torch.Tensor  # [num_pages, H_kv, D]: mean key over a page's valid slots (fp32 sum, stored in K's dtype)
+    mean_k: torch.Tensor  # [num_pages, H_kv, summary_dim]: page_key_summary (fp32 sums, stored in K's dtype)
 
 
 @dataclass(frozen=True)
@@ -199,7 +228,7 @@ class PagedKVStore(ChunkLedger):
                 v=torch.empty(shape, dtype=s.dtype, device=s.device),
                 dk=torch.empty(shape, dtype=s.grad_dtype, device=s.device),
                 dv=torch.empty(shape, dtype=s.grad_dtype, device=s.device),
-                mean_k=torch.empty((num_pages, s.num_kv_heads, s.head_dim), dtype=s.dtype, device=s.device),
+                mean_k=torch.empty((num_pages, s.num_kv_heads, s.summary_dim), dtype=s.dtype, device=s.device),
             )
             for _ in range(s.num_layers)
         ]
@@ -304,7 +333,8 @@ class PagedKVStore(ChunkLedger):
         """Nothing to move: every layer's mean keys are on the device (see OffloadedKVStore)."""
 
     def mean_keys(self, layer_idx: int) -> torch.Tensor:
-        """[num_pages, H_kv, D] per-page mean keys (K's dtype), indexed through ``page_table``."""
+        """[num_pages, H_kv, summary_dim] per-page key summaries (mean keys first; K's dtype), indexed
+        through ``page_table``."""
         return self._layers[layer_idx].mean_k
 
     def _chunk_page_ids(self, record: ChunkRecord) -> torch.Tensor:
@@ -324,7 +354,7 @@ class PagedKVStore(ChunkLedger):
         pools.k[ids] = kp
         pools.v[ids] = tokens_to_tiles(v, s.page_size)
         valid = _valid_per_page(record, s.page_size, k.device).repeat(self.batch_size)  # [B*n_pages]
-        pools.mean_k[ids] = (kp.float().sum(dim=2) / valid.view(-1, 1, 1)).to(s.dtype)
+        pools.mean_k[ids] = page_key_summary(kp, valid, s.key_summary).to(s.dtype)
 
     def read(self, layer_idx: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of tokens [start, end) as [B, H_kv, end-start, D] (a copy)."""

@@ -106,7 +106,7 @@ def _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend, doc_
     device = input_ids.device
     # The store keeps gradient pages too (as in training); sharing the training step's
     # store means evaluating between training steps reallocates nothing.
-    store = _store_for(model, device, page_size, None, offload, offload_gpu_bytes)
+    store = _store_for(model, device, page_size, None, offload, offload_gpu_bytes, selection)
     store.reserve(batch, seq_len)
     step = StepContext(store=store, backend=get_backend(backend, device.type), stage="fill", doc_start=doc_start,
                        selection=selection, tp_group=tensor_parallel_group(model))

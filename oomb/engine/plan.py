@@ -110,7 +110,7 @@ class ModelShape:
 
 
 def store_spec(config, *, page_size: int, dtype: torch.dtype, grad_dtype: torch.dtype | None,
-               device: torch.device | str, tensor_parallel: int = 1) -> StoreSpec:
+               device: torch.device | str, tensor_parallel: int = 1, key_summary: str = "mean") -> StoreSpec:
     """The paged store's spec for a model config (the same spec the engine builds); with tensor
     parallelism, one rank's store: its kv_heads / tensor_parallel KV heads."""
     shape = ModelShape.from_config(config)
@@ -119,6 +119,7 @@ def store_spec(config, *, page_size: int, dtype: torch.dtype, grad_dtype: torch.
     return StoreSpec(
         num_layers=shape.num_layers, num_kv_heads=shape.kv_heads // tensor_parallel, head_dim=shape.head_dim,
         page_size=page_size, dtype=dtype, grad_dtype=grad_dtype or dtype, device=torch.device(device),
+        key_summary=key_summary,
     )
 
 
@@ -378,6 +379,7 @@ def plan_memory(
     page_budget: int | None = None,
     select_block: int = 128,
     per_head_selection: bool = False,
+    select_score: str = "mean",
     lora_r: int = 0,
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
     optimizer: str = "adamw",
@@ -461,7 +463,8 @@ def plan_memory(
                      "attention and MLP weights, gradients and optimizer states; activations are planned "
                      "unsplit (an upper bound)")
     spec = store_spec(model_config, page_size=page_size, dtype=dtype, grad_dtype=grad_dtype, device="meta",
-                      tensor_parallel=tensor_parallel)
+                      tensor_parallel=tensor_parallel,
+                      key_summary="bounds" if page_budget is not None and select_score == "bound" else "mean")
     pages_per_seq = -(-seq_len // page_size)
     store = batch_size * pages_per_seq * spec.bytes_per_page() + batch_size * pages_per_seq * 4  # + page table
     store_host = resident = 0
@@ -577,7 +580,8 @@ def plan_memory(
     settings = {
         "family": shape.family, "seq_len": seq_len, "batch_size": batch_size, "chunk_size": chunk_size,
         "page_size": page_size, "dtype": _name(dtype), "grad_dtype": _name(grad_dtype), "page_budget": page_budget,
-        "select_block": select_block, "lora_r": lora_r, "optimizer": optimizer, "master_weights": masters,
+        "select_block": select_block, "select_score": select_score, "lora_r": lora_r, "optimizer": optimizer,
+        "master_weights": masters,
         "layer_checkpointing": layer_checkpointing, "offload": offload,
         "offload_gpu_bytes": offload_gpu_bytes if offload else 0, "offload_resident_layers": resident,
         "cache_attention": cache_attention,

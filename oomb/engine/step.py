@@ -110,7 +110,7 @@ def chunked_backward(
                          "purpose: choose one")
 
     batch, seq_len = input_ids.shape
-    store = _store_for(model, input_ids.device, page_size, grad_dtype, offload, offload_gpu_bytes)
+    store = _store_for(model, input_ids.device, page_size, grad_dtype, offload, offload_gpu_bytes, selection)
     store.reserve(batch, seq_len)
     step = StepContext(store=store, backend=get_backend(backend, input_ids.device.type), doc_start=doc_start,
                        selection=selection, cache_attention=cache_attention, tp_group=tensor_parallel_group(model))
@@ -174,6 +174,11 @@ def run_chunk(model: PreTrainedModel, step: StepContext, input_ids: torch.Tensor
     return hidden
 
 
+def key_summary_for(selection: PageSelection | None) -> str:
+    """The store's per-page key summary a selection policy scores pages by."""
+    return "bounds" if selection is not None and selection.score == "bound" else "mean"
+
+
 def selection_policy(page_budget: int | None, selection: PageSelection | None) -> PageSelection | None:
     """The page-selection policy of a step: ``page_budget`` overrides the budget of ``selection``."""
     if page_budget is not None:
@@ -220,12 +225,14 @@ def _store_for(
     model: PreTrainedModel, device: torch.device, page_size: int, grad_dtype: torch.dtype | None,
     offload: bool = False,
     offload_gpu_bytes: int = 0,
+    selection: PageSelection | None = None,
 ) -> PagedKVStore | OffloadedKVStore:
     group = tensor_parallel_group(model)
     split = 1 if group is None else torch.distributed.get_world_size(group)  # each rank stores its KV heads
     # The planner's spec, so what is planned is what is allocated.
     spec = store_spec(model.config, page_size=page_size, dtype=model.get_input_embeddings().weight.dtype,
-                      grad_dtype=grad_dtype, device=device, tensor_parallel=split)
+                      grad_dtype=grad_dtype, device=device, tensor_parallel=split,
+                      key_summary=key_summary_for(selection))
     kind = OffloadedKVStore if offload else PagedKVStore
     store = _STORES.get(model)
     if store is None or store.spec != spec or type(store) is not kind:

@@ -6,7 +6,7 @@ layers, in sequence order::
 
     host k, v, dk, dv : [num_layers, B, max_pages, H_kv, page_size, D]     (page p of row b
                                                                           at [layer, b, p])
-    host mean         : [num_layers, B, max_pages, H_kv, D] (K's dtype)   (page selection)
+    host mean         : [num_layers, B, max_pages, H_kv, summary_dim] (K's dtype) (page selection)
     page_table        : [B, max_pages] int32 = b * max_pages + p          (for mean keys only)
 
 A layer's mean keys (what sparse attention chooses pages by) come to its slot before its
@@ -54,7 +54,7 @@ import torch
 
 from oomb.cache import ChunkRecord, LayerPools, StoreSpec
 from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
-from oomb.cache.store import ChunkLedger, _itemsize, _valid_per_page
+from oomb.cache.store import ChunkLedger, _itemsize, _valid_per_page, page_key_summary
 from oomb.offload.copy import copy_pages, pinned_empty
 
 _KINDS = ("k", "v", "dk", "dv")
@@ -162,7 +162,7 @@ class OffloadedKVStore(ChunkLedger):
             page = (batch_size, max_pages, s.num_kv_heads, s.page_size, s.head_dim)
             for kind in (*_KINDS, "mean"):
                 dtype = s.grad_dtype if kind in ("dk", "dv") else s.dtype
-                shape = page if kind != "mean" else (batch_size, max_pages, s.num_kv_heads, s.head_dim)
+                shape = page if kind != "mean" else (batch_size, max_pages, s.num_kv_heads, s.summary_dim)
                 if resident:
                     self._dev[kind] = torch.zeros((resident, *shape), dtype=dtype, device=s.device)
                 if resident < s.num_layers:
@@ -347,7 +347,7 @@ class OffloadedKVStore(ChunkLedger):
             view, first = self._chunk_rows(layer_idx, kind, record, "write()")
             view[:, first : first + n] = tiles.view(self.batch_size, n, *tiles.shape[1:])
         valid = _valid_per_page(record, s.page_size, k.device)
-        mean = kt.float().sum(dim=2) / valid.repeat(self.batch_size).view(-1, 1, 1)  # as the device store keeps it
+        mean = page_key_summary(kt, valid.repeat(self.batch_size), s.key_summary)  # as the device store keeps it
         if self._resident(layer_idx):
             means = self._dev["mean"][layer_idx]
         else:  # into the slot (sent home by writeback); its other rows may belong to another layer
@@ -379,7 +379,7 @@ class OffloadedKVStore(ChunkLedger):
     def _ensure_mean(self, slot: _Slot) -> None:
         """Give the slot a mean-key buffer of the reserved shape (made on first use, like its pools)."""
         s = self.spec
-        shape = (self.batch_size, self._max_pages, s.num_kv_heads, s.head_dim)
+        shape = (self.batch_size, self._max_pages, s.num_kv_heads, s.summary_dim)
         if slot.mean is None or tuple(slot.mean.shape) != shape:
             self._synchronize()
             slot.mean = torch.zeros(shape, dtype=s.dtype, device=s.device)

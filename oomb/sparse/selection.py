@@ -8,6 +8,10 @@ itself, always). Which pages: the highest scores
                        = q_mean(block) . k_mean(page)          (linear, so one dot per pair)
 
 per KV head, summed over KV heads unless ``per_head`` (one page list per KV head).
+``score="bound"`` ranks pages instead by an upper bound of the block's mean query against any
+key of the page, q_mean+ . k_max + q_mean- . k_min with per-channel key minima and maxima
+(as Quest does for decoding): a page holding one strongly matching key among many others is
+diluted in its mean key, not in its bound. It needs the store's ``key_summary="bounds"``.
 ``sink_pages`` first pages and ``local_pages`` most recent pages can be kept always;
 they count towards the budget. The result feeds the kernels' ``page_select``:
 [B, H_sel, ceil(C / block), page_budget] int32, ascending page indices.
@@ -23,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed
 
+SCORES = ("mean", "bound")
+
 
 @dataclass(frozen=True)
 class PageSelection:
@@ -33,8 +39,11 @@ class PageSelection:
     sink_pages: int = 0  # the sequence's first pages, always kept
     local_pages: int = 0  # the pages just before the chunk, always kept
     per_head: bool = False  # one page list per KV head instead of one for all heads
+    score: str = "mean"  # "mean": q_mean . k_mean (the paper's); "bound": an upper bound of q_mean . k over the page
 
     def __post_init__(self) -> None:
+        if self.score not in SCORES:
+            raise ValueError(f"the page score must be one of {SCORES}, got {self.score!r}")
         if self.page_budget < 1:
             raise ValueError(f"page_budget must be >= 1 (or None for dense attention), got {self.page_budget}")
         if self.block < 1:
@@ -51,7 +60,7 @@ class PageSelection:
 @torch.no_grad()
 def select_pages(
     q: torch.Tensor,  # [B, H, C, D] the chunk's queries (after RoPE)
-    mean_k: torch.Tensor,  # [num_pages, H_kv, D] per-page mean key (the store's)
+    mean_k: torch.Tensor,  # [num_pages, H_kv, D or 3D] per-page key summary (the store's: mean | min | max)
     page_table: torch.Tensor,  # [B, >= n_past] int32
     n_past: int,  # pages stored before the chunk
     page_size: int,
@@ -83,8 +92,16 @@ def select_pages(
     counts[-1:].fill_(c - (n_qb - 1) * policy.block)  # not counts[-1] = x: a host copy and a stream wait
     q_mean = qf.view(b, h_kv, n_qb, policy.block, d).sum(dim=3) / (counts.view(1, 1, n_qb, 1) * (h // h_kv))
 
-    k_mean = mean_k[page_table[:, :n_past].long()].float()  # [B, n_past, H_kv, D]
-    scores = torch.einsum("bhqd,bphd->bhqp", q_mean, k_mean)  # [B, H_kv, n_qb, n_past]
+    summary = mean_k[page_table[:, :n_past].long()].float()  # [B, n_past, H_kv, D or 3D]
+    if policy.score == "bound":
+        if summary.shape[-1] != 3 * d:
+            raise ValueError("score='bound' needs a store built with key_summary='bounds' (per-page key min and max)")
+        # max over the page's keys k of q . k <= sum_d max(q_d min_d, q_d max_d) = q+ . max + q- . min
+        k_min, k_max = summary[..., d : 2 * d], summary[..., 2 * d :]
+        scores = (torch.einsum("bhqd,bphd->bhqp", q_mean.clamp(min=0), k_max)
+                  + torch.einsum("bhqd,bphd->bhqp", q_mean.clamp(max=0), k_min))
+    else:
+        scores = torch.einsum("bhqd,bphd->bhqp", q_mean, summary[..., :d])  # [B, H_kv, n_qb, n_past]
     if not policy.per_head:
         if group is not None and torch.distributed.get_world_size(group) > 1:
             # [B, H_kv_local, n_qb, n_past] fp32 from every rank: B * H_kv * n_qb * n_past * 4 bytes.

@@ -125,6 +125,9 @@ class TrainConfig:
     """Page-sparse attention: the pages just before each chunk, always attended (they count towards page_budget)."""
     select_per_head: bool = False
     """Page-sparse attention: one page list per KV head instead of one shared by all heads."""
+    select_score: str = "mean"
+    """Page-sparse attention: rank pages by mean (the block's mean query . the page's mean key) or bound (an upper
+    bound over the page's keys from their per-channel min and max: a lone matching key is not averaged away)."""
     offload: bool = False
     """Keep K/V pages and their gradients in pinned host memory, two layers on the GPU (same gradients)."""
     offload_gpu_memory: str = "0"
@@ -232,7 +235,8 @@ def page_selection(cfg: Config) -> PageSelection | None:
     t = cfg.train
     if t.page_budget is None:
         unused = [f"train.{name}" for name, default in (("select_block", 128), ("sink_pages", 0),
-                                                        ("local_pages", 0), ("select_per_head", False))
+                                                        ("local_pages", 0), ("select_per_head", False),
+                                                        ("select_score", "mean"))
                   if getattr(t, name) != default]
         if unused:
             raise ConfigError(f"{', '.join(unused)} only apply to page-sparse attention: set train.page_budget "
@@ -240,9 +244,9 @@ def page_selection(cfg: Config) -> PageSelection | None:
         return None
     try:
         return PageSelection(page_budget=t.page_budget, block=t.select_block, sink_pages=t.sink_pages,
-                             local_pages=t.local_pages, per_head=t.select_per_head)
+                             local_pages=t.local_pages, per_head=t.select_per_head, score=t.select_score)
     except ValueError as e:
-        raise ConfigError(f"train.page_budget / select_block / sink_pages / local_pages: {e}") from e
+        raise ConfigError(f"train.page_budget / select_block / sink_pages / local_pages / select_score: {e}") from e
 
 
 def offload_selection_note(cfg: Config) -> str | None:

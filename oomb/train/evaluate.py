@@ -473,6 +473,8 @@ def add_arguments(parser) -> None:
                    help="page-sparse attention: past pages each query block attends (default: dense, exact)")
     g.add_argument("--select-block", type=int, default=128, metavar="N",
                    help="with --page-budget: queries per selection block (default 128)")
+    g.add_argument("--select-score", default="mean", choices=["mean", "bound"],
+                   help="with --page-budget: rank pages by mean key (default) or by the upper bound over their keys")
     g.add_argument("--offload", action="store_true", help="keep the K/V pages in host memory (docs/offload.md)")
     g.add_argument("--offload-gpu-memory", default="0", metavar="SIZE",
                    help="with --offload: GPU memory for keeping whole layers' pages on the GPU, e.g. 40GiB "
@@ -493,7 +495,8 @@ def _engine_options(args) -> dict:
     if args.page_budget is not None:
         if args.page_budget < 1 or args.select_block < 1:
             raise EvalError("--page-budget and --select-block must be positive")
-        engine["selection"] = PageSelection(page_budget=args.page_budget, block=args.select_block)
+        engine["selection"] = PageSelection(page_budget=args.page_budget, block=args.select_block,
+                                            score=args.select_score)
     try:
         gpu_bytes = parse_bytes(args.offload_gpu_memory)
     except ConfigError as e:
@@ -578,6 +581,7 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
                   "rope_scaled": rope_is_scaled(model_config)},
         "settings": {"chunk_size": args.chunk_size, "page_size": args.page_size, "batch_size": args.batch_size,
                      "page_budget": args.page_budget, "select_block": args.select_block if args.page_budget else None,
+                     "select_score": args.select_score if args.page_budget else None,
                      "offload": args.offload, "offload_gpu_bytes": engine.get("offload_gpu_bytes", 0)},
     }
     common = dict(batch_size=args.batch_size, chunk_size=args.chunk_size, page_size=args.page_size, engine=engine)

@@ -67,6 +67,7 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
         optimizer=t.optimizer, master_weights=wants_master_weights(t.master_weights, torchrun=torchrun),
         layer_checkpointing=t.layer_checkpointing, device_type=device_type,
         page_budget=t.page_budget, select_block=t.select_block, per_head_selection=t.select_per_head,
+        select_score=t.select_score,
         offload=t.offload and device_type == "cuda", cache_attention=t.cache_attention is True,
         offload_gpu_bytes=offload_gpu_bytes(t.offload_gpu_memory),
         tensor_parallel=t.tensor_parallel,

@@ -7,6 +7,7 @@ from tiny_models import VOCAB, tiny_model
 
 import oomb
 from oomb.attention import function as attention_function
+from oomb.engine import store_for_model
 from oomb.engine.step import document_starts
 from oomb.sparse import PageSelection
 
@@ -128,7 +129,67 @@ def test_sparse_budget_changes_gradients_but_stays_close():
     assert cos > 0.9, cos  # a random tiny model attends almost uniformly; most gradient remains
 
 
+def test_bound_score_finds_a_lone_matching_key_the_mean_misses():
+    """One page holds one key along the query among keys against it; another page is mildly along it.
+    The mean key ranks the mild page first; the upper bound ranks the page with the lone match first."""
+    from oomb.cache.store import page_key_summary
+    from oomb.sparse import select_pages
+
+    d, page = 8, 16
+    q = torch.zeros(1, 1, page, d)
+    q[..., 0] = 1.0  # every query along channel 0
+    needle = torch.full((page, d), 0.0)
+    needle[:, 0] = -1.0  # 15 keys against the query ...
+    needle[3, 0] = 10.0  # ... and one strongly along it: mean key -0.3125, below the mild page's 0.5
+    mild = torch.zeros(page, d)
+    mild[:, 0] = 0.5
+    noise = torch.zeros(page, d)
+    tiles = torch.stack([noise, needle, mild, noise]).view(4, 1, page, d)  # [pages, H_kv, P, D]
+    valid = torch.full((4,), float(page))
+    table = torch.arange(4, dtype=torch.int32).view(1, 4)
+    mean = page_key_summary(tiles, valid, "mean")
+    bounds = page_key_summary(tiles, valid, "bounds")
+    assert torch.equal(bounds[..., :d], mean)
+    assert torch.equal(bounds[1, 0, d:2 * d][0], torch.tensor(-1.0)) and bounds[1, 0, 2 * d:][0] == 10.0
+    by_mean = select_pages(q, mean, table, 4, page, PageSelection(page_budget=1, block=page))
+    by_bound = select_pages(q, bounds, table, 4, page, PageSelection(page_budget=1, block=page, score="bound"))
+    assert by_mean.flatten().tolist() == [2] and by_bound.flatten().tolist() == [1]
+    # A bound store also answers mean scoring (its first D channels), identically.
+    assert torch.equal(select_pages(q, bounds, table, 4, page, PageSelection(page_budget=1, block=page)), by_mean)
+    with pytest.raises(ValueError, match="key_summary='bounds'"):
+        select_pages(q, mean, table, 4, page, PageSelection(page_budget=1, block=page, score="bound"))
+
+
+def test_bound_summary_ignores_padding_slots():
+    from oomb.cache.store import page_key_summary
+
+    tiles = torch.full((2, 1, 4, 2), 5.0)
+    tiles[1, :, 2:] = 0.0  # a ragged last page: 2 valid slots, 2 zero-padded
+    got = page_key_summary(tiles, torch.tensor([4.0, 2.0]), "bounds")
+    assert torch.equal(got[1, 0], torch.tensor([5.0, 5.0, 5.0, 5.0, 5.0, 5.0]))  # mean, min, max: not 0
+
+
+def test_bound_score_through_chunked_backward():
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 128))
+    oomb.chunked_backward(model, ids, chunk_size=32, page_size=8)
+    dense = _grads(model)
+    model.zero_grad(set_to_none=True)  # a budget covering every past page: dense, whatever the score
+    oomb.chunked_backward(model, ids, chunk_size=32, page_size=8,
+                          selection=PageSelection(page_budget=12, score="bound"))
+    for n, g in _grads(model).items():
+        assert torch.equal(g, dense[n]), n
+    model.zero_grad(set_to_none=True)
+    oomb.chunked_backward(model, ids, chunk_size=32, page_size=8,
+                          selection=PageSelection(page_budget=2, block=16, score="bound"))
+    assert store_for_model(model).spec.key_summary == "bounds"
+    sparse = torch.cat([g.flatten() for g in _grads(model).values()])
+    assert torch.isfinite(sparse).all() and not torch.equal(sparse, torch.cat([g.flatten() for g in dense.values()]))
+
+
 def test_bad_selection_settings():
+    with pytest.raises(ValueError, match="page score"):
+        PageSelection(score="max")
     with pytest.raises(ValueError, match="count towards the budget"):
         PageSelection(page_budget=4, sink_pages=3, local_pages=2)
     with pytest.raises(ValueError, match="page_budget"):

@@ -23,6 +23,7 @@ CASES = [
                  id="sparse-gpt-oss-window-and-sinks"),
     pytest.param("llama", {"selection": PageSelection(page_budget=4, block=16, per_head=True)}, id="sparse-per-head"),
     pytest.param("qwen3", {"page_budget": 2, "doc_ids": "packed"}, id="sparse-documents"),
+    pytest.param("llama", {"selection": PageSelection(page_budget=3, block=16, score="bound")}, id="sparse-bound"),
 ]
 
 
