@@ -238,6 +238,18 @@ def test_planned_store_is_the_store_the_engine_allocates():
     page_table = 2 * 19 * 4
     assert store.capacity_pages == 2 * 19
     assert _items(plan)["paged store"] == store.nbytes() + page_table
+    mean_bytes = store.nbytes()
+    # Selection by bounds: the store keeps per-page key min and max beside the mean, as planned.
+    from oomb.sparse import PageSelection
+
+    oomb.chunked_backward(model, ids, chunk_size=64, page_size=16,
+                          selection=PageSelection(page_budget=2, block=16, score="bound"))
+    bounds = store_for_model(model)
+    planned = plan_memory(model.config, seq_len=300, batch_size=2, chunk_size=64, page_size=16, dtype=torch.float32,
+                          device_type="cpu", page_budget=2, select_block=16, select_score="bound")
+    assert bounds.spec.key_summary == "bounds" and _items(planned)["paged store"] == bounds.nbytes() + page_table
+    spec = bounds.spec
+    assert bounds.nbytes() - mean_bytes == 2 * 19 * spec.num_layers * spec.num_kv_heads * 2 * spec.head_dim * 4
     oomb.release_memory(model)
 
 
