@@ -23,18 +23,11 @@
 #   --sparse-lengths 128 --growth-lengths 64,128 --longest-lengths 256 --repeat-length 96 --repeat-steps 3
 #   --select-blocks 32,16" W=/tmp/w OUT=/tmp/o PART=a bash scripts/h200_session5.sh
 set -uo pipefail
-PART=${PART:-${1:-}}
-if [[ $PART != a && $PART != b && $PART != c ]]; then echo "usage: PART=a|b|c bash scripts/h200_session5.sh" >&2; exit 2; fi
 DEFAULT_BUDGET=480
 # shellcheck source=scripts/h200_env.sh
 source "$(dirname "$0")/h200_env.sh"
-# limit RESERVE: seconds for the next step, keeping RESERVE for what follows; 0 if under 30 s would remain.
-limit() { local t=$(( $(left) - $1 )); if [ "$t" -lt 30 ]; then echo 0; else echo "$t"; fi; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"
-free -b > "$W/free.txt"; head -2 "$W/free.txt"
-python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
-  | tee "$W/versions.txt"
-git rev-parse HEAD > "$W/git.txt" 2>/dev/null; git status --porcelain >> "$W/git.txt" 2>/dev/null
+require_part a b c
+record_machine
 MARGIN=${HOST_MARGIN_GIB:-4}
 NOSPLIT=(--dense-lengths "" --sparse-lengths "" --growth-lengths "")
 

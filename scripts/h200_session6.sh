@@ -19,16 +19,11 @@
 #   4's quality study (`python -m oomb.bench.sparse_quality`) with the time left (it writes after each phase).
 # Every bench writes its JSON after each row. Everything under $W, a tar in $OUT. BUDGET bounds it.
 set -uo pipefail
-PART=${PART:-${1:-}}
-if [[ $PART != a && $PART != b && $PART != c ]]; then echo "usage: PART=a|b|c bash scripts/h200_session6.sh" >&2; exit 2; fi
 DEFAULT_BUDGET=540
 # shellcheck source=scripts/h200_env.sh
 source "$(dirname "$0")/h200_env.sh"
-limit() { local t=$(( $(left) - $1 )); if [ "$t" -lt 30 ]; then echo 0; else echo "$t"; fi; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$W/gpu.txt"
-python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
-  | tee "$W/versions.txt"
-git rev-parse HEAD > "$W/git.txt" 2>/dev/null; git status --porcelain >> "$W/git.txt" 2>/dev/null
+require_part a b c
+record_machine
 
 if [[ $PART == a ]]; then
   part "offload bench, Qwen2.5-7B: stream profiles, then the overhead pairs"
