@@ -380,7 +380,7 @@ def _valid_per_page(record: ChunkRecord, page_size: int, device: torch.device) -
     """Number of real (non-padding) tokens in each page of a chunk, as float32 [num_pages]."""
     n = record.end - record.start
     valid = torch.full((record.num_pages,), float(page_size), device=device)
-    # fill_, not ``valid[-1] = x``: assigning a number to one element of a CUDA tensor copies it
-    # from pageable host memory and waits for the stream, once per layer and chunk.
+    # fill_ passes the number as a kernel argument (an element assignment may go through a
+    # host-to-device copy instead; this runs once per layer and chunk).
     valid[-1:].fill_(n - (record.num_pages - 1) * page_size)
     return valid

@@ -89,7 +89,7 @@ def select_pages(
     if pad:
         qf = torch.nn.functional.pad(qf, (0, 0, 0, pad))
     counts = torch.full((n_qb,), float(policy.block), device=q.device)
-    counts[-1:].fill_(c - (n_qb - 1) * policy.block)  # not counts[-1] = x: a host copy and a stream wait
+    counts[-1:].fill_(c - (n_qb - 1) * policy.block)  # the number as a kernel argument, no host copy
     q_mean = qf.view(b, h_kv, n_qb, policy.block, d).sum(dim=3) / (counts.view(1, 1, n_qb, 1) * (h // h_kv))
 
     summary = mean_k[page_table[:, :n_past].long()].float()  # [B, n_past, H_kv, D or 3D]
