@@ -171,7 +171,8 @@ def test_cli_writes_results_and_plots(tmp_path, hf_dir, capsys):
     assert results["command"].startswith("oomb eval ") and "--retrieval" in results["command"]
     assert results["model"]["source"] == "huggingface" and results["model"]["vocab_size"] == 300
     assert results["settings"] == {"chunk_size": 64, "page_size": 32, "batch_size": 2, "page_budget": None,
-                                   "select_block": None, "offload": False, "offload_gpu_bytes": 0}
+                                   "select_block": None, "select_score": None, "offload": False,
+                                   "offload_gpu_bytes": 0}
     ppl = results["perplexity"]
     assert ppl["documents"] == 3 and ppl["skipped_short_documents"] == 1
     assert [b["start"] for b in ppl["buckets"]] == [1, 75, 150, 225] and ppl["tokens"] == 3 * 299
