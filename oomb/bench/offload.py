@@ -394,14 +394,18 @@ class Bench:
                 torch.cuda.reset_peak_memory_stats()
             repeats = 1 if s.kind == "longest" else self.args.repeats
             kw = self.step_kwargs(s)
+
+            def step():
+                oomb.chunked_backward(self.model, ids, **kw)
+
             steady = s.kind == "pair" and self.args.steady
             if steady:
                 # A training run's first step allocates the store (and pins its host pools); every
                 # later step reuses it. Time that first step apart, then the steps that follow it.
-                row["first_step_s"] = self.time_steps(lambda: oomb.chunked_backward(self.model, ids, **kw), 1)[0]
+                row["first_step_s"] = self.time_steps(step, 1)[0]
                 if self.cuda:
                     torch.cuda.reset_peak_memory_stats()
-            times = self.time_steps(lambda: oomb.chunked_backward(self.model, ids, **kw), repeats)
+            times = self.time_steps(step, repeats)
             row.update(step_s=sorted(times)[len(times) // 2], step_times_s=times, steady=steady,
                        **self.memory_now(s.offload))
             row["rss_before_gib"] = rss_before / GIB

@@ -68,8 +68,7 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
     milliseconds; kernel times are summed durations (kernels of one stream do not overlap, so on
     the compute stream they add up to its busy time).
     """
-    spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    named: dict[int, list[tuple[float, float, str]]] = defaultdict(list)  # (start, end, name) per stream
+    spans: dict[int, list[tuple[float, float, str]]] = defaultdict(list)  # (start, end, name) per stream
     per: dict[int, dict] = defaultdict(lambda: {"kernel_ms": 0.0, "copy_ms": 0.0, "kernels": 0, "copies": 0})
     names: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
     groups: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
@@ -86,8 +85,7 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
             continue
         stream = int(ev.get("args", {}).get("stream", -1))
         start, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
-        spans[stream].append((start, start + dur))
-        named[stream].append((start, start + dur, ev.get("name", "?")[:60]))
+        spans[stream].append((start, start + dur, ev.get("name", "?")[:60]))
         lo, hi = min(lo, start), max(hi, start + dur)
         if cat == _KERNEL:
             per[stream]["kernel_ms"] += dur / 1e3
@@ -102,21 +100,21 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
     if not spans:
         return {"wall_ms": 0.0, "compute_stream": None, "compute_busy_ms": 0.0, "compute_idle_ms": 0.0,
                 "streams": {}, "top_kernels": [], "kernel_groups": {}, "top_gaps": [],
-                "host_calls": _top_host_calls(host_calls, top)}
+                "host_calls": _by_time(host_calls, top)}
     for stream, s in spans.items():
-        per[stream]["busy_ms"] = _union_ms(s)
+        per[stream]["busy_ms"] = _union_ms([(a, b) for a, b, _ in s])
         if groups[stream]:
             per[stream]["groups"] = {g: {"ms": v[0], "count": v[1]}
                                      for g, v in sorted(groups[stream].items(), key=lambda t: -t[1][0])}
     compute = max(per, key=lambda k: per[k]["kernel_ms"])
     wall = (hi - lo) / 1e3
     busy = per[compute]["busy_ms"]
-    top_kernels = sorted(((n, v[0], v[1]) for n, v in names[compute].items()), key=lambda t: -t[1])[:top]
+    top_kernels = _by_time(names[compute], top)
     # The compute stream's idle time by what it waited between: (work before, work after) -> total.
     # A host sync (the host waiting for a result before it queues more) shows as many gaps after
     # the same op; a stream waiting for copies shows as gaps before the op that reads them.
     gaps: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
-    work = sorted(named[compute])
+    work = sorted(spans[compute])
     end, before = float("-inf"), None
     for start, stop, name in work:
         if before is not None and start > end:
@@ -129,14 +127,15 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
     return {"wall_ms": wall, "compute_stream": compute, "compute_busy_ms": busy, "compute_idle_ms": wall - busy,
             "streams": {str(k): dict(v) for k, v in sorted(per.items())}, "top_kernels": top_kernels,
             "kernel_groups": per[compute].get("groups", {}), "top_gaps": top_gaps,
-            "host_calls": _top_host_calls(host_calls, top)}
+            # The host's CUDA API calls: a host waiting for the GPU shows as cudaStreamSynchronize /
+            # cudaDeviceSynchronize / cudaEventSynchronize (or a blocking cudaMemcpy); a host merely
+            # slow does not (its time is in Python and in cudaLaunchKernel).
+            "host_calls": _by_time(host_calls, top)}
 
 
-def _top_host_calls(host_calls: dict[str, list[float]], top: int) -> list[tuple[str, float, int]]:
-    """The host's CUDA API calls by total time: a host that waits for the GPU shows up as
-    cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize (or a blocking cudaMemcpy);
-    a host that is merely slow does not (its time is in Python and in cudaLaunchKernel)."""
-    return sorted(((n, v[0], v[1]) for n, v in host_calls.items()), key=lambda t: -t[1])[:top]
+def _by_time(totals: dict[str, list[float]], top: int) -> list[tuple[str, float, int]]:
+    """{name: [ms, count]} -> the ``top`` (name, ms, count), most time first."""
+    return sorted(((n, v[0], v[1]) for n, v in totals.items()), key=lambda t: -t[1])[:top]
 
 
 def profile_streams(fn: Callable[[], object], *, trace_path: str | None = None) -> dict:

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from oomb.cache import StoreSpec
+from oomb.sparse import store_key_summary
 
 GiB = 2**30
 # CUDA context, cuBLAS/Triton workspaces and caching-allocator slack: memory the process uses
@@ -464,7 +465,7 @@ def plan_memory(
                      "unsplit (an upper bound)")
     spec = store_spec(model_config, page_size=page_size, dtype=dtype, grad_dtype=grad_dtype, device="meta",
                       tensor_parallel=tensor_parallel,
-                      key_summary="bounds" if page_budget is not None and select_score == "bound" else "mean")
+                      key_summary=store_key_summary(select_score if page_budget is not None else None))
     pages_per_seq = -(-seq_len // page_size)
     store = batch_size * pages_per_seq * spec.bytes_per_page() + batch_size * pages_per_seq * 4  # + page table
     store_host = resident = 0

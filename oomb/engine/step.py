@@ -24,7 +24,7 @@ from oomb.engine.plan import store_spec
 from oomb.engine.tensor_parallel import tensor_parallel_group
 from oomb.kernels import get_backend
 from oomb.offload import OffloadedKVStore
-from oomb.sparse import PageSelection
+from oomb.sparse import PageSelection, store_key_summary
 
 # One store per model, reused across steps so the pools are allocated once.
 _STORES: weakref.WeakKeyDictionary[torch.nn.Module, PagedKVStore | OffloadedKVStore] = weakref.WeakKeyDictionary()
@@ -174,11 +174,6 @@ def run_chunk(model: PreTrainedModel, step: StepContext, input_ids: torch.Tensor
     return hidden
 
 
-def key_summary_for(selection: PageSelection | None) -> str:
-    """The store's per-page key summary a selection policy scores pages by."""
-    return "bounds" if selection is not None and selection.score == "bound" else "mean"
-
-
 def selection_policy(page_budget: int | None, selection: PageSelection | None) -> PageSelection | None:
     """The page-selection policy of a step: ``page_budget`` overrides the budget of ``selection``."""
     if page_budget is not None:
@@ -232,7 +227,7 @@ def _store_for(
     # The planner's spec, so what is planned is what is allocated.
     spec = store_spec(model.config, page_size=page_size, dtype=model.get_input_embeddings().weight.dtype,
                       grad_dtype=grad_dtype, device=device, tensor_parallel=split,
-                      key_summary=key_summary_for(selection))
+                      key_summary=store_key_summary(selection.score if selection is not None else None))
     kind = OffloadedKVStore if offload else PagedKVStore
     store = _STORES.get(model)
     if store is None or store.spec != spec or type(store) is not kind:

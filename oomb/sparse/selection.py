@@ -30,6 +30,12 @@ import torch.distributed
 SCORES = ("mean", "bound")
 
 
+def store_key_summary(score: str | None) -> str:
+    """The paged store's per-page key summary (StoreSpec.key_summary) that a page score needs:
+    min and max beside the mean for "bound", the mean alone otherwise (also for dense, None)."""
+    return "bounds" if score == "bound" else "mean"
+
+
 @dataclass(frozen=True)
 class PageSelection:
     """How past pages are chosen; ``page_budget`` pages per query block in all."""
