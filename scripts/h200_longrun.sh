@@ -77,6 +77,7 @@ KEEP_WEIGHTS=${KEEP_WEIGHTS:-0} # 0: delete checkpoints/ and export/ once used (
 # long phase stopped by the time guard resumes from its checkpoint (oomb train resume=...) up to LONG_STEPS.
 RESUME=${RESUME:-0}
 SKIP_EVAL=${SKIP_EVAL:-0}      # 1: no eval this call (an intermediate call of a run spread over several)
+CURRICULUM_ONLY=${CURRICULUM_ONLY:-0}  # 1: stop after the curriculum (RESUME=1 in a later call runs the long phase)
 EXTRA=${EXTRA:-}               # extra key=value for every training phase (e.g. train.page_size=64)
 EVAL_EXTRA=${EVAL_EXTRA:-}     # extra options for oomb eval (e.g. --page-size 64)
 
@@ -127,6 +128,14 @@ phase() {  # name len batch steps lr [key=value...]; $LIMIT (seconds, empty = no
   if [ "$len" -lt "$chunk" ]; then chunk=$len; fi
   local warmup=$(( steps / 5 < WARMUP ? steps / 5 : WARMUP ))
   lr=$(python3 -c "import sys; print(repr(float(sys.argv[1])))" "$lr")  # 5e-4 -> 0.0005 (YAML reads 5e-4 as text)
+  if [ "$RESUME" = 1 ] && [ -d "$OUT/$name" ] && ! ls -d "$OUT/$name"/checkpoints/step-* >/dev/null 2>&1; then
+    # an earlier call stopped this phase before its first checkpoint: keep its files aside, start it again
+    local aside
+    aside="$OUT/$name.incomplete-$(date +%s)"
+    echo "=== phase $name: no checkpoint from the earlier call; its folder moves to $aside"
+    mv "$OUT/$name" "$aside"
+    if [ -f "$log" ]; then mv "$log" "$aside.log"; fi
+  fi
   if [ "$RESUME" = 1 ] && ls -d "$OUT/$name"/checkpoints/step-* >/dev/null 2>&1; then
     # stopped by the time guard in an earlier call: continue from its latest checkpoint
     echo "=== phase $name: resuming from its latest checkpoint, up to $steps steps ($(( SECONDS - START )) s so far)"
@@ -182,6 +191,10 @@ for spec in $CURRICULUM; do
   # shellcheck disable=SC2046  # an empty needles_arg adds no word
   phase "len$len" "$len" "$batch" "$steps" "$lr" $(needles_arg "${needles:-1}")
 done
+if [ "$CURRICULUM_ONLY" = 1 ]; then
+  echo; echo "=== summary ($OUT, $(( SECONDS - START )) s in all; curriculum only, RESUME=1 runs the long phase)"
+  printf '%s' "$PHASES"; exit 0
+fi
 LONG_EXTRA=(train.min_lr_ratio=1.0 train.keep_last=1)  # the guard may stop it anywhere: no decay; one checkpoint
 if [ "$LONG_NEEDLES" != 1 ]; then LONG_EXTRA+=("$(needles_arg "$LONG_NEEDLES")"); fi
 if [ -n "$LONG_BUDGET" ]; then LONG_EXTRA+=(train.page_budget="$LONG_BUDGET"); fi
