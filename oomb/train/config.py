@@ -68,7 +68,8 @@ class DataConfig:
     """data.task=needle: key/value sentences per sequence, each asked once at the end (M answers per sequence);
     more than 1 spreads them over the sequence and needs data.depth null."""
     loss_on: str = "all"
-    """Which tokens carry loss: all (language modelling of the whole sequence) or answer (the digits only)."""
+    """Which tokens carry loss: all (language modelling of the whole sequence) or answer (the digits only; the LM
+    head then runs on those positions alone)."""
 
 
 @dataclass

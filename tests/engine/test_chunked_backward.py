@@ -134,3 +134,38 @@ def test_lora_through_peft_equals_full_sequence():
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert grads.keys() == ref_grads.keys()
     assert max(rel_err(grads[n], ref_grads[n]) for n in grads) <= TOL
+
+
+def test_answer_only_labels_run_the_head_on_their_rows_only(monkeypatch):
+    # A passkey-style loss: two answer positions in 150 tokens. The LM head must see only rows with a
+    # target (one ignored row for a chunk without any), and training must still equal the full sequence.
+    from oomb.engine import step as step_module
+
+    seen = []
+    real = step_module.linear_cross_entropy_sum
+
+    def recording(hidden, weight, bias, targets, **kw):
+        seen.append(targets.clone())
+        return real(hidden, weight, bias, targets, **kw)
+
+    monkeypatch.setattr(step_module, "linear_cross_entropy_sum", recording)
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (2, 150))
+    labels = torch.full_like(ids, -100)
+    labels[0, 120] = ids[0, 120]
+    labels[1, 40] = ids[1, 40]
+    _assert_same_training(model, ids, labels, chunk_size=32, page_size=16)
+    # 5 chunks, newest first: [128, 150) none, [96, 128) one (row 0's position 119), [64, 96) none,
+    # [32, 64) one (row 1's position 39), [0, 32) none
+    assert [t.tolist() for t in seen] == [[-100], [ids[0, 120].item()], [-100], [ids[1, 40].item()], [-100]]
+
+
+def test_target_rows():
+    from oomb.engine.step import chunk_target_counts, target_rows
+
+    targets = torch.tensor([[-100, 5, -100, -100, -100, 7], [-100, -100, -100, -100, 3, -100]])
+    assert chunk_target_counts(targets, 4) == [1, 2]  # the last chunk is [4, 6): padded
+    flat = targets[:, :4].reshape(-1)
+    assert target_rows(flat, 1).tolist() == [1]
+    assert target_rows(torch.full((6,), -100), 0).tolist() == [0]  # no target: one ignored row
+    assert target_rows(torch.tensor([1, -100, 2, 3]), 3) is None  # most rows have one: all rows
