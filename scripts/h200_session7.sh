@@ -3,6 +3,8 @@
 #   PART=a bash scripts/h200_session7.sh   # GPU tests, then the curriculum, then the 128K phase with the time left
 #   PART=b bash scripts/h200_session7.sh   # within the machine's warm period: the 128K phase continues
 #   PART=c bash scripts/h200_session7.sh   # the 128K phase to a step count that fits, then the eval
+#   PART=d bash scripts/h200_session7.sh   # all of it in one call, with a shorter curriculum (part a's
+#                                            machine was not warm any more for part b)
 # The run lives in $W/longrun (kept on the machine while it is warm); each part sends back its logs,
 # metrics, plots and eval (no weights) as $OUT/session7-$PART.tar.gz.
 #
@@ -13,7 +15,7 @@ set -uo pipefail
 DEFAULT_BUDGET=560
 # shellcheck source=scripts/h200_env.sh
 source "$(dirname "$0")/h200_env.sh"
-require_part a b c
+require_part a b c d
 record_machine
 
 export OUT_RUN=$W DIGITS=1 LONG_LEN=131072 LONG_LR=1e-4 CHUNK=4096 KEEP_WEIGHTS=0
@@ -54,6 +56,13 @@ PY
 )
   part "long run: the 128K phase to step $steps ($t s), then the eval"
   RESUME=1 LONG_STEPS=$steps DEADLINE=$(( t + EVAL_S )) EVAL_RESERVE=$EVAL_S LONG_MIN_S=$t longrun
+elif [[ $PART == d ]]; then
+  # part a (2026-12-03): 1 digit was learned to loss 0 by step ~97 at 128 tokens, 1K and 8K started at
+  # loss 0, 32K (100 x 1) was 0 on most steps: shorter phases, 16K instead of 8K + 32K (8x jumps
+  # worked), then the 128K phase with what the call leaves after the eval's reserve
+  part "long run in one call"
+  CURRICULUM="128:64:160:5e-4 1024:16:30:4e-4 16384:2:30:2e-4" EVAL_SAMPLES=6 LONG_STEPS=$LONG_STEPS_MAX \
+    DEADLINE=$(( $(left) - 10 )) EVAL_RESERVE=150 LONG_MIN_S=120 longrun
 fi
 part "done"
 tar czf "$OUT/session7-$PART.tar.gz" -C "$W" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
