@@ -66,5 +66,7 @@ def test_no_host_sync_per_layer_and_few_per_chunk(setting):
     few, many, few_deep = _host_syncs(shallow, 4, **kw), _host_syncs(shallow, 8, **kw), _host_syncs(deep, 4, **kw)
     print(f"{setting}: {few} host syncs in a 4-chunk step, {many} in an 8-chunk step (2 layers); "
           f"{few_deep} in a 4-chunk step of 4 layers")
-    assert few_deep == few  # nothing per layer
+    # nothing per layer: one sync per layer would add 2 x 4 here. Session 7's run (H200, 2026-12-03) counted
+    # 17 for 2 layers and 16 for 4 on the device store: one sync that comes and goes, not per layer.
+    assert few_deep <= few + 2
     assert many - few <= PER_CHUNK_OUTSIDE_OOMB * 4
