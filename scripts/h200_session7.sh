@@ -24,6 +24,8 @@ export EVAL_LENGTHS=4k,32k,128k EVAL_DEPTHS=0.1,0.5,0.9 EVAL_SAMPLES=8
 LONG_STEPS_MAX=400  # parts a and b: the time guard ends the phase long before
 SAVE_S=45           # after the guard's SIGTERM: the step in flight, the checkpoint (~6 GB with AdamW), exit
 longrun() { OUT=$OUT_RUN bash scripts/h200_longrun.sh; }
+# long_phase T: resume the run into its 128K phase for T seconds (the guard then saves it), no eval
+long_phase() { RESUME=1 SKIP_EVAL=1 LONG_STEPS=$LONG_STEPS_MAX DEADLINE=$1 EVAL_RESERVE=0 LONG_MIN_S=$1 longrun; }
 
 if [[ $PART == a ]]; then
   part "GPU tests (kernels in bf16, host syncs per step, offload bit-identity)"
@@ -35,12 +37,12 @@ if [[ $PART == a ]]; then
   t=$(limit $SAVE_S)
   if [ "$t" -ge 120 ]; then
     part "long run: the 128K phase, $t s"
-    RESUME=1 SKIP_EVAL=1 LONG_STEPS=$LONG_STEPS_MAX DEADLINE=$t EVAL_RESERVE=0 LONG_MIN_S=$t longrun
+    long_phase "$t"
   fi
 elif [[ $PART == b ]]; then
   t=$(limit $SAVE_S)
   part "long run: the 128K phase continues, $t s"
-  RESUME=1 SKIP_EVAL=1 LONG_STEPS=$LONG_STEPS_MAX DEADLINE=$t EVAL_RESERVE=0 LONG_MIN_S=$t longrun
+  long_phase "$t"
 elif [[ $PART == c ]]; then
   EVAL_S=${EVAL_S:-160}  # the eval: 8 samples x 3 depths at 128K (~4-5 s each) plus the shorter lengths
   t=$(limit $(( EVAL_S + SAVE_S )))

@@ -188,8 +188,8 @@ def target_rows(chunk_targets: torch.Tensor, count: int) -> torch.Tensor | None:
 
     ``count`` is their number (chunk_target_counts), so no host sync is needed. Where fewer than half
     the rows have a target (a loss on answers only, prompts masked), the LM head and its cross-entropy
-    run on those rows alone: the head is a [vocab, hidden] matmul per row, 27% of Qwen2.5-0.5B's FLOPs
-    per token. A chunk without targets keeps one (ignored) row, so its backward still runs and carries
+    run on those rows alone: the head is a [vocab, hidden] matmul per row (Qwen2.5-0.5B: 136M of its
+    494M parameters). A chunk without targets keeps one (ignored) row, so its backward still runs and carries
     the gradients of its K/V pages into the chunk.
     """
     if 2 * count >= chunk_targets.shape[0]:
