@@ -8,12 +8,15 @@ Each length: one warm-up step at the first length, then ``--repeats`` timed step
 Parameters are bf16 with bf16 gradients kept allocated (no optimizer), random init.
 Optionally the same work through transformers (full sequence, SDPA, gradient
 checkpointing, loss through the same fused cross-entropy) as the baseline, in the
-same run, until it runs out of memory.
+same run, until it runs out of memory. oomb's rows run with liger's fused RMSNorm and
+SwiGLU where available (``--fused-ops``, as ``oomb train`` does); transformers' rows
+with its own modules.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -24,7 +27,11 @@ import torch
 
 import oomb
 from oomb.bench.common import int_list, run_benchmark
+from oomb.bench.tune_attention import CANDIDATES
 from oomb.engine import linear_cross_entropy_sum, store_for_model
+from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
+from oomb.engine.fused_ops import use_fused_ops
+from oomb.kernels import triton_attention as T
 from oomb.train.presets import build_model
 
 
@@ -66,6 +73,12 @@ def run(args) -> dict:
     device = torch.device("cuda")
     model = build_model(args.preset, dtype=torch.bfloat16, device=device)
     model.train()
+    plain_modules = dict(model.named_modules())
+    fused = use_fused_ops(model, args.fused_ops)  # oomb's rows; transformers' rows get the plain modules back
+    tiles = dict(CANDIDATES)[args.tiles]
+    if tiles:  # a tune_attention candidate instead of the default tiles, for oomb's rows
+        default_tiles = T.choose_tiles
+        T.choose_tiles = lambda *a: dataclasses.replace(default_tiles(*a), **tiles)  # noqa: E731
     cfg = model.config
     params = [p for p in model.parameters()]
     param_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -119,6 +132,7 @@ def run(args) -> dict:
                 "store_gib": store_for_model(model).nbytes() / 2**30,
                 "store_bytes_per_token": store_for_model(model).spec.bytes_per_token(),
                 "params_plus_grads_gib": 2 * param_bytes / 2**30,
+                "fused_ops_modules": len(fused), "tiles": args.tiles,
             })
         except torch.OutOfMemoryError as e:
             record(system, n, error=f"out of memory: {str(e).splitlines()[0]}")
@@ -126,6 +140,9 @@ def run(args) -> dict:
         oomb.release_memory(model)
         torch.cuda.empty_cache()
 
+    for name in fused:  # transformers' rows: its own modules, as a user of plain transformers runs them
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, plain_modules[name])
     if args.hf_lengths:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for n in args.hf_lengths:
@@ -153,6 +170,7 @@ def run(args) -> dict:
         "versions": {"torch": torch.__version__, "oomb": oomb.__version__,
                      "transformers": __import__("transformers").__version__},
         "preset": args.preset,
+        "fused_ops": args.fused_ops, "fused_ops_modules": len(fused), "tiles": args.tiles,
         "param_gib": param_bytes / 2**30,
         "results": results,
         "memory_growth": summary,
@@ -207,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--page", type=int, default=128)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--fused-ops", default="auto", choices=FUSED_OPS_MODES,
+                   help="liger's fused RMSNorm/SwiGLU in oomb's rows (oomb.engine.fused_ops); transformers' rows never")
+    p.add_argument("--tiles", default="default", choices=[name for name, _ in CANDIDATES],
+                   help="attention tiles for oomb's rows: a candidate of oomb.bench.tune_attention")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", default=None, help="write the JSON report here")
     return run_benchmark("core", p.parse_args(argv), run, _print_table)

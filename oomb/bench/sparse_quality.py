@@ -81,7 +81,7 @@ class Study:
     lr: float
     warmup_steps: int
     loss_on: str  # "all" or "answer" (PasskeyTask)
-    learn_budget: int  # the sparse arm's page budget
+    learn_budget: int  # the sparse arms' page budget
     # A short-context start shared by both arms (dense; sparse would equal dense at this length):
     # ``pretrain_steps`` steps of ``pretrain_batch`` x ``pretrain_len`` tokens; 0 = both arms from random init.
     pretrain_len: int = 1024
@@ -101,7 +101,10 @@ class Study:
     eval_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     eval_samples: int = 16
     grad_eval_samples: int = 8  # per depth, for the dense-trained model at the gradient lengths
+    # Sparse arms: one per selection option (OPTIONS), each from the same start with the same batches.
+    learn_options: list[str] = field(default_factory=lambda: ["default"])
     # Gradient study.
+    gradient_study: bool = True
     grad_lengths: list[int] = field(default_factory=list)
     grad_samples: int = 2  # sequences per gradient (one [B, N] batch)
     budgets: list[int] = field(default_factory=list)
@@ -171,6 +174,11 @@ def check_study(s: Study) -> None:
     for budget in s.budgets:
         for name in OPTIONS:
             selection(s, budget, name)  # raises when the always-kept pages exceed the budget
+    unknown = [o for o in s.learn_options if o not in OPTIONS]
+    if unknown or not s.learn_options or len(set(s.learn_options)) < len(s.learn_options):
+        raise ValueError(f"learn_options {s.learn_options}: give distinct options among {', '.join(OPTIONS)}")
+    for name in s.learn_options:
+        selection(s, s.learn_budget, name)  # raises when the always-kept pages exceed the budget
     if s.learn_budget >= past_pages(s.train_len, s):
         raise ValueError(
             f"learn_budget {s.learn_budget} pages covers the {past_pages(s.train_len, s)} past pages of the last "
@@ -409,32 +417,50 @@ def run(s: Study, out: Path, device: torch.device, command: str, log=print) -> d
     model.save_pretrained(out / "dense_model")
     learned = report["learning"]["dense"]
     learned["retrieval_dense_eval"] = retrieval(model, s, device, None)
-    learned["retrieval_sparse_eval"] = retrieval(model, s, device, selection(s, s.learn_budget, "default"))
-    learned["retrieval_at_grad_lengths"] = retrieval(model, s, device, None, s.grad_lengths, s.grad_eval_samples)
-    log(f"dense model retrieval: {learned['retrieval_dense_eval']['mean_accuracy_by_length']}; at the gradient "
-        f"lengths: {learned['retrieval_at_grad_lengths']['mean_accuracy_by_length']}")
+    for option in s.learn_options:  # the dense-trained model read with each sparse arm's selection
+        learned[sparse_eval_key(option)] = retrieval(model, s, device, selection(s, s.learn_budget, option))
+    log(f"dense model retrieval: {learned['retrieval_dense_eval']['mean_accuracy_by_length']}")
+    if s.gradient_study:
+        learned["retrieval_at_grad_lengths"] = retrieval(model, s, device, None, s.grad_lengths, s.grad_eval_samples)
+        log(f"at the gradient lengths: {learned['retrieval_at_grad_lengths']['mean_accuracy_by_length']}")
     save()
 
-    log("gradient quality on the dense-trained model")
-    report["gradient_quality"] = gradient_study(model, s, device, log)
-    save()
+    if s.gradient_study:
+        log("gradient quality on the dense-trained model")
+        report["gradient_quality"] = gradient_study(model, s, device, log)
+        save()
     del model
 
-    log(f"sparse training (budget {s.learn_budget} pages)")
-    model = build_model(s, device, dtype)
-    model.load_state_dict(start)  # the same weights the dense arm started from
-    policy = selection(s, s.learn_budget, "default")
-    sparse = report["learning"]["sparse"] = {"training": train(model, s, device, policy, log, batches)}
-    sparse["retrieval_dense_eval"] = retrieval(model, s, device, None)
-    sparse["retrieval_sparse_eval"] = retrieval(model, s, device, policy)
-    log(f"sparse model retrieval: {sparse['retrieval_dense_eval']['mean_accuracy_by_length']}")
-    report["learning"]["points_sparse_minus_dense"] = {
-        length: 100 * (sparse["retrieval_dense_eval"]["mean_accuracy_by_length"][length]
-                       - learned["retrieval_dense_eval"]["mean_accuracy_by_length"][length])
-        for length in learned["retrieval_dense_eval"]["mean_accuracy_by_length"]
-    }
-    save()
+    report["learning"]["points_minus_dense"] = {}
+    for option in s.learn_options:
+        arm = sparse_arm(option)
+        log(f"sparse training (budget {s.learn_budget} pages, selection {option})")
+        model = build_model(s, device, dtype)
+        model.load_state_dict(start)  # the same weights the dense arm started from
+        policy = selection(s, s.learn_budget, option)
+        sparse = report["learning"][arm] = {"option": option,
+                                            "training": train(model, s, device, policy, log, batches)}
+        sparse["retrieval_dense_eval"] = retrieval(model, s, device, None)
+        sparse[sparse_eval_key(option)] = retrieval(model, s, device, policy)
+        log(f"{arm} model retrieval: {sparse['retrieval_dense_eval']['mean_accuracy_by_length']}")
+        report["learning"]["points_minus_dense"][arm] = {
+            length: 100 * (sparse["retrieval_dense_eval"]["mean_accuracy_by_length"][length]
+                           - learned["retrieval_dense_eval"]["mean_accuracy_by_length"][length])
+            for length in learned["retrieval_dense_eval"]["mean_accuracy_by_length"]
+        }
+        del model
+        save()
     return report
+
+
+def sparse_arm(option: str) -> str:
+    """The report's key of the sparse arm trained with selection ``option``."""
+    return "sparse" if option == "default" else f"sparse:{option}"
+
+
+def sparse_eval_key(option: str) -> str:
+    """The key of an arm's retrieval evaluated with the learning budget and selection ``option``."""
+    return "retrieval_sparse_eval" if option == "default" else f"retrieval_sparse_eval:{option}"
 
 
 
@@ -466,8 +492,10 @@ def markdown(report: dict) -> str:
                   f"{s['learn_budget']} pages is dense); retrieval after it, dense evaluation: {acc}.", ""]
     learning = report.get("learning", {})
     if "dense" in learning:
-        arms = [("dense", "dense training")] + ([("sparse", f"sparse training (budget {s['learn_budget']})")]
-                                               if "sparse" in learning else [])
+        options = s.get("learn_options", ["default"])
+        arms = [("dense", "dense training")] + [
+            (sparse_arm(o), f"sparse training (budget {s['learn_budget']}" + ("" if o == "default" else f", `{o}`")
+             + ")") for o in options if sparse_arm(o) in learning]
         lines += [
             f"## Learning: {s['steps']} steps x {s['batch_size']} x {_k(s['train_len'])} tokens "
             + ("from the shared start" if pre else "from scratch"),
@@ -486,19 +514,28 @@ def markdown(report: dict) -> str:
             [f"{sum(learning[a]['training']['losses'][-10:]) / len(learning[a]['training']['losses'][-10:]):.4f}"
              for a, _ in arms])
         row("seconds per step", [f"{learning[a]['training']['seconds_per_step']:.3f}" for a, _ in arms])
-        for evaluation, label in (("retrieval_dense_eval", "dense"),
-                                  ("retrieval_sparse_eval", f"budget {s['learn_budget']}")):
-            for length in learning["dense"][evaluation]["mean_accuracy_by_length"]:
-                row(f"retrieval at {_k(int(length))}, {label} attention",
-                    [f"{100 * learning[a][evaluation]['mean_accuracy_by_length'][length]:.1f}%" for a, _ in arms])
+        lengths = list(learning["dense"]["retrieval_dense_eval"]["mean_accuracy_by_length"])
+
+        def accuracy(arm: str, key: str, length: str) -> str:
+            cell = learning[arm].get(key)
+            return "—" if cell is None else f"{100 * cell['mean_accuracy_by_length'][length]:.1f}%"
+
+        for length in lengths:
+            row(f"retrieval at {_k(int(length))}, dense attention",
+                [accuracy(a, "retrieval_dense_eval", length) for a, _ in arms])
+        for option in options:  # each arm read with the budget, by the selection it was trained with
+            for length in lengths:
+                row(f"retrieval at {_k(int(length))}, budget {s['learn_budget']}"
+                    + ("" if option == "default" else f" `{option}`") + " attention",
+                    [accuracy(a, sparse_eval_key(option), length) for a, _ in arms])
         dense_acc = learning["dense"]["retrieval_dense_eval"]["mean_accuracy_by_length"].get(str(s["train_len"]))
         if dense_acc is not None and dense_acc < 0.5:
             lines += ["", f"**Dense training reached {100 * dense_acc:.1f}% at its own length (chance: "
                       f"{100 * 10.0 ** -s['digits']:.3g}%): the model has not learned to retrieve, so the sparse/dense "
                       "comparison says little. Train longer (`--steps`) before reading it.**"]
-        if "points_sparse_minus_dense" in learning:
-            diffs = ", ".join(f"{_k(int(n))}: {d:+.1f}" for n, d in learning["points_sparse_minus_dense"].items())
-            lines += ["", f"Sparse minus dense training, dense evaluation, in points: {diffs}."]
+        for arm, points in learning.get("points_minus_dense", {}).items():
+            diffs = ", ".join(f"{_k(int(n))}: {d:+.1f}" for n, d in points.items())
+            lines += ["", f"`{arm}` minus dense training, dense evaluation, in points: {diffs}."]
         lines += ["", "Accuracy by depth (dense evaluation):", "",
                   "| length | depth | " + " | ".join(title for _, title in arms) + " |",
                   "| ---: | ---: | " + " | ".join("---:" for _ in arms) + " |"]
@@ -575,6 +612,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-lengths", type=int_list, default=None, help="gradient study lengths, e.g. 32768,131072")
     p.add_argument("--eval-lengths", type=int_list, default=None, help="retrieval evaluation lengths")
     p.add_argument("--eval-samples", type=int, default=None, help="held-out sequences per depth and length")
+    p.add_argument("--learn-options", type=lambda t: [o for o in t.split(",") if o], default=None,
+                   help=f"sparse arms, one per selection option ({', '.join(OPTIONS)}); default: default")
+    p.add_argument("--no-gradient-study", dest="gradient_study", action="store_false", default=None,
+                   help="skip the gradient study (the learning arms only)")
     args = p.parse_args(argv)
     study = SMOKE if args.smoke else FULL
     overrides = {"steps": args.steps, "batch_size": args.batch_size, "digits": args.digits,
@@ -582,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
                  "data_workers": args.data_workers,
                  "train_len": args.train_len, "lr": args.lr, "loss_on": args.loss_on,
                  "grad_lengths": args.grad_lengths, "eval_lengths": args.eval_lengths,
-                 "eval_samples": args.eval_samples}
+                 "eval_samples": args.eval_samples, "learn_options": args.learn_options,
+                 "gradient_study": args.gradient_study}
     study = dataclasses.replace(study, **{k: v for k, v in overrides.items() if v is not None})
     out = Path(args.out)
     try:

@@ -36,6 +36,12 @@ CANDIDATES = [
     ("fwd-2st", {"fwd_stages": 2}),
     ("fwd-4st", {"fwd_stages": 4}),
     ("fwd-m64-w4", {"fwd_m": 64, "fwd_warps": 4}),
+    # dQ inside the dK/dV kernel (fp32 atomics, no dQ kernel). Its [dkdv_m, D] fp32 tile spills inside the row
+    # loops at 64 rows and not at 32 (offline ptxas for sm_90a, 2026-12-03), so 32 rows with 3 and 4 stages too.
+    ("dq-fused", {"dq_fused": True}),
+    ("dq-fused-m32", {"dq_fused": True, "dkdv_m": 32}),
+    ("dq-fused-m32-4st", {"dq_fused": True, "dkdv_m": 32, "bwd_stages": 4}),
+    ("dq-fused-2st", {"dq_fused": True, "bwd_stages": 2}),
 ]
 
 

@@ -26,6 +26,10 @@ Kernels (one launch each):
   same slot: no atomics. It read-modify-writes the gradient pools (they hold other
   chunks' gradients), fp32 accumulation, stores in the pool's dtype.
 - ``_bwd_dq_kernel``: grid (row blocks, B * H_kv), loops over the visible key blocks.
+- With ``Tiles.dq_fused`` (dense calls only) the dK/dV kernel also adds each row tile's
+  dS @ K into an fp32 dQ with atomics (FUSED_DQ) and the dQ kernel is not launched: 5
+  matmuls per (key block, row tile) instead of 4 there + 3 in the dQ kernel, FlashAttention-2's
+  scheme; the price is atomic traffic and a [BLOCK_M, D] fp32 tile more in registers.
 
 Key blocks: BLOCK_N keys from the first visible page on, page-aligned. A block inside one
 page (page_size % BLOCK_N == 0, the usual case) needs one page id per block and can be read
@@ -454,15 +458,27 @@ def _dkdv_blocks(
     lse_base,  # LSE + b * sl_b
     delta_base,  # DELTA + b * H * C
     doc_row,  # DOC + b * C
+    dq_base,  # DQ_ACC + b * H * C * D (FUSED_DQ)
     h_kv, sq_h, sq_c, sdo_h, sdo_c, sl_h,
     i_lo, i_hi, m_start, row_end, n_pos, q0, C, window, qk_scale,
+    rot,  # the full run starts at its tile rot % (i_hi - i_lo) (FUSED_DQ)
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
 ):
-    """Row tiles i_lo .. i_hi - 1 (rows m_start + i * BLOCK_M ..., below row_end) into dK, dV."""
+    """Row tiles i_lo .. i_hi - 1 (rows m_start + i * BLOCK_M ..., below row_end) into dK, dV.
+
+    FUSED_DQ: also adds each tile's dS @ K (unscaled) into the fp32 dQ rows at dq_base, contiguous
+    [H, C, D], with atomics: other key blocks' programs add into the same rows.
+    """
     offs_d = tl.arange(0, HEAD_DIM)
     for i in range(i_lo, i_hi):
-        row_ok, c, g, q_pos = _rows(m_start + i * BLOCK_M, q0, row_end, G, BLOCK_M)
+        tile = i
+        if FUSED_DQ and not MASK:
+            # Every key block before the chunk has the same full run (all row tiles): walked in the
+            # same order, all running programs would add into the same dQ rows at the same time.
+            tile = i_lo + (i - i_lo + rot) % (i_hi - i_lo)
+        row_ok, c, g, q_pos = _rows(m_start + tile * BLOCK_M, q0, row_end, G, BLOCK_M)
         head = h_kv * G + g
         c64 = c.to(tl.int64)
         # Rows past the chunk load q = dO = 0 (and lse = delta = 0): they add exactly 0.
@@ -482,29 +498,34 @@ def _dkdv_blocks(
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # [BN, BM]
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=DOT_PREC)
+        if FUSED_DQ:
+            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PREC)  # [BM, D]
+            # Relaxed: the sums are read only after the kernel ends, so no ordering is needed.
+            tl.atomic_add(dq_base + ((head * C + c64) * HEAD_DIM)[:, None] + offs_d[None, :], dq,
+                          mask=row_ok[:, None], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _dkdv_rows(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, dq_base,
     h_kv,  # KV head (interleaved rows, G > 1) or the query head itself (G == 1)
     sq_h, sq_c, sdo_h, sdo_c, sl_h,
-    i0, i1, i2, i3, m_start, row_end, n_pos, q0, C, window, qk_scale,
+    i0, i1, i2, i3, m_start, row_end, n_pos, q0, C, window, qk_scale, rot,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr, FUSED_DQ: tl.constexpr,
 ):
     """The three runs of row tiles of _row_block_ranges: causal diagonal (masked), full, edge (masked)."""
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c, sdo_h,
-                          sdo_c, sl_h, i0, i1, m_start, row_end, n_pos, q0, C, window, qk_scale,
-                          G, HEAD_DIM, BLOCK_M, True, HAS_WINDOW, HAS_DOCS, DOT_PREC)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c, sdo_h,
-                          sdo_c, sl_h, i1, i2, m_start, row_end, n_pos, q0, C, window, qk_scale,
-                          G, HEAD_DIM, BLOCK_M, False, HAS_WINDOW, HAS_DOCS, DOT_PREC)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, dq_base, h_kv, sq_h, sq_c,
+                          sdo_h, sdo_c, sl_h, i0, i1, m_start, row_end, n_pos, q0, C, window, qk_scale, rot,
+                          G, HEAD_DIM, BLOCK_M, True, HAS_WINDOW, HAS_DOCS, DOT_PREC, FUSED_DQ)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, dq_base, h_kv, sq_h, sq_c,
+                          sdo_h, sdo_c, sl_h, i1, i2, m_start, row_end, n_pos, q0, C, window, qk_scale, rot,
+                          G, HEAD_DIM, BLOCK_M, False, HAS_WINDOW, HAS_DOCS, DOT_PREC, FUSED_DQ)
     if HAS_WINDOW or HAS_DOCS:
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c,
-                              sdo_h, sdo_c, sl_h, i2, i3, m_start, row_end, n_pos, q0, C, window, qk_scale,
-                              G, HEAD_DIM, BLOCK_M, True, HAS_WINDOW, HAS_DOCS, DOT_PREC)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, dq_base, h_kv, sq_h,
+                              sq_c, sdo_h, sdo_c, sl_h, i2, i3, m_start, row_end, n_pos, q0, C, window, qk_scale, rot,
+                              G, HEAD_DIM, BLOCK_M, True, HAS_WINDOW, HAS_DOCS, DOT_PREC, FUSED_DQ)
     return dk, dv
 
 
@@ -546,6 +567,7 @@ def _bwd_dkdv_kernel(
     DV_POOL,  # [num_pages, H_kv, PAGE_SIZE, D], same strides as DK_POOL
     TABLE,  # [B, >= n_pages] int32
     DOC,  # [B, C] int32 document starts, contiguous (HAS_DOCS)
+    DQ_ACC,  # [B, H, C, D] float32, contiguous, zeroed: dS @ K summed over key blocks (FUSED_DQ)
     sq_b, sq_h, sq_c,
     sdo_b, sdo_h, sdo_c,
     sl_b, sl_h,
@@ -556,7 +578,7 @@ def _bwd_dkdv_kernel(
     H_KV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, LOG2_C: tl.constexpr, DOT_PREC: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr, FUSED_DQ: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)  # tl.dot minimum
     pid_n = tl.program_id(0)
@@ -584,20 +606,26 @@ def _bwd_dkdv_kernel(
     do_base = DO + b * sdo_b
     lse_base = LSE + b * sl_b
     delta_base = DELTA + b * (H_KV * G) * C
+    dq_base = DQ_ACC + b * (H_KV * G) * C * HEAD_DIM
     if HEAD_MAJOR:
         # One query head at a time: row tiles of BLOCK_M consecutive positions of that head
         # (contiguous rows of Q and dO), the group's heads summed into the same dK/dV.
         i0, i1, i2, i3 = _row_block_ranges(n0, n1, q0, C, window, c_end, c_full, 1, BLOCK_M, HAS_WINDOW, HAS_DOCS)
-        for g in range(G):
+        for t in range(G):
+            g = t
+            if FUSED_DQ:
+                # Full runs rotate by pid_n (see _dkdv_blocks), so programs a chunk's worth of row tiles
+                # apart would meet on the same tile: they start on different heads instead.
+                g = (t + pid_n // tl.cdiv(C, BLOCK_M)) % G
             head = h_kv * G + g
-            dk, dv = _dkdv_rows(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, head, sq_h, sq_c,
-                                sdo_h, sdo_c, sl_h, i0, i1, i2, i3, 0, C, n_pos, q0, C, window, qk_scale,
-                                1, HEAD_DIM, BLOCK_M, HAS_WINDOW, HAS_DOCS, DOT_PREC)
+            dk, dv = _dkdv_rows(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, dq_base, head, sq_h,
+                                sq_c, sdo_h, sdo_c, sl_h, i0, i1, i2, i3, 0, C, n_pos, q0, C, window, qk_scale, pid_n,
+                                1, HEAD_DIM, BLOCK_M, HAS_WINDOW, HAS_DOCS, DOT_PREC, FUSED_DQ)
     else:
         i0, i1, i2, i3 = _row_block_ranges(n0, n1, q0, C, window, c_end, c_full, G, BLOCK_M, HAS_WINDOW, HAS_DOCS)
-        dk, dv = _dkdv_rows(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c,
-                            sdo_h, sdo_c, sl_h, i0, i1, i2, i3, 0, C * G, n_pos, q0, C, window, qk_scale,
-                            G, HEAD_DIM, BLOCK_M, HAS_WINDOW, HAS_DOCS, DOT_PREC)
+        dk, dv = _dkdv_rows(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, dq_base, h_kv, sq_h,
+                            sq_c, sdo_h, sdo_c, sl_h, i0, i1, i2, i3, 0, C * G, n_pos, q0, C, window, qk_scale, pid_n,
+                            G, HEAD_DIM, BLOCK_M, HAS_WINDOW, HAS_DOCS, DOT_PREC, FUSED_DQ)
     # Add into the gradient pages; slots past kv_len are left as they are.
     _add_into_grad_pages(DK_POOL, DV_POOL, dk * scale, dv, table_row, n0, n_pages, h_kv, sg_page, sg_head, sg_slot,
                          kv_ok, HEAD_DIM, BLOCK_N, PAGE_SIZE)
@@ -610,18 +638,21 @@ def _dkdv_group(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     MASK: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr, HEAD_MAJOR: tl.constexpr,
 ):
-    """Queries c_lo .. c_hi - 1 of every query head of the group into one key block's dK, dV."""
+    """Queries c_lo .. c_hi - 1 of every query head of the group into one key block's dK, dV.
+
+    No fused dQ under page selection: delta_base (dq_base) and 0 (rot) are placeholders.
+    """
     if HEAD_MAJOR:
         n_tiles = tl.cdiv(c_hi - c_lo, BLOCK_M)
         for g in range(G):
-            dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv * G + g,
-                                  sq_h, sq_c, sdo_h, sdo_c, sl_h, 0, n_tiles, c_lo, c_hi, n_pos, q0, C, 0,
-                                  qk_scale, 1, HEAD_DIM, BLOCK_M, MASK, False, HAS_DOCS, DOT_PREC)
+            dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, delta_base,
+                                  h_kv * G + g, sq_h, sq_c, sdo_h, sdo_c, sl_h, 0, n_tiles, c_lo, c_hi, n_pos, q0, C,
+                                  0, qk_scale, 0, 1, HEAD_DIM, BLOCK_M, MASK, False, HAS_DOCS, DOT_PREC, False)
     else:
         n_tiles = tl.cdiv((c_hi - c_lo) * G, BLOCK_M)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h, sq_c,
-                              sdo_h, sdo_c, sl_h, 0, n_tiles, c_lo * G, c_hi * G, n_pos, q0, C, 0, qk_scale,
-                              G, HEAD_DIM, BLOCK_M, MASK, False, HAS_DOCS, DOT_PREC)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, delta_base, h_kv, sq_h,
+                              sq_c, sdo_h, sdo_c, sl_h, 0, n_tiles, c_lo * G, c_hi * G, n_pos, q0, C, 0, qk_scale, 0,
+                              G, HEAD_DIM, BLOCK_M, MASK, False, HAS_DOCS, DOT_PREC, False)
     return dk, dv
 
 
@@ -881,6 +912,11 @@ class Tiles:
     # dK/dV row tiles of one query head at a time (contiguous Q/dO rows) instead of rows that
     # interleave the GQA group's heads position by position.
     dkdv_head_major: bool = False
+    # Dense calls: dQ summed inside the dK/dV kernel (fp32 atomics, 5 matmuls per tile pair instead
+    # of 4 + 3) and no dQ kernel, so dq_m/dq_n go unused; page-selected calls ignore it. The atomics
+    # make dQ's summation order, so its last bits, vary from run to run. With d=128 on sm_90a the
+    # extra fp32 tile spills inside the row loops at dkdv_m=64, not at 32 (offline ptxas, not timed).
+    dq_fused: bool = False
 
 
 def _interpreting() -> bool:
@@ -1136,15 +1172,18 @@ def paged_attention_backward(
         dk_pool.stride(0), dk_pool.stride(1), dk_pool.stride(2),
         page_table.stride(0),
     )
+    fused_dq = sel is None and t.dq_fused
     if sel is None:
+        # Every key block adds into it, so it starts at zero (not _empty); delta stands in when unused.
+        dq_acc = torch.zeros((b, h, c, d), dtype=torch.float32, device=q.device) if fused_dq else delta
         grid_kv = (triton.cdiv(kv_len - lo_key, t.dkdv_n), b * h_kv)
         _bwd_dkdv_kernel[grid_kv](
-            q, d_out, lse, delta, k_pool, v_pool, dk_pool, dv_pool, page_table, doc_arg,
+            q, d_out, lse, delta, k_pool, v_pool, dk_pool, dv_pool, page_table, doc_arg, dq_acc,
             *common,
             c, kv_len, n_pages, lo_key, window, scale * LOG2E, scale,
             H_KV=h_kv, G=g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n,
             HAS_WINDOW=has_window, HAS_DOCS=docs is not None, LOG2_C=c.bit_length(), DOT_PREC=prec,
-            HEAD_MAJOR=t.dkdv_head_major, num_warps=t.bwd_warps, num_stages=t.bwd_stages,
+            HEAD_MAJOR=t.dkdv_head_major, FUSED_DQ=fused_dq, num_warps=t.bwd_warps, num_stages=t.bwd_stages,
         )
     else:
         hits = _page_hits(sel, lo_key // page_size, c, select_block, page_size)
@@ -1163,26 +1202,30 @@ def paged_attention_backward(
             num_warps=t.bwd_warps, num_stages=t.bwd_stages,
         )
 
-    dq = _empty((b, h, c, d), q.dtype, q.device)
-    block_n = t.dq_n if sel is None else min(t.dq_n, page_size)
-    k_desc, v_desc, use_tma = _kv_descriptors(k_pool, v_pool, t, block_n)
-    sel_strides, sel_block, tiles_per_block, n_sel = _sparse_grid_args(sel, c, g, t.dq_m, select_block)
-    n_row_tiles = triton.cdiv(c, select_block) * tiles_per_block if sel is not None else triton.cdiv(c * g, t.dq_m)
-    _bwd_dq_kernel[(n_row_tiles, b * h_kv)](
-        q, d_out, lse, delta, k_pool, v_pool, k_desc, v_desc, page_table, doc_arg,
-        sel if sel is not None else page_table, dq,
-        q.stride(0), q.stride(1), q.stride(2),
-        d_out.stride(0), d_out.stride(1), d_out.stride(2),
-        lse.stride(0), lse.stride(1),
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        page_table.stride(0),
-        *sel_strides,
-        c, kv_len, n_pages, lo_key, window, scale * LOG2E, scale,
-        sel_block, tiles_per_block, n_sel,
-        H_KV=h_kv, G=g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=t.dq_m, BLOCK_N=block_n,
-        HAS_WINDOW=has_window, HAS_DOCS=docs is not None, SPARSE=sel is not None, USE_TMA=use_tma,
-        DOT_PREC=prec, num_warps=t.bwd_warps, num_stages=t.bwd_stages,
-    )
+    if fused_dq:
+        dq = dq_acc.mul_(scale).to(q.dtype)
+    else:
+        dq = _empty((b, h, c, d), q.dtype, q.device)
+        block_n = t.dq_n if sel is None else min(t.dq_n, page_size)
+        k_desc, v_desc, use_tma = _kv_descriptors(k_pool, v_pool, t, block_n)
+        sel_strides, sel_block, tiles_per_block, n_sel = _sparse_grid_args(sel, c, g, t.dq_m, select_block)
+        n_row_tiles = (triton.cdiv(c, select_block) * tiles_per_block if sel is not None
+                       else triton.cdiv(c * g, t.dq_m))
+        _bwd_dq_kernel[(n_row_tiles, b * h_kv)](
+            q, d_out, lse, delta, k_pool, v_pool, k_desc, v_desc, page_table, doc_arg,
+            sel if sel is not None else page_table, dq,
+            q.stride(0), q.stride(1), q.stride(2),
+            d_out.stride(0), d_out.stride(1), d_out.stride(2),
+            lse.stride(0), lse.stride(1),
+            k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+            page_table.stride(0),
+            *sel_strides,
+            c, kv_len, n_pages, lo_key, window, scale * LOG2E, scale,
+            sel_block, tiles_per_block, n_sel,
+            H_KV=h_kv, G=g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=t.dq_m, BLOCK_N=block_n,
+            HAS_WINDOW=has_window, HAS_DOCS=docs is not None, SPARSE=sel is not None, USE_TMA=use_tma,
+            DOT_PREC=prec, num_warps=t.bwd_warps, num_stages=t.bwd_stages,
+        )
 
     d_sinks = None
     if sinks is not None:

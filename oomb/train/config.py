@@ -139,6 +139,10 @@ class TrainConfig:
     """Keep stage 1's attention outputs for stage 2 (one attention forward less per chunk; same gradients; GPU
     memory H*(2D+4) B per token per layer in bf16, 200 KiB/token for Qwen2.5-7B); not with offload. auto: on
     where the memory plan fits with it (off with train.offload or train.memory_check=false)."""
+    fused_ops: str = "auto"
+    """Fused RMSNorm and SwiGLU kernels (liger-kernel) in place of transformers' own modules (Llama, Mistral, Qwen2,
+    Qwen3; same weights and results, fewer passes over memory): auto (on CUDA when liger-kernel is installed and
+    train.tensor_parallel is 1), liger (required) or none."""
     memory_check: bool = True
     """Before building the model, refuse a run whose memory plan (see `oomb plan`) does not fit this machine."""
     tensor_parallel: int = 1

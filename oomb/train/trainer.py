@@ -27,6 +27,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 import oomb
 from oomb.engine import release_memory, store_for_model
 from oomb.engine.diagnose import locate_nonfinite
+from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
+from oomb.engine.fused_ops import liger_available, use_fused_ops
 from oomb.offload import OffloadedKVStore
 from oomb.train import distributed
 from oomb.train.checkpoint import (
@@ -122,6 +124,18 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"train.cache_attention={t.cache_attention!r}: use auto (on where the memory plan fits "
                           "with it), true or false")
     offload_gpu_bytes(t.offload_gpu_memory)  # a byte count or auto (ConfigError otherwise)
+    if t.fused_ops not in FUSED_OPS_MODES:
+        raise ConfigError(f"train.fused_ops={t.fused_ops!r}: use one of {', '.join(FUSED_OPS_MODES)}")
+    if t.fused_ops == "liger":
+        if t.tensor_parallel > 1:
+            raise ConfigError("train.fused_ops=liger is not supported with train.tensor_parallel > 1 (not tested on "
+                              "split layers): use train.fused_ops=auto, which leaves split models as they are")
+        if not liger_available():
+            raise ConfigError("train.fused_ops=liger needs liger-kernel: pip install liger-kernel, or "
+                              "train.fused_ops=auto")
+        if resolve_device(t.device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("train.fused_ops=liger runs Triton kernels: it needs a CUDA device (or "
+                              "TRITON_INTERPRET=1 on CPU, slow); use train.fused_ops=auto")
     if t.cache_attention is True and t.offload:
         raise ConfigError("train.cache_attention=true keeps attention outputs on the GPU and train.offload=true moves "
                           "pages off it: choose one")
@@ -327,6 +341,10 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
     model.train()
     if cfg.train.layer_checkpointing:  # transformers' own; exact inside oomb's chunks (tested)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    fused_mode = cfg.train.fused_ops if cfg.train.tensor_parallel == 1 else "none"
+    fused = use_fused_ops(model, fused_mode)  # before peft's and the optimizer's view of the modules is final
+    if fused:
+        console.print(f"fused ops: liger RMSNorm / SwiGLU in {len(fused)} modules")
     if ctx is not None and ctx.tensor_parallel > 1:
         model = distributed.split_model(model, ctx)  # before the optimizer: it holds the split parameters
     if ctx is not None and ctx.data_parallel > 1:  # over the groups of tensor parallel ranks, if any

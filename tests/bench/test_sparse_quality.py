@@ -31,7 +31,7 @@ def test_report_holds_every_setting_and_number(smoke):
     pre = report["pretraining"]  # the shared short-context start
     assert len(pre["training"]["losses"]) == s.pretrain_steps and pre["training"]["page_budget"] is None
     assert set(pre["retrieval_dense_eval"]["mean_accuracy_by_length"]) == {str(s.pretrain_len), str(s.train_len)}
-    assert set(report["learning"]["points_sparse_minus_dense"]) == {str(n) for n in s.eval_lengths}
+    assert set(report["learning"]["points_minus_dense"]["sparse"]) == {str(n) for n in s.eval_lengths}
     rows = report["gradient_quality"]
     assert {(r["length"], r["loss_on"], r["budget"], r["option"]) for r in rows} == {
         (n, loss, b, o) for n in s.grad_lengths for loss in ("all", "answer") for b in s.budgets for o in sq.OPTIONS}
@@ -61,6 +61,25 @@ def test_markdown_has_the_tables(smoke):
     assert "| 64 (= dense) | 1.0000 / 0.000 |" in text
     header = "| budget (pages) | " + " | ".join(f"`{o}`" for o in sq.OPTIONS) + " |"
     assert text.count(header) == 2 * len(sq.SMOKE.grad_lengths)
+
+
+def test_one_sparse_arm_per_selection_option_without_the_gradient_study(tmp_path):
+    out = tmp_path / "run"
+    assert sq.main(["--out", str(out), "--smoke", "--device", "cpu", "--learn-options", "bound,sink1",
+                    "--no-gradient-study"]) == 0
+    report = json.loads((out / "sparse_quality.json").read_text())
+    learning = report["learning"]
+    assert "gradient_quality" not in report and "sparse" not in learning
+    assert set(learning["points_minus_dense"]) == {"sparse:bound", "sparse:sink1"}
+    for option in ("bound", "sink1"):
+        arm = learning[f"sparse:{option}"]
+        assert arm["option"] == option and len(arm["training"]["losses"]) == sq.SMOKE.steps
+        # each arm read with its own selection, and the dense-trained model with every arm's
+        assert f"retrieval_sparse_eval:{option}" in arm and f"retrieval_sparse_eval:{option}" in learning["dense"]
+    text = (out / "sparse_quality.md").read_text()
+    assert "sparse training (budget 8, `bound`)" in text and "## Gradient quality" not in text
+    assert "retrieval at 512, budget 8 `sink1` attention" in text
+    assert sq.main(["--out", str(tmp_path / "bad"), "--smoke", "--learn-options", "fastest"]) == 2
 
 
 def test_refuses_a_used_folder_and_bad_settings(tmp_path, capsys):

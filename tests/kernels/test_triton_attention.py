@@ -39,6 +39,10 @@ TILES = {
     "wide": dataclasses.replace(SMALL, fwd_m=32, fwd_n=32, dkdv_m=32, dkdv_n=32, dq_m=32, dq_n=32),
     "tma": dataclasses.replace(SMALL, tma=True),
     "interleaved": dataclasses.replace(SMALL, dkdv_head_major=False),  # GQA rows mixed position by position
+    # dQ added inside the dK/dV kernel with atomics (dense calls); no dQ kernel.
+    "fused": dataclasses.replace(SMALL, dq_fused=True),
+    "fused-interleaved": dataclasses.replace(SMALL, dq_fused=True, dkdv_head_major=False),
+    "fused-wide": dataclasses.replace(SMALL, dq_fused=True, dkdv_n=32),  # two row tiles per key block's diagonal
 }
 
 CASES = [
@@ -62,6 +66,21 @@ CASES = [
 def _use_tiles(monkeypatch, name):
     if TILES[name] is not None:
         monkeypatch.setattr(T, "choose_tiles", lambda head_dim, page_size, dtype: TILES[name])
+
+
+class _NoLaunch:
+    """Stands in for a kernel that must not be launched."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("the dQ kernel was launched although the dK/dV kernel computes dQ")
+
+
+def _use_fused_tiles(monkeypatch, name, sparse=False):
+    """The fused-dQ tiles; a dense call must then get its dQ from the dK/dV kernel alone."""
+    assert TILES[name].dq_fused
+    _use_tiles(monkeypatch, name)
+    if not sparse:
+        monkeypatch.setattr(T, "_bwd_dq_kernel", _NoLaunch())
 
 
 @pytest.fixture(autouse=True)
@@ -123,9 +142,7 @@ def test_forward_matches_reference(monkeypatch, b, h, h_kv, c, kv_len, d, page, 
     assert_close_rel(lse, ref_lse, TOL["fp32"], "lse")
 
 
-@pytest.mark.parametrize("b,h,h_kv,c,kv_len,d,page,window,sinks,tiles", CASES)
-def test_backward_matches_reference(monkeypatch, b, h, h_kv, c, kv_len, d, page, window, sinks, tiles):
-    _use_tiles(monkeypatch, tiles)
+def _check_backward(b, h, h_kv, c, kv_len, d, page, window, sinks):
     pb, hidden, k_pool, v_pool = _problem(b, h, h_kv, c, kv_len, d, page, window, sinks)
     kw = dict(scale=d**-0.5, sliding_window=window, sinks=pb.sinks)
     out, lse = R.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
@@ -149,6 +166,29 @@ def test_backward_matches_reference(monkeypatch, b, h, h_kv, c, kv_len, d, page,
     # Slots no query sees (spare pages, pages before the window, the ragged tail) keep their bits.
     _assert_untouched(dk, dk0, hidden)
     _assert_untouched(dv, dv0, hidden)
+
+
+@pytest.mark.parametrize("b,h,h_kv,c,kv_len,d,page,window,sinks,tiles", CASES)
+def test_backward_matches_reference(monkeypatch, b, h, h_kv, c, kv_len, d, page, window, sinks, tiles):
+    _use_tiles(monkeypatch, tiles)
+    _check_backward(b, h, h_kv, c, kv_len, d, page, window, sinks)
+
+
+FUSED_CASES = [
+    # b, h, h_kv, c, kv_len, d, page, window, sinks, tiles
+    pytest.param(1, 4, 2, 32, 96, 16, 16, None, False, "fused", id="gqa-round"),
+    pytest.param(1, 6, 2, 21, 83, 16, 16, None, False, "fused-interleaved", id="interleaved-gqa-ragged"),
+    pytest.param(2, 4, 2, 20, 77, 16, 16, 11, False, "fused", id="sliding-window-ragged"),
+    pytest.param(1, 4, 1, 12, 50, 16, 16, None, True, "fused", id="sinks-mqa"),
+    pytest.param(2, 6, 2, 9, 70, 16, 8, 25, True, "fused-interleaved", id="interleaved-window-sinks-multipage"),
+    pytest.param(1, 4, 2, 24, 83, 16, 16, None, False, "fused-wide", id="two-pages-per-block"),
+]
+
+
+@pytest.mark.parametrize("b,h,h_kv,c,kv_len,d,page,window,sinks,tiles", FUSED_CASES)
+def test_fused_dq_backward_matches_reference(monkeypatch, b, h, h_kv, c, kv_len, d, page, window, sinks, tiles):
+    _use_fused_tiles(monkeypatch, tiles)
+    _check_backward(b, h, h_kv, c, kv_len, d, page, window, sinks)
 
 
 def test_fp16_inputs_as_close_to_fp32_as_torch_fp16():
@@ -251,31 +291,62 @@ def _unselected_past_pages(pb, kw, page):
     return hidden
 
 
+def _check_mask_backward(pb, kw, hidden, k_pool, v_pool, ref_out, ref_lse):
+    kv_len = pb.kv_len
+    d_out = torch.randn_like(ref_out)
+    dk0, dv0 = torch.randn_like(pb.k_pool), torch.randn_like(pb.v_pool)
+    dk, dv, ref_dk, ref_dv = dk0.clone(), dv0.clone(), dk0.clone(), dv0.clone()
+    dq, d_sinks = T.paged_attention_backward(d_out, pb.q, ref_out, ref_lse, k_pool, v_pool, dk, dv, pb.page_table,
+                                             kv_len, **kw)
+    ref_dq, ref_d_sinks = R.paged_attention_backward(d_out, pb.q, ref_out, ref_lse, pb.k_pool, pb.v_pool, ref_dk,
+                                                     ref_dv, pb.page_table, kv_len, **kw)
+    assert_close_rel(dq, ref_dq, TOL["fp32"], "dq")
+    assert_close_rel(dk - dk0, ref_dk - dk0, TOL["fp32"], "dk added")
+    assert_close_rel(dv - dv0, ref_dv - dv0, TOL["fp32"], "dv added")
+    if pb.sinks is not None:
+        assert_close_rel(d_sinks, ref_d_sinks, TOL["fp32"], "d_sinks")
+    # Gradient pages of unselected past pages keep their bits (never read, never written).
+    _assert_untouched(dk, dk0, hidden)
+    _assert_untouched(dv, dv0, hidden)
+
+
+def _mask_inputs(b, h, h_kv, c, kv_len, d, page, window, sinks, docs, select):
+    """(problem, kwargs, hidden slots, poisoned K and V pools)."""
+    pb, kw = _mask_problem(b, h, h_kv, c, kv_len, d, page, window, sinks, docs, select)
+    hidden = _unselected_past_pages(pb, kw, page)
+    return pb, kw, hidden, _poisoned(pb.k_pool, hidden), _poisoned(pb.v_pool, hidden)
+
+
 @pytest.mark.parametrize("b,h,h_kv,c,kv_len,d,page,window,sinks,docs,select,tiles", MASK_CASES)
 def test_documents_and_page_selection_match_reference(monkeypatch, b, h, h_kv, c, kv_len, d, page, window, sinks,
                                                       docs, select, tiles):
     _use_tiles(monkeypatch, tiles)
-    pb, kw = _mask_problem(b, h, h_kv, c, kv_len, d, page, window, sinks, docs, select)
-    hidden = _unselected_past_pages(pb, kw, page)
-    k_pool, v_pool = _poisoned(pb.k_pool, hidden), _poisoned(pb.v_pool, hidden)
+    pb, kw, hidden, k_pool, v_pool = _mask_inputs(b, h, h_kv, c, kv_len, d, page, window, sinks, docs, select)
     out, lse = T.paged_attention_forward(pb.q, k_pool, v_pool, pb.page_table, kv_len, **kw)
     ref_out, ref_lse = R.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
     assert_close_rel(out, ref_out, TOL["fp32"], "out")
     assert_close_rel(lse, ref_lse, TOL["fp32"], "lse")
+    _check_mask_backward(pb, kw, hidden, k_pool, v_pool, ref_out, ref_lse)
 
-    d_out = torch.randn_like(out)
-    dk0, dv0 = torch.randn_like(pb.k_pool), torch.randn_like(pb.v_pool)
-    dk, dv, ref_dk, ref_dv = dk0.clone(), dv0.clone(), dk0.clone(), dv0.clone()
-    dq, _ = T.paged_attention_backward(d_out, pb.q, ref_out, ref_lse, k_pool, v_pool, dk, dv, pb.page_table,
-                                       kv_len, **kw)
-    ref_dq, _ = R.paged_attention_backward(d_out, pb.q, ref_out, ref_lse, pb.k_pool, pb.v_pool, ref_dk, ref_dv,
-                                           pb.page_table, kv_len, **kw)
-    assert_close_rel(dq, ref_dq, TOL["fp32"], "dq")
-    assert_close_rel(dk - dk0, ref_dk - dk0, TOL["fp32"], "dk added")
-    assert_close_rel(dv - dv0, ref_dv - dv0, TOL["fp32"], "dv added")
-    # Gradient pages of unselected past pages keep their bits (never read, never written).
-    _assert_untouched(dk, dk0, hidden)
-    _assert_untouched(dv, dv0, hidden)
+
+FUSED_MASK_CASES = [
+    # b, h, h_kv, c, kv_len, d, page, window, sinks, docs, select (h_sel, select_block, k), tiles
+    pytest.param(2, 4, 2, 32, 96, 16, 16, None, False, 5, None, "fused", id="docs"),
+    pytest.param(1, 4, 2, 20, 77, 16, 16, 11, True, 4, None, "fused-interleaved", id="docs-window-sinks-interleaved"),
+    # Page selection ignores dq_fused: the dQ kernel runs as without it.
+    pytest.param(1, 6, 2, 20, 84, 16, 16, None, True, 5, (2, 8, 2), "fused", id="select-docs-sinks"),
+    pytest.param(1, 6, 2, 20, 84, 16, 16, None, False, None, (2, 8, 2), "fused-interleaved",
+                 id="select-interleaved"),
+]
+
+
+@pytest.mark.parametrize("b,h,h_kv,c,kv_len,d,page,window,sinks,docs,select,tiles", FUSED_MASK_CASES)
+def test_fused_dq_documents_and_page_selection_match_reference(monkeypatch, b, h, h_kv, c, kv_len, d, page, window,
+                                                               sinks, docs, select, tiles):
+    _use_fused_tiles(monkeypatch, tiles, sparse=select is not None)
+    pb, kw, hidden, k_pool, v_pool = _mask_inputs(b, h, h_kv, c, kv_len, d, page, window, sinks, docs, select)
+    ref_out, ref_lse = R.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
+    _check_mask_backward(pb, kw, hidden, k_pool, v_pool, ref_out, ref_lse)
 
 
 def test_sparse_dkdv_work_list_orders_pages_by_attending_blocks():
@@ -306,21 +377,25 @@ def test_selection_of_every_past_page_equals_dense(monkeypatch):
 # --------------------------------------------------------------------------------------
 
 GPU_CASES = [
-    # h, h_kv, d, page, window, sinks, tma
-    pytest.param(28, 4, 128, 128, None, False, True, id="d128-page128"),
-    pytest.param(28, 4, 128, 128, None, False, False, id="d128-page128-pointers"),
-    pytest.param(28, 4, 128, 64, None, False, True, id="d128-page64"),
-    pytest.param(28, 4, 64, 128, None, False, True, id="d64-page128"),
-    pytest.param(64, 8, 64, 64, 128, True, True, id="d64-page64-window-sinks"),
+    # h, h_kv, d, page, window, sinks, tile overrides
+    pytest.param(28, 4, 128, 128, None, False, {}, id="d128-page128"),
+    pytest.param(28, 4, 128, 128, None, False, {"tma": False}, id="d128-page128-pointers"),
+    pytest.param(28, 4, 128, 64, None, False, {}, id="d128-page64"),
+    pytest.param(28, 4, 64, 128, None, False, {}, id="d64-page128"),
+    pytest.param(64, 8, 64, 64, 128, True, {}, id="d64-page64-window-sinks"),
+    # dQ inside the dK/dV kernel (fp32 atomics), the tune candidates `dq-fused` and `dq-fused-m32`
+    pytest.param(28, 4, 128, 128, None, False, {"dq_fused": True}, id="d128-page128-dq-fused"),
+    pytest.param(28, 4, 128, 128, None, False, {"dq_fused": True, "dkdv_m": 32}, id="d128-page128-dq-fused-m32"),
+    pytest.param(64, 8, 64, 64, 128, True, {"dq_fused": True, "dkdv_m": 32}, id="d64-page64-window-sinks-dq-fused"),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h,h_kv,d,page,window,sinks,tma", GPU_CASES)
-def test_bf16_realistic_shapes_on_gpu(monkeypatch, h, h_kv, d, page, window, sinks, tma):
-    if not tma:
-        tiles = T.choose_tiles(d, page, torch.bfloat16)
-        monkeypatch.setattr(T, "choose_tiles", lambda *a: dataclasses.replace(tiles, tma=False))
+@pytest.mark.parametrize("h,h_kv,d,page,window,sinks,overrides", GPU_CASES)
+def test_bf16_realistic_shapes_on_gpu(monkeypatch, h, h_kv, d, page, window, sinks, overrides):
+    if overrides:
+        tiles = dataclasses.replace(T.choose_tiles(d, page, torch.bfloat16), **overrides)
+        monkeypatch.setattr(T, "choose_tiles", lambda *a: tiles)
     c, kv_len = 4096, 16384
     pb = make_problem(1, h, h_kv, c, kv_len, d, page, dtype=torch.bfloat16, device="cuda", sinks=sinks)
     kw = dict(scale=d**-0.5, sliding_window=window)

@@ -1,0 +1,103 @@
+"""liger-kernel's fused RMSNorm and SwiGLU swapped into a transformers model's modules.
+
+A transformers RMSNorm in bf16 runs about six elementwise kernels and a reduction forward
+(cast to fp32, square, mean, rsqrt, scale, cast back, weight) and more backward; its MLP's
+``act_fn(gate) * up`` two forward and four backward. Every one of them reads and writes the
+chunk's whole activation, and a chunked step runs each layer's forward twice (stage 1 and
+the recomputation). liger-kernel does each in one Triton kernel per direction.
+
+``use_fused_ops`` replaces module instances (never classes or forward methods, so other
+models in the process are untouched): each RMSNorm of a Llama-family model becomes a
+``LigerRMSNorm`` holding the SAME weight Parameter, each SiLU-gated MLP a ``LigerSwiGLUMLP``
+holding the SAME projection modules. Parameter names, ``state_dict`` keys, optimizer state,
+peft adapters on the projections and ``save_pretrained`` output are unchanged.
+
+Only module types whose arithmetic liger reproduces are swapped: RMSNorms computing
+``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)`` (liger's "llama"
+casting) and MLPs ``down(silu(gate(x)) * up(x))``. Other models (Gemma's
+``1 + weight`` norms, GPT-OSS's clamped experts, ...) keep their modules.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# transformers classes with the RMSNorm arithmetic above, and SwiGLU MLPs (gate_proj, up_proj,
+# down_proj, act_fn from config.hidden_act). Qwen3's q_norm / k_norm are Qwen3RMSNorm too.
+_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+_SWIGLU_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+_SILU = ("silu", "swish")
+MODES = ("auto", "liger", "none")
+
+
+def liger_available() -> bool:
+    try:
+        import liger_kernel.transformers.rms_norm  # noqa: F401
+        import liger_kernel.transformers.swiglu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _fused_rms_norm(norm: torch.nn.Module) -> torch.nn.Module:
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+
+    # in_place=False: liger's in-place backward writes dX over dY, which autograd may still hold.
+    fused = LigerRMSNorm(norm.weight.shape[0], eps=norm.variance_epsilon, casting_mode="llama", in_place=False)
+    fused.weight = norm.weight
+    return fused
+
+
+def _fused_mlp(mlp: torch.nn.Module) -> torch.nn.Module:
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+
+    with torch.device("meta"):  # its own projections are replaced at once: allocate nothing
+        fused = LigerSwiGLUMLP(mlp.config, intermediate_size=mlp.gate_proj.out_features)
+    fused.gate_proj, fused.up_proj, fused.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    return fused
+
+
+def _swappable_mlp(module: torch.nn.Module) -> bool:
+    # The projections (biases, peft adapters) run as they are; only act_fn(gate) * up is fused.
+    config = getattr(module, "config", None)
+    return config is not None and getattr(config, "hidden_act", None) in _SILU
+
+
+def use_fused_ops(model: torch.nn.Module, mode: str = "auto") -> list[str]:
+    """Swap liger's fused RMSNorm / SwiGLU modules into ``model`` in place; returns the swapped
+    module names.
+
+    ``mode``: "auto" (on a CUDA model when liger-kernel is installed), "liger" (always; an error
+    when liger-kernel is missing) or "none" (nothing). On CPU liger's kernels need the Triton
+    interpreter (TRITON_INTERPRET=1), which is why "auto" leaves CPU models alone.
+    """
+    if mode not in MODES:
+        raise ValueError(f"fused ops mode {mode!r}: use one of {', '.join(MODES)}")
+    if mode == "none":
+        return []
+    if not liger_available():
+        if mode == "liger":
+            raise ImportError("fused ops 'liger' need liger-kernel: pip install liger-kernel")
+        return []
+    param = next(model.parameters(), None)
+    on_cuda = param is not None and param.device.type == "cuda"
+    if mode == "auto" and not on_cuda:
+        return []
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("fused ops 'liger' run Triton kernels: the model must be on a CUDA device (or set "
+                         "TRITON_INTERPRET=1 on CPU, slow)")
+    swapped = []
+    # Collect first: replacing children while walking named_modules would visit the new modules.
+    targets = [(name, module) for name, module in model.named_modules()
+               if type(module).__name__ in _RMS_NORMS
+               or (type(module).__name__ in _SWIGLU_MLPS and _swappable_mlp(module))]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        fused = _fused_rms_norm(module) if type(module).__name__ in _RMS_NORMS else _fused_mlp(module)
+        fused.train(module.training)
+        setattr(parent, child, fused)
+        swapped.append(name)
+    return swapped
