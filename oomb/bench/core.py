@@ -32,6 +32,8 @@ from oomb.engine import linear_cross_entropy_sum, store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import use_fused_ops
 from oomb.kernels import triton_attention as T
+from oomb.sparse import PageSelection
+from oomb.sparse.selection import SCORES
 from oomb.train.presets import build_model
 
 
@@ -103,7 +105,7 @@ def run(args) -> dict:
     vocab = cfg.vocab_size
     warmed = False
     # (tokens, row name, layer checkpointing, chunked_backward options)
-    sparse = {"page_budget": args.budget}
+    sparse = {"selection": PageSelection(page_budget=args.budget, score=args.select_score)}
     runs = ([(n, "oomb", False, {}) for n in args.lengths]
             + [(n, "oomb+layer-ckpt", True, {}) for n in args.ckpt_lengths]
             + [(n, "oomb+cached-attn", False, {"cache_attention": True}) for n in args.cache_lengths]
@@ -128,7 +130,8 @@ def run(args) -> dict:
             times = _time_steps(step, args.repeats)
             # No local name for the store: a live reference would keep its pools through the next length.
             record(system, n, times, extra={
-                "chunk_size": args.chunk, "page_size": args.page, "backend": args.backend, "options": options,
+                "chunk_size": args.chunk, "page_size": args.page, "backend": args.backend,
+                "options": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in options.items()},
                 "store_gib": store_for_model(model).nbytes() / 2**30,
                 "store_bytes_per_token": store_for_model(model).spec.bytes_per_token(),
                 "params_plus_grads_gib": 2 * param_bytes / 2**30,
@@ -221,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sparse-cache-lengths", type=int_list, default=[],
                    help="also time page-sparse oomb with cache_attention=True")
     p.add_argument("--budget", type=int, default=64, help="pages per block of 128 queries for the sparse rows")
+    p.add_argument("--select-score", default="mean", choices=SCORES,
+                   help="page score of the sparse rows: mean (the paper's) or bound (oomb.sparse)")
     p.add_argument("--hf-lengths", type=int_list, default=[], help="also time transformers at these lengths")
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--page", type=int, default=128)

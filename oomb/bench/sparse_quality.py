@@ -105,6 +105,13 @@ class Study:
     learn_options: list[str] = field(default_factory=lambda: ["default"])
     # Gradient study.
     gradient_study: bool = True
+    # Before it, the dense-trained model trains on (dense) at ``grad_model_len`` for ``grad_model_steps`` steps of
+    # ``grad_model_batch`` sequences, so that it has long-range attention to lose at the longest gradient length
+    # (a model trained at 32K only does not retrieve at 128K). 0 steps = the dense arm's model as it is.
+    grad_model_len: int = 131072
+    grad_model_steps: int = 0
+    grad_model_batch: int = 1
+    grad_model_lr: float = 2e-4
     grad_lengths: list[int] = field(default_factory=list)
     grad_samples: int = 2  # sequences per gradient (one [B, N] batch)
     budgets: list[int] = field(default_factory=list)
@@ -131,6 +138,7 @@ FULL = Study(
     digits=1, pretrain_len=1024, pretrain_steps=2000, pretrain_batch=32, pretrain_lr=1e-3,
     eval_lengths=[32768], eval_samples=32, grad_eval_samples=8,
     grad_lengths=[32768, 131072], grad_samples=2, budgets=[8, 16, 32, 64, 128, 256], data_workers=12,
+    grad_model_len=131072, grad_model_steps=60, grad_model_lr=3e-4,
 )
 
 # Pages of 16 tokens and chunks of 64 keep every code path (sparse chunks, always-kept pages,
@@ -141,6 +149,7 @@ SMOKE = Study(
     pretrain_len=128, pretrain_steps=2, pretrain_batch=2, chunk_size=64, page_size=16, block=16,
     eval_lengths=[512], eval_depths=[0.0, 1.0], eval_samples=2, grad_eval_samples=1,
     grad_lengths=[256, 512], grad_samples=1, budgets=[6, 64], max_positions=4096,
+    grad_model_len=512, grad_model_steps=2,
 )
 
 
@@ -162,9 +171,12 @@ def check_study(s: Study) -> None:
         raise ValueError(f"chunk_size {s.chunk_size} must be a multiple of page_size {s.page_size}")
     if s.loss_on not in ("all", "answer"):
         raise ValueError(f"loss_on must be 'all' or 'answer', got {s.loss_on!r}")
+    if s.grad_model_steps < 0 or s.grad_model_batch <= 0:
+        raise ValueError(f"grad_model_steps must be >= 0 and grad_model_batch positive, got {s.grad_model_steps}, "
+                         f"{s.grad_model_batch}")
     if s.pretrain_steps < 0:
         raise ValueError(f"pretrain_steps must be >= 0, got {s.pretrain_steps}")
-    lengths = [s.train_len, *s.eval_lengths, *s.grad_lengths, s.pretrain_len]
+    lengths = [s.train_len, *s.eval_lengths, *s.grad_lengths, s.pretrain_len, s.grad_model_len]
     if max(lengths) > s.max_positions:
         raise ValueError(f"length {max(lengths)} exceeds the model's max_positions {s.max_positions}")
     for n in lengths:
@@ -216,6 +228,12 @@ def pretrain_study(s: Study) -> Study:
     """The shared short-context phase as a study of its own (its own warmup and cosine schedule)."""
     return dataclasses.replace(s, train_len=s.pretrain_len, steps=s.pretrain_steps, batch_size=s.pretrain_batch,
                                lr=s.pretrain_lr, eval_lengths=sorted({s.pretrain_len, s.train_len}))
+
+
+def grad_model_study(s: Study) -> Study:
+    """The dense phase at the gradient study's length before it, as a study of its own (its own schedule)."""
+    return dataclasses.replace(s, train_len=s.grad_model_len, steps=s.grad_model_steps, batch_size=s.grad_model_batch,
+                               lr=s.grad_model_lr, warmup_steps=min(s.warmup_steps, s.grad_model_steps // 4))
 
 
 def train_task(s: Study) -> PasskeyTask:
@@ -420,6 +438,10 @@ def run(s: Study, out: Path, device: torch.device, command: str, log=print) -> d
     for option in s.learn_options:  # the dense-trained model read with each sparse arm's selection
         learned[sparse_eval_key(option)] = retrieval(model, s, device, selection(s, s.learn_budget, option))
     log(f"dense model retrieval: {learned['retrieval_dense_eval']['mean_accuracy_by_length']}")
+    if s.gradient_study and s.grad_model_steps:
+        gm = grad_model_study(s)
+        log(f"before the gradient study, dense at {gm.train_len}: {gm.steps} steps x {gm.batch_size} sequences")
+        report["gradient_model"] = {"training": train(model, gm, device, None, log)}
     if s.gradient_study:
         learned["retrieval_at_grad_lengths"] = retrieval(model, s, device, None, s.grad_lengths, s.grad_eval_samples)
         log(f"at the gradient lengths: {learned['retrieval_at_grad_lengths']['mean_accuracy_by_length']}")
@@ -553,7 +575,10 @@ def markdown(report: dict) -> str:
         lines += [
             "## Gradient quality on the dense-trained model",
             "",
-            f"The model of the dense learning arm.{acc}",
+            ("The model of the dense learning arm" + (
+                f", then {s['grad_model_steps']} dense steps x {s['grad_model_batch']} x {_k(s['grad_model_len'])} "
+                f"tokens (lr {s['grad_model_lr']:g}) so that it has long-range attention at that length"
+                if report.get("gradient_model") else "") + f".{acc}"),
             "",
             f"Full gradient of {s['grad_samples']} held-out sequence(s) per length, sparse against dense: cosine "
             "similarity / relative error ||g_sparse - g_dense|| / ||g_dense||, all parameters flattened. Options: "
@@ -614,6 +639,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-samples", type=int, default=None, help="held-out sequences per depth and length")
     p.add_argument("--learn-options", type=lambda t: [o for o in t.split(",") if o], default=None,
                    help=f"sparse arms, one per selection option ({', '.join(OPTIONS)}); default: default")
+    p.add_argument("--grad-model-steps", type=int, default=None,
+                   help="dense steps at --grad-model-len before the gradient study (0 = none)")
+    p.add_argument("--grad-model-len", type=int, default=None, help="sequence length of those steps")
     p.add_argument("--no-gradient-study", dest="gradient_study", action="store_false", default=None,
                    help="skip the gradient study (the learning arms only)")
     args = p.parse_args(argv)
@@ -624,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
                  "train_len": args.train_len, "lr": args.lr, "loss_on": args.loss_on,
                  "grad_lengths": args.grad_lengths, "eval_lengths": args.eval_lengths,
                  "eval_samples": args.eval_samples, "learn_options": args.learn_options,
-                 "gradient_study": args.gradient_study}
+                 "gradient_study": args.gradient_study, "grad_model_steps": args.grad_model_steps,
+                 "grad_model_len": args.grad_model_len}
     study = dataclasses.replace(study, **{k: v for k, v in overrides.items() if v is not None})
     out = Path(args.out)
     try:

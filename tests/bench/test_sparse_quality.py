@@ -37,6 +37,8 @@ def test_report_holds_every_setting_and_number(smoke):
         (n, loss, b, o) for n in s.grad_lengths for loss in ("all", "answer") for b in s.budgets for o in sq.OPTIONS}
     assert all(len(r["attention_by_layer"]) == s.layers for r in rows)
     assert (out / "dense_model" / "config.json").is_file()
+    # the dense phase at the gradient length before the gradient study
+    assert len(report["gradient_model"]["training"]["losses"]) == s.grad_model_steps > 0
 
 
 def test_budget_covering_every_page_gives_the_dense_gradient(smoke):

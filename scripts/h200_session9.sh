@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Prepared in session 8 (2026-12-03) for the next session's device call on one H200 (not run yet):
+#   PART=a bash scripts/h200_session9.sh   # ~230 s: the core steps (1, 2)
+#   PART=b bash scripts/h200_session9.sh   # ~530 s: the quality study (3)
+# 1. issue 3's step targets with chunk 8192 and the fused ops: `oomb.bench.core` dense 64K and 128K with
+#    cache_attention (session 8 at chunk 4096: 14.52 / 44.32 s against targets of 14 / 43 s);
+# 2. issue 4: the sparse 128K step (cached) with `bound` page scores, then with `mean`, one process each
+#    (the cost of `bound` before it could become the default; session 8, mean: 22.04 s);
+# 3. issue 4's quality study with its dense phase at 128K before the gradient study (the gradient rows at 128K
+#    on a model that retrieves there) and sparse arms for `mean` and `bound` (it writes after each phase).
+# Everything under $W, a tar in $OUT. BUDGET bounds it.
+set -uo pipefail
+DEFAULT_BUDGET=560
+# shellcheck source=scripts/h200_env.sh
+source "$(dirname "$0")/h200_env.sh"
+require_part a b
+record_machine
+
+core() {  # core NAME ARGS...: one oomb.bench.core process, its JSON rows printed
+  local name=$1; shift
+  part "core: $name"
+  timeout "$(limit 5)" python3 -m oomb.bench.core --out "$W/core_$name.json" "$@" > "$W/core_$name.log" 2>&1
+  echo "core exit $?"; grep -E '^\{' "$W/core_$name.log" | cut -c1-260
+}
+if [[ $PART == a ]]; then
+  core dense-chunk8192 --lengths "" --cache-lengths 65536,131072 --chunk 8192
+  core sparse-bound --lengths "" --sparse-cache-lengths 131072 --select-score bound
+  core sparse-mean --lengths "" --sparse-cache-lengths 131072 --select-score mean
+else
+  part "sparse quality study (every phase)"
+  timeout "$(limit 5)" python3 -m oomb.bench.sparse_quality --out "$W/sparse_quality" --data-workers 12 \
+    --learn-options default,bound > "$W/sparse_quality.log" 2>&1
+  echo "sparse_quality exit $?"; tail -6 "$W/sparse_quality.log" | cut -c1-300
+  rm -rf "$W/sparse_quality/dense_model"
+fi
+part "done"
+tar czf "$OUT/session9-$PART.tar.gz" -C "$W" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' .
