@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepared in session 8 (2026-12-03) for the next session's device call on one H200 (not run yet):
-#   PART=a bash scripts/h200_session9.sh   # ~230 s: the core steps (1, 2)
+#   PART=a bash scripts/h200_session9.sh   # ~350 s: the core steps (1, 2), the profile (4)
 #   PART=b bash scripts/h200_session9.sh   # ~530 s: the quality study (3)
 # 1. issue 3's step targets with chunk 8192 and the fused ops: `oomb.bench.core` dense 64K and 128K with
 #    cache_attention (session 8 at chunk 4096: 14.52 / 44.32 s against targets of 14 / 43 s);
@@ -8,6 +8,8 @@
 #    (the cost of `bound` before it could become the default; session 8, mean: 22.04 s);
 # 3. issue 4's quality study with its dense phase at 128K before the gradient study (the gradient rows at 128K
 #    on a model that retrieves there) and sparse arms for `mean` and `bound` (it writes after each phase).
+# 4. the sparse 128K step's stream profile with Python stacks: session 6 saw ~1,800 pageable host-to-device
+#    copies per step, each draining the GPU's queue; `copies_by_op` names the line that queues them.
 # Everything under $W, a tar in $OUT. BUDGET bounds it.
 set -uo pipefail
 DEFAULT_BUDGET=560
@@ -26,6 +28,11 @@ if [[ $PART == a ]]; then
   core dense-chunk8192 --lengths "" --cache-lengths 65536,131072 --chunk 8192
   core sparse-bound --lengths "" --sparse-cache-lengths 131072 --select-score bound
   core sparse-mean --lengths "" --sparse-cache-lengths 131072 --select-score mean
+  part "profile: the sparse 128K step with Python stacks (which line queues each pageable copy)"
+  timeout "$(limit 5)" python3 -m oomb.bench.offload --dense-lengths "" --sparse-lengths "" --growth-lengths "" \
+    --select-blocks 4096 --profile-length 131072 --profile-stacks --out "$W/profile_sparse.json" \
+    > "$W/profile_sparse.log" 2>&1
+  echo "offload exit $?"; grep -E "profile|idle|from|host CUDA" "$W/profile_sparse.log" | cut -c1-240 | head -40
 else
   part "sparse quality study (every phase)"
   timeout "$(limit 5)" python3 -m oomb.bench.sparse_quality --out "$W/sparse_quality" --data-workers 12 \

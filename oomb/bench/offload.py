@@ -442,7 +442,8 @@ class Bench:
                 os.makedirs(trace_dir, exist_ok=True)
                 path = os.path.join(trace_dir, f"trace-{s.mode}-{'offload' if s.offload else 'gpu'}-{s.seq_len}"
                                                ".json.gz")
-            return {**head, **profile_streams(step, trace_path=path), "trace": path}
+            return {**head, **profile_streams(step, trace_path=path, stacks=self.args.profile_stacks), "trace": path,
+                    "stacks": self.args.profile_stacks}
         except torch.OutOfMemoryError as e:
             return {**head, "error": f"out of memory: {str(e).splitlines()[0]}"}
         finally:
@@ -626,6 +627,8 @@ def _print_table(report: dict) -> None:
         calls = ", ".join(f"{name} {ms:.0f} ms x {n}" for name, ms, n in p.get("host_calls", [])[:5])
         if calls:
             print(f"  host CUDA calls: {calls}")
+        for copy, op, frame, ms, n in p.get("copies_by_op", [])[:6]:
+            print(f"  {n:6d} x {copy[:34]} ({ms:.0f} ms) from {op} in {frame[:70]}")
     rep = report.get("repeat")
     if rep:
         if "skipped" in rep:
@@ -660,6 +663,9 @@ def main(argv: list[str] | None = None) -> int:
                         "busy time and the compute stream's idle time (0 = skip)")
     p.add_argument("--profile-dense-length", type=int, default=0,
                    help="the same for one dense step this long (before the sparse profile; 0 = skip)")
+    p.add_argument("--profile-stacks", action="store_true",
+                   help="record Python stacks in the profiled steps: each copy is traced to oomb's line that "
+                        "queued it (slows the host, so their idle times are not a plain step's)")
     p.add_argument("--trace-dir", default=None, help="keep the profiled steps' traces here (gzipped Chrome traces)")
     p.add_argument("--steady", action=argparse.BooleanOptionalAction, default=True,
                    help="pair rows: one step at the row's length first (allocating the store and pinning its "

@@ -64,7 +64,7 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
     {stream: {"kernel_ms", "copy_ms", "busy_ms", "kernels", "copies", "groups"}}, "top_kernels":
     [(name, ms, count)], "kernel_groups" {group: {"ms", "count"}} (``kernel_group``) and
     "top_gaps" [(work before, work after, idle ms, count)] of the compute stream, and
-    "host_calls" [(CUDA API call, ms, count)] of the host}. Times in
+    "host_calls" [(CUDA API call, ms, count)] of the host, "copies_by_op" (``copies_by_op``)}. Times in
     milliseconds; kernel times are summed durations (kernels of one stream do not overlap, so on
     the compute stream they add up to its busy time).
     """
@@ -100,7 +100,7 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
     if not spans:
         return {"wall_ms": 0.0, "compute_stream": None, "compute_busy_ms": 0.0, "compute_idle_ms": 0.0,
                 "streams": {}, "top_kernels": [], "kernel_groups": {}, "top_gaps": [],
-                "host_calls": _by_time(host_calls, top)}
+                "host_calls": _by_time(host_calls, top), "copies_by_op": []}
     for stream, s in spans.items():
         per[stream]["busy_ms"] = _union_ms([(a, b) for a, b, _ in s])
         if groups[stream]:
@@ -130,7 +130,61 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
             # The host's CUDA API calls: a host waiting for the GPU shows as cudaStreamSynchronize /
             # cudaDeviceSynchronize / cudaEventSynchronize (or a blocking cudaMemcpy); a host merely
             # slow does not (its time is in Python and in cudaLaunchKernel).
-            "host_calls": _by_time(host_calls, top)}
+            "host_calls": _by_time(host_calls, top),
+            "copies_by_op": copies_by_op(events, top)}
+
+
+def copies_by_op(events: list[dict], top: int = 20) -> list[tuple[str, str, str, float, int]]:
+    """Which host code issued each GPU copy and memset: [(copy, op, frame, ms, count)], most time first.
+
+    A copy on the GPU carries the correlation id of the host's CUDA call that queued it; that call
+    runs inside the profiler's op events (``cpu_op``: aten::copy_, aten::topk, ...) and, when the
+    profile records stacks (``with_stack=True``), inside ``python_function`` events. ``op`` is the
+    innermost op around the call, ``frame`` the innermost Python frame of oomb's own code ("?"
+    without stacks or outside oomb). Why: a pageable host-to-device copy blocks the host until the
+    GPU has drained the work queued before it, so the GPU idles while the host queues the next ops;
+    this says which line to change.
+    """
+    copies = [ev for ev in events if ev.get("ph") == "X" and ev.get("cat") in _COPIES]
+    wanted = {ev.get("args", {}).get("correlation") for ev in copies} - {None}
+    calls = {}  # correlation -> (pid, tid, ts, end) of the host's CUDA call
+    threads: dict[tuple, list[tuple[float, float, str, str]]] = defaultdict(list)
+    for ev in events:
+        if ev.get("ph") != "X":
+            continue
+        cat, key = ev.get("cat"), (ev.get("pid"), ev.get("tid"))
+        ts, end = float(ev.get("ts", 0.0)), float(ev.get("ts", 0.0)) + float(ev.get("dur", 0.0))
+        if cat in _HOST_CALLS and ev.get("args", {}).get("correlation") in wanted:
+            calls[ev["args"]["correlation"]] = (key, ts, end)
+        elif cat in ("cpu_op", "python_function"):
+            threads[key].append((ts, end, cat, ev.get("name", "?")))
+    # The innermost op and oomb frame around each call: one sweep per thread with a stack of open events.
+    where: dict[int, tuple[str, str]] = {}
+    by_thread: dict[tuple, list[tuple[float, float, int]]] = defaultdict(list)
+    for corr, (key, ts, end) in calls.items():
+        by_thread[key].append((ts, end, corr))
+    for key, pending in by_thread.items():
+        spans = sorted(threads.get(key, []), key=lambda t: (t[0], -t[1]))
+        stack: list[tuple[float, float, str, str]] = []
+        i = 0
+        for ts, end, corr in sorted(pending):
+            while i < len(spans) and spans[i][0] <= ts:
+                while stack and stack[-1][1] < spans[i][0]:
+                    stack.pop()
+                stack.append(spans[i])
+                i += 1
+            while stack and stack[-1][1] < end:
+                stack.pop()
+            ops = [s for s in stack if s[2] == "cpu_op" and s[0] <= ts and end <= s[1]]
+            frames = [s for s in stack if s[2] == "python_function" and "oomb" in s[3] and s[0] <= ts and end <= s[1]]
+            where[corr] = (ops[-1][3] if ops else "?", frames[-1][3] if frames else "?")
+    totals: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in copies:
+        op, frame = where.get(ev.get("args", {}).get("correlation"), ("?", "?"))
+        entry = totals[(ev.get("name", "?"), op, frame)]
+        entry[0] += float(ev.get("dur", 0.0)) / 1e3
+        entry[1] += 1
+    return sorted(((*k, v[0], v[1]) for k, v in totals.items()), key=lambda t: (-t[4], -t[3]))[:top]
 
 
 def _by_time(totals: dict[str, list[float]], top: int) -> list[tuple[str, float, int]]:
@@ -138,16 +192,18 @@ def _by_time(totals: dict[str, list[float]], top: int) -> list[tuple[str, float,
     return sorted(((n, v[0], v[1]) for n, v in totals.items()), key=lambda t: -t[1])[:top]
 
 
-def profile_streams(fn: Callable[[], object], *, trace_path: str | None = None) -> dict:
+def profile_streams(fn: Callable[[], object], *, trace_path: str | None = None, stacks: bool = False) -> dict:
     """Run ``fn`` once under torch.profiler (CUDA activity) and summarise its streams.
 
     ``trace_path``: also keep the trace there, gzipped (it opens in chrome://tracing or Perfetto).
+    ``stacks``: record Python stacks, so ``copies_by_op`` names oomb's line behind each copy (it
+    slows the host, so the step's idle time is not the plain step's).
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as prof:
         fn()
         torch.cuda.synchronize()
     fd, tmp = tempfile.mkstemp(suffix=".json")

@@ -47,3 +47,36 @@ def test_overlapping_spans_count_once():
     assert s["streams"]["1"]["busy_ms"] == 0.16  # 0..150 and 300..310
     assert abs(s["streams"]["1"]["kernel_ms"] - 0.21) < 1e-12  # summed durations
     assert stream_summary([])["compute_stream"] is None
+
+
+def test_copies_are_attributed_to_the_op_and_oomb_frame_that_queued_them():
+    def span(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
+
+    events = [
+        span("python_function", "oomb/engine/step.py(10): chunked_backward", 0, 1000),
+        span("python_function", "oomb/sparse/selection.py(120): select_pages", 100, 200),
+        span("python_function", "torch/_tensor.py(5): __setitem__", 150, 30),  # not oomb's: skipped
+        span("cpu_op", "aten::copy_", 155, 20),
+        span("cuda_runtime", "cudaMemcpyAsync", 160, 10, correlation=1),
+        span("cpu_op", "aten::topk", 400, 50),  # only the step's frame around it
+        span("cuda_runtime", "cudaMemsetAsync", 410, 5, correlation=2),
+        span("cuda_runtime", "cudaMemcpyAsync", 420, 5, correlation=3),
+        span("cpu_op", "aten::add", 2000, 10, tid=2),  # another thread, no frames
+        span("cuda_runtime", "cudaMemcpyAsync", 2002, 3, tid=2, correlation=4),
+        span("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 170, 4, stream=7, correlation=1),
+        span("gpu_memset", "Memset (Device)", 420, 2, stream=7, correlation=2),
+        span("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 430, 6, stream=7, correlation=3),
+        span("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 2010, 8, stream=7, correlation=4),
+        span("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 3000, 1, stream=7, correlation=99),  # no host call
+        _kernel(7, 0, 10),
+    ]
+    rows = stream_summary(events)["copies_by_op"]
+    got = {(copy, op, frame): (round(ms, 6), n) for copy, op, frame, ms, n in rows}
+    assert got == {
+        ("Memcpy HtoD (Pageable -> Device)", "aten::copy_", "oomb/sparse/selection.py(120): select_pages"): (0.004, 1),
+        ("Memcpy HtoD (Pageable -> Device)", "aten::topk", "oomb/engine/step.py(10): chunked_backward"): (0.006, 1),
+        ("Memset (Device)", "aten::topk", "oomb/engine/step.py(10): chunked_backward"): (0.002, 1),
+        ("Memcpy HtoD (Pageable -> Device)", "aten::add", "?"): (0.008, 1),
+        ("Memcpy DtoD (Device -> Device)", "?", "?"): (0.001, 1),
+    }
