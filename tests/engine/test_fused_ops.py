@@ -137,3 +137,14 @@ def test_train_config_refuses_bad_fused_ops(monkeypatch, overrides, match):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match=match):
         check_config(load_config(None, overrides))
+
+
+def test_peft_adapters_on_the_mlp_survive_the_swap():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model("qwen2"), peft.LoraConfig(r=4, target_modules=["gate_proj", "q_proj"]))
+    trainable_before = {n for n, p in model.named_parameters() if p.requires_grad}
+    gate_before = model.base_model.model.model.layers[0].mlp.gate_proj
+    assert use_fused_ops(model, "liger")
+    mlp = model.base_model.model.model.layers[0].mlp
+    assert type(mlp).__name__ == "LigerSwiGLUMLP" and mlp.gate_proj is gate_before  # the LoRA-wrapped linear
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable_before
