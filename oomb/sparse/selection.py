@@ -116,11 +116,12 @@ def select_pages(
             scores = torch.cat(parts, dim=1)
         scores = scores.sum(dim=1, keepdim=True)
 
-    forced = torch.zeros(n_past, dtype=torch.bool, device=q.device)
-    forced[: policy.sink_pages] = True
-    if policy.local_pages:
-        forced[n_past - policy.local_pages:] = True
-    scores = scores.masked_fill(forced, float("inf"))
+    if policy.sink_pages or policy.local_pages:  # else three launches and a pass over the scores for nothing
+        forced = torch.zeros(n_past, dtype=torch.bool, device=q.device)
+        forced[: policy.sink_pages] = True
+        if policy.local_pages:
+            forced[n_past - policy.local_pages:] = True
+        scores = scores.masked_fill(forced, float("inf"))
     if doc_start is not None:
         # A page that ends before the block's first document start is invisible to the whole block.
         block_first_doc = doc_start[:, :: policy.block].long()  # [B, n_qb] (starts are non-decreasing)
