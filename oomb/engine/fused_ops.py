@@ -20,8 +20,6 @@ casting) and MLPs ``down(silu(gate(x)) * up(x))``. Other models (Gemma's
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 # transformers classes with the RMSNorm arithmetic above, and SwiGLU MLPs (gate_proj, up_proj,
@@ -66,12 +64,13 @@ def _swappable_mlp(module: torch.nn.Module) -> bool:
 
 
 def use_fused_ops(model: torch.nn.Module, mode: str = "auto") -> list[str]:
-    """Swap liger's fused RMSNorm / SwiGLU modules into ``model`` in place; returns the swapped
-    module names.
+    """Swap liger's fused RMSNorm / SwiGLU modules into ``model`` in place (``swap_fused_modules``);
+    returns the swapped module names.
 
-    ``mode``: "auto" (on a CUDA model when liger-kernel is installed), "liger" (always; an error
-    when liger-kernel is missing) or "none" (nothing). On CPU liger's kernels need the Triton
-    interpreter (TRITON_INTERPRET=1), which is why "auto" leaves CPU models alone.
+    ``mode``: "auto" (on a CUDA model when liger-kernel is installed), "liger" (required: an error
+    without liger-kernel or on a model off CUDA) or "none" (nothing). liger 0.8.5's kernels do not
+    run in Triton's CPU interpreter (they call ``.to`` on float arguments), so CPU models keep
+    transformers' modules.
     """
     if mode not in MODES:
         raise ValueError(f"fused ops mode {mode!r}: use one of {', '.join(MODES)}")
@@ -82,12 +81,16 @@ def use_fused_ops(model: torch.nn.Module, mode: str = "auto") -> list[str]:
             raise ImportError("fused ops 'liger' need liger-kernel: pip install liger-kernel")
         return []
     param = next(model.parameters(), None)
-    on_cuda = param is not None and param.device.type == "cuda"
-    if mode == "auto" and not on_cuda:
+    if param is None or param.device.type != "cuda":
+        if mode == "liger":
+            raise ValueError("fused ops 'liger' run liger's Triton kernels: the model must be on a CUDA device")
         return []
-    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("fused ops 'liger' run Triton kernels: the model must be on a CUDA device (or set "
-                         "TRITON_INTERPRET=1 on CPU, slow)")
+    return swap_fused_modules(model)
+
+
+def swap_fused_modules(model: torch.nn.Module) -> list[str]:
+    """The swap itself, wherever the model is (its forward then needs CUDA): each RMSNorm and SiLU-gated
+    MLP of the supported types replaced by liger's module on the same Parameters; returns their names."""
     swapped = []
     # Collect first: replacing children while walking named_modules would visit the new modules.
     targets = [(name, module) for name, module in model.named_modules()

@@ -133,9 +133,9 @@ def check_config(cfg: Config) -> None:
         if not liger_available():
             raise ConfigError("train.fused_ops=liger needs liger-kernel: pip install liger-kernel, or "
                               "train.fused_ops=auto")
-        if resolve_device(t.device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError("train.fused_ops=liger runs Triton kernels: it needs a CUDA device (or "
-                              "TRITON_INTERPRET=1 on CPU, slow); use train.fused_ops=auto")
+        if resolve_device(t.device).type != "cuda":
+            raise ConfigError("train.fused_ops=liger runs liger's Triton kernels: it needs a CUDA device (they do not "
+                              "run in Triton's CPU interpreter); use train.fused_ops=auto")
     if t.cache_attention is True and t.offload:
         raise ConfigError("train.cache_attention=true keeps attention outputs on the GPU and train.offload=true moves "
                           "pages off it: choose one")
@@ -342,7 +342,7 @@ def _train(cfg: Config, console: Console | None, ctx: distributed.DistributedCon
     if cfg.train.layer_checkpointing:  # transformers' own; exact inside oomb's chunks (tested)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     fused_mode = cfg.train.fused_ops if cfg.train.tensor_parallel == 1 else "none"
-    fused = use_fused_ops(model, fused_mode)  # before peft's and the optimizer's view of the modules is final
+    fused = use_fused_ops(model, fused_mode)  # before a split and the optimizer (the same Parameters either way)
     if fused:
         console.print(f"fused ops: liger RMSNorm / SwiGLU in {len(fused)} modules")
     if ctx is not None and ctx.tensor_parallel > 1:

@@ -15,7 +15,7 @@ import torch
 from tiny_models import VOCAB, tiny_model
 
 import oomb
-from oomb.engine.fused_ops import liger_available, use_fused_ops
+from oomb.engine.fused_ops import liger_available, swap_fused_modules, use_fused_ops
 
 pytestmark = pytest.mark.skipif(not liger_available(), reason="needs liger-kernel")
 
@@ -38,7 +38,7 @@ def test_swap_keeps_parameters_names_and_checkpoints(family, tmp_path):
     plain = tiny_model(family)
     fused = copy.deepcopy(plain)
     params_before = dict(fused.named_parameters())
-    swapped = use_fused_ops(fused, "liger")
+    swapped = swap_fused_modules(fused)
     assert len(swapped) == _swap_count(plain.config, family, norms=True)
     assert type(fused.model.layers[0].mlp).__name__ == "LigerSwiGLUMLP"
     assert type(fused.model.layers[0].input_layernorm).__name__ == "LigerRMSNorm"
@@ -105,20 +105,19 @@ def test_bf16_fused_model_on_gpu():
 def test_other_families_and_modes_are_left_alone():
     gpt_oss = tiny_model("gpt_oss")  # its experts are not SwiGLU MLPs, its norms not in the table
     kinds = [type(m).__name__ for m in gpt_oss.modules()]
-    assert use_fused_ops(gpt_oss, "liger") == []
+    assert swap_fused_modules(gpt_oss) == []
     assert [type(m).__name__ for m in gpt_oss.modules()] == kinds
 
     llama = tiny_model("llama")
     assert use_fused_ops(llama, "none") == []
-    assert use_fused_ops(llama, "auto") == []  # a CPU model: liger's kernels would need the interpreter
+    assert use_fused_ops(llama, "auto") == []  # a CPU model: liger's kernels run on CUDA only
     assert not any(type(m).__name__.startswith("Liger") for m in llama.modules())
     with pytest.raises(ValueError, match="use one of auto, liger, none"):
         use_fused_ops(llama, "fast")
 
 
-def test_liger_mode_on_cpu_needs_the_interpreter(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="CUDA device"):
+def test_liger_mode_refuses_a_cpu_model():
+    with pytest.raises(ValueError, match="must be on a CUDA device"):
         use_fused_ops(tiny_model("llama"), "liger")
 
 
@@ -130,11 +129,10 @@ def test_liger_mode_on_cpu_needs_the_interpreter(monkeypatch):
         (["train.fused_ops=liger", "train.tensor_parallel=2"], "not supported with train.tensor_parallel > 1"),
     ],
 )
-def test_train_config_refuses_bad_fused_ops(monkeypatch, overrides, match):
+def test_train_config_refuses_bad_fused_ops(overrides, match):
     from oomb.train.config import ConfigError, load_config
     from oomb.train.trainer import check_config
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match=match):
         check_config(load_config(None, overrides))
 
@@ -144,7 +142,7 @@ def test_peft_adapters_on_the_mlp_survive_the_swap():
     model = peft.get_peft_model(tiny_model("qwen2"), peft.LoraConfig(r=4, target_modules=["gate_proj", "q_proj"]))
     trainable_before = {n for n, p in model.named_parameters() if p.requires_grad}
     gate_before = model.base_model.model.model.layers[0].mlp.gate_proj
-    assert use_fused_ops(model, "liger")
+    assert swap_fused_modules(model)
     mlp = model.base_model.model.model.layers[0].mlp
     assert type(mlp).__name__ == "LigerSwiGLUMLP" and mlp.gate_proj is gate_before  # the LoRA-wrapped linear
     assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable_before
