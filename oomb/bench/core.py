@@ -144,8 +144,7 @@ def run(args) -> dict:
         torch.cuda.empty_cache()
 
     for name in fused:  # transformers' rows: its own modules, as a user of plain transformers runs them
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, plain_modules[name])
+        model.set_submodule(name, plain_modules[name])
     if args.hf_lengths:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for n in args.hf_lengths:

@@ -438,16 +438,16 @@ def run(s: Study, out: Path, device: torch.device, command: str, log=print) -> d
     for option in s.learn_options:  # the dense-trained model read with each sparse arm's selection
         learned[sparse_eval_key(option)] = retrieval(model, s, device, selection(s, s.learn_budget, option))
     log(f"dense model retrieval: {learned['retrieval_dense_eval']['mean_accuracy_by_length']}")
-    if s.gradient_study and s.grad_model_steps:
-        gm = grad_model_study(s)
-        log(f"before the gradient study, dense at {gm.train_len}: {gm.steps} steps x {gm.batch_size} sequences")
-        report["gradient_model"] = {"training": train(model, gm, device, None, log)}
-    if s.gradient_study:
-        learned["retrieval_at_grad_lengths"] = retrieval(model, s, device, None, s.grad_lengths, s.grad_eval_samples)
-        log(f"at the gradient lengths: {learned['retrieval_at_grad_lengths']['mean_accuracy_by_length']}")
     save()
 
     if s.gradient_study:
+        if s.grad_model_steps:
+            gm = grad_model_study(s)
+            log(f"before the gradient study, dense at {gm.train_len}: {gm.steps} steps x {gm.batch_size} sequences")
+            report["gradient_model"] = {"training": train(model, gm, device, None, log)}
+        learned["retrieval_at_grad_lengths"] = retrieval(model, s, device, None, s.grad_lengths, s.grad_eval_samples)
+        log(f"at the gradient lengths: {learned['retrieval_at_grad_lengths']['mean_accuracy_by_length']}")
+        save()
         log("gradient quality on the dense-trained model")
         report["gradient_quality"] = gradient_study(model, s, device, log)
         save()

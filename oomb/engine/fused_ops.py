@@ -97,10 +97,8 @@ def swap_fused_modules(model: torch.nn.Module) -> list[str]:
                if type(module).__name__ in _RMS_NORMS
                or (type(module).__name__ in _SWIGLU_MLPS and _swappable_mlp(module))]
     for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
         fused = _fused_rms_norm(module) if type(module).__name__ in _RMS_NORMS else _fused_mlp(module)
         fused.train(module.training)
-        setattr(parent, child, fused)
+        model.set_submodule(name, fused)
         swapped.append(name)
     return swapped
