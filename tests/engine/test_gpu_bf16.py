@@ -105,11 +105,19 @@ def test_sparse_with_documents_bf16_close_to_fp32():
     assert errors["triton"] <= 2 * errors["torch"] + 1e-6
 
 
-@pytest.mark.parametrize("budget", [None, 8], ids=["dense", "sparse"])
-def test_offload_bit_identical_on_gpu(budget):
+@pytest.mark.parametrize("sparse", [None, {"page_budget": 8}, {"selection": "one list per chunk"}],
+                         ids=["dense", "sparse", "sparse, one list per chunk"])
+def test_offload_bit_identical_on_gpu(sparse):
     """Copies on their own stream with events (sparse pages through the mapped-memory copy kernel), and
-    layers kept on the GPU by offload_gpu_bytes: the same gradients, bit for bit, as pages on the GPU."""
+    layers kept on the GPU by offload_gpu_bytes: the same gradients, bit for bit, as pages on the GPU.
+    One page list per chunk is the case where no torch.unique makes the host wait for the selection
+    (the copy stream must wait for it: oomb/offload/store.py, _order_after_list)."""
     from oomb.engine import store_for_model
+    from oomb.sparse import PageSelection
+
+    sparse = dict(sparse or {})
+    if sparse.get("selection"):
+        sparse["selection"] = PageSelection(page_budget=8, block=2048)
 
     ids = torch.randint(0, 4096, (1, 16384 + 77), device="cuda")
     model = _model(torch.bfloat16)
@@ -119,7 +127,7 @@ def test_offload_bit_identical_on_gpu(budget):
         if name == "offload, 2 layers kept":
             kw["offload_gpu_bytes"] = 2 * store_for_model(model).layer_nbytes(1, ids.shape[1])
         model.zero_grad(set_to_none=True)
-        oomb.chunked_backward(model, ids, chunk_size=2048, page_size=128, page_budget=budget, **kw)
+        oomb.chunked_backward(model, ids, chunk_size=2048, page_size=128, **sparse, **kw)
         grads[name] = _flat_grads(model)
         if "offload_gpu_bytes" in kw:
             assert store_for_model(model).resident_layers == 2
