@@ -32,8 +32,7 @@ from oomb.engine import linear_cross_entropy_sum, store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import use_fused_ops
 from oomb.kernels import triton_attention as T
-from oomb.sparse import PageSelection
-from oomb.sparse.selection import SCORES
+from oomb.sparse import DEFAULT_SCORE, SCORES, PageSelection
 from oomb.train.presets import build_model
 
 
@@ -223,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sparse-cache-lengths", type=int_list, default=[],
                    help="also time page-sparse oomb with cache_attention=True")
     p.add_argument("--budget", type=int, default=64, help="pages per block of 128 queries for the sparse rows")
-    p.add_argument("--select-score", default="mean", choices=SCORES,
-                   help="page score of the sparse rows: mean (the paper's) or bound (oomb.sparse)")
+    p.add_argument("--select-score", default=DEFAULT_SCORE, choices=SCORES,
+                   help=f"page score of the sparse rows: bound or mean (the paper's); default {DEFAULT_SCORE}")
     p.add_argument("--hf-lengths", type=int_list, default=[], help="also time transformers at these lengths")
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--page", type=int, default=128)

@@ -38,9 +38,9 @@ def _kernel_rows(kv_len: int, args) -> list[dict]:
 
     page = args.page
     q, _, _, k_pool, v_pool, page_table = _paged_inputs(kv_len, page, torch.device("cuda"))
-    mean_k = k_pool.float().mean(dim=2)  # [pages, H_kv, D], as the store keeps it
+    mean_k = k_pool.float().mean(dim=2)  # [pages, H_kv, D], as the store keeps it for score="mean"
     n_past = (kv_len - C) // page
-    policy = PageSelection(page_budget=args.budget, block=args.block)
+    policy = PageSelection(page_budget=args.budget, block=args.block, score="mean")
     sel = select_pages(q, mean_k, page_table, n_past, page, policy)
     t_select = _bench(lambda: select_pages(q, mean_k, page_table, n_past, page, policy))
     dk_pool, dv_pool = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
@@ -97,7 +97,9 @@ def _split_and_sweep(kv_len: int, args) -> list[dict]:
     q, _, _, k_pool, v_pool, page_table = _paged_inputs(kv_len, page, torch.device("cuda"))
     mean_k = k_pool.float().mean(dim=2)
     n_past = (kv_len - C) // page
-    sel = select_pages(q, mean_k, page_table, n_past, page, PageSelection(page_budget=args.budget, block=args.block))
+    # Mean keys only: which pages are chosen does not change the kernels' work, only which pages they read.
+    policy = PageSelection(page_budget=args.budget, block=args.block, score="mean")
+    sel = select_pages(q, mean_k, page_table, n_past, page, policy)
     dk_pool, dv_pool = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
     d_out = torch.randn_like(q)
     rows = []

@@ -61,7 +61,7 @@ def run(args) -> dict:
     flops = attention_flops(C, args.kv_len) * h / H
     if args.budget:
         n_past = (args.kv_len - C) // args.page_size
-        policy = PageSelection(page_budget=args.budget, block=128)
+        policy = PageSelection(page_budget=args.budget, block=128, score="mean")  # the pools' mean keys below
         sel = select_pages(q, k_pool.float().mean(dim=2), page_table, n_past, args.page_size, policy)
         kw = {"page_select": sel, "select_block": 128}
         flops = attention_flops(C, min(args.kv_len, args.budget * args.page_size + C)) * h / H

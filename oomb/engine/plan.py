@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from oomb.cache import StoreSpec
-from oomb.sparse import store_key_summary
+from oomb.sparse import DEFAULT_SCORE, store_key_summary
 
 GiB = 2**30
 # CUDA context, cuBLAS/Triton workspaces and caching-allocator slack: memory the process uses
@@ -380,7 +380,7 @@ def plan_memory(
     page_budget: int | None = None,
     select_block: int = 128,
     per_head_selection: bool = False,
-    select_score: str = "mean",
+    select_score: str = DEFAULT_SCORE,
     lora_r: int = 0,
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
     optimizer: str = "adamw",

@@ -28,6 +28,7 @@ from rich.table import Table
 import oomb
 from oomb.engine import chunked_eval
 from oomb.engine.loss import IGNORE_INDEX
+from oomb.sparse import DEFAULT_SCORE, SCORES
 from oomb.train.checkpoint import CheckpointError, find_checkpoint, load_weights, write_text_atomic
 from oomb.train.config import Config, ConfigError, load_config
 from oomb.train.data import NeedleTask, PasskeyTask
@@ -473,8 +474,9 @@ def add_arguments(parser) -> None:
                    help="page-sparse attention: past pages each query block attends (default: dense, exact)")
     g.add_argument("--select-block", type=int, default=128, metavar="N",
                    help="with --page-budget: queries per selection block (default 128)")
-    g.add_argument("--select-score", default="mean", choices=["mean", "bound"],
-                   help="with --page-budget: rank pages by mean key (default) or by the upper bound over their keys")
+    g.add_argument("--select-score", default=DEFAULT_SCORE, choices=SCORES,
+                   help=f"with --page-budget: rank pages by the upper bound over their keys (bound) or by their mean "
+                        f"key (mean, the paper's); default {DEFAULT_SCORE}")
     g.add_argument("--offload", action="store_true", help="keep the K/V pages in host memory (docs/offload.md)")
     g.add_argument("--offload-gpu-memory", default="0", metavar="SIZE",
                    help="with --offload: GPU memory for keeping whole layers' pages on the GPU, e.g. 40GiB "

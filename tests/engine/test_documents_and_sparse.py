@@ -151,11 +151,12 @@ def test_bound_score_finds_a_lone_matching_key_the_mean_misses():
     bounds = page_key_summary(tiles, valid, "bounds")
     assert torch.equal(bounds[..., :d], mean)
     assert torch.equal(bounds[1, 0, d:2 * d][0], torch.tensor(-1.0)) and bounds[1, 0, 2 * d:][0] == 10.0
-    by_mean = select_pages(q, mean, table, 4, page, PageSelection(page_budget=1, block=page))
+    by_mean = select_pages(q, mean, table, 4, page, PageSelection(page_budget=1, block=page, score="mean"))
     by_bound = select_pages(q, bounds, table, 4, page, PageSelection(page_budget=1, block=page, score="bound"))
     assert by_mean.flatten().tolist() == [2] and by_bound.flatten().tolist() == [1]
     # A bound store also answers mean scoring (its first D channels), identically.
-    assert torch.equal(select_pages(q, bounds, table, 4, page, PageSelection(page_budget=1, block=page)), by_mean)
+    assert torch.equal(select_pages(q, bounds, table, 4, page, PageSelection(page_budget=1, block=page, score="mean")),
+                       by_mean)
     with pytest.raises(ValueError, match="key_summary='bounds'"):
         select_pages(q, mean, table, 4, page, PageSelection(page_budget=1, block=page, score="bound"))
 

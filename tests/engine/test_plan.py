@@ -284,7 +284,8 @@ def test_offload_gpu_allowance_keeps_whole_layers_on_the_gpu():
 
     cfg = Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 22)
-    kw = dict(seq_len=1 << 20, chunk_size=4096, page_size=128, dtype=torch.bfloat16, offload=True, page_budget=64)
+    kw = dict(seq_len=1 << 20, chunk_size=4096, page_size=128, dtype=torch.bfloat16, offload=True, page_budget=64,
+              select_score="mean")
     # One layer's K, V, dK, dV (tokens x KV heads x head_dim x 2 B x 4) and mean keys (a row per page).
     layer = (1 << 20) * 2 * 64 * 2 * 4 + (1 << 20) // 128 * 2 * 64 * 2
     none = plan_memory(cfg, **kw)
@@ -304,8 +305,8 @@ def test_offload_gpu_allowance_keeps_whole_layers_on_the_gpu():
     assert auto.settings["offload_gpu_bytes"] == 3 * layer + 1
     # Host-bound contexts get longer with the allowance: pages spill from the host to the GPU.
     host_total = none.host_bytes
-    longest = dict(chunk_size=4096, dtype=torch.bfloat16, offload=True, page_budget=64, host_total_bytes=host_total,
-                   device_total_bytes=total)
+    longest = dict(chunk_size=4096, dtype=torch.bfloat16, offload=True, page_budget=64, select_score="mean",
+                   host_total_bytes=host_total, device_total_bytes=total)
     assert largest_context(cfg, **longest, offload_gpu_bytes="auto") > largest_context(cfg, **longest) >= 1 << 20
     with pytest.raises(ValueError, match="offload_gpu_bytes"):
         plan_memory(cfg, **kw, offload_gpu_bytes=-1)

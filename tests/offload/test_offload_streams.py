@@ -63,11 +63,12 @@ def test_a_page_list_outlives_the_copies_that_read_it():
     with torch.cuda.stream(store._copy_stream):
         torch.cuda._sleep(SLEEP)  # the scatter home queued next runs only after this
     store.writeback(0, grads=True)
-    # The step lets go of the list (after the chunk's backward) and the slot takes another one; without
-    # care the list's memory goes to the next small tensors while the scatter has not read it yet.
+    # The step lets go of the list (after the chunk's backward) and the slot takes another one (a prefetch:
+    # a fetch would make the compute stream wait for the copy stream, and hide the hazard); without care
+    # the list's memory goes to the next small tensors while the scatter has not read it yet.
     del pages
-    store.fetch(0, want[:2].clone(), grads=False)
-    junk = [torch.full_like(want, PAST - 1) for _ in range(64)]
+    store.prefetch(0, want[:2].clone(), grads=False)
+    junk = [torch.full_like(want, PAST - 1) for _ in range(8192)]  # 4 MiB of small blocks: every free one
     torch.cuda.synchronize()
     pools, table = store.fetch(0, want, grads=True)  # the host's gradient pages of the chosen pages
     got = pools.dk[table[0, want.long()].long()]

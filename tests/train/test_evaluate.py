@@ -203,8 +203,8 @@ def test_sparse_and_offloaded_evaluation(tmp_path, hf_dir):
     assert sparse["settings"]["page_budget"] == 2 and sparse["settings"]["select_block"] == 32
     assert [c["answer_mean_nll"] for c in sparse["retrieval"]["cells"]] != [
         c["answer_mean_nll"] for c in dense["retrieval"]["cells"]]  # 2 of 7 past pages: not the dense result
-    bound = grid("bound", "--page-budget", "2", "--select-block", "32", "--select-score", "bound")
-    assert bound["settings"]["select_score"] == "bound" and sparse["settings"]["select_score"] == "mean"
+    mean = grid("mean", "--page-budget", "2", "--select-block", "32", "--select-score", "mean")
+    assert mean["settings"]["select_score"] == "mean" and sparse["settings"]["select_score"] == "bound"
 
 
 def test_checkpoint_loads_the_trained_weights(tmp_path):

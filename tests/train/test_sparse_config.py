@@ -25,7 +25,8 @@ def test_config_keys_build_the_selection():
     assert page_selection(load_config(None, [])) is None  # dense by default
     cfg = load_config(None, SPARSE + ["train.sink_pages=1"])
     assert page_selection(cfg) == PageSelection(page_budget=2, block=64, sink_pages=1, local_pages=1, per_head=True)
-    assert page_selection(load_config(None, ["train.page_budget=2", "train.select_score=bound"])).score == "bound"
+    assert page_selection(load_config(None, ["train.page_budget=2"])).score == "bound"  # the default
+    assert page_selection(load_config(None, ["train.page_budget=2", "train.select_score=mean"])).score == "mean"
 
 
 def test_sparse_run_trains_and_resumes_exactly(tmp_path):
@@ -52,7 +53,7 @@ def test_sparse_run_trains_and_resumes_exactly(tmp_path):
     (["train.select_per_head=true", "train.select_block=64"], "train.select_block, train.select_per_head only"),
     (["train.page_budget=2.5"], "train.page_budget .* must be int or NoneType"),
     (["train.page_budget=2", "train.select_score=max"], "page score must be one of"),
-    (["train.select_score=bound"], "train.select_score only apply to page-sparse attention"),
+    (["train.select_score=mean"], "train.select_score only apply to page-sparse attention"),
 ])
 def test_bad_sparse_settings_stop_before_work(tmp_path, capsys, args, match):
     out = tmp_path / "out"
