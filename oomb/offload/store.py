@@ -36,8 +36,8 @@ ordered with events:
 
 A page list made on the compute stream (a sparse layer's selection in stage 1, a window's
 range) is read by the copy kernel on the copy stream: the copy stream first waits for the
-compute stream's point where the list was handed over (``_order_after_list``), and the list's
-memory is kept from reuse until the copies that read it ran (``record_stream``).
+compute stream's point where the list was handed over, and the list's memory is kept from reuse
+until the copies that read it ran (``_hand_list_to_copy_stream``).
 
 Without CUDA (tests) every copy is synchronous and the same code runs. Gradients are
 bit-identical to the device-resident store: the kernels see the same values in the
@@ -121,7 +121,7 @@ class OffloadedKVStore(ChunkLedger):
         # the host thread zeroes their pages in append_chunk and must not race such a copy.
         self._grad_copies: object = None
         # Page lists the copy stream is already ordered after, by id (entries go with the lists;
-        # see _order_after_list).
+        # see _hand_list_to_copy_stream).
         self._ordered_lists: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self.synchronous = sync_from_env()  # debugging: no overlap at all (module docstring)
         self._max_pages = 0
@@ -333,6 +333,8 @@ class OffloadedKVStore(ChunkLedger):
                 self._home("mean", layer_idx)[:, c0 : c0 + n].copy_(slot.mean[:, c0 : c0 + n],
                                                                      non_blocking=self._cuda)
             elif slot.num_past:
+                if slot.past is not None:
+                    self._hand_list_to_copy_stream(slot.past)
                 self.moved_bytes["to_host"] += 2 * self.batch_size * slot.num_past * page
                 for kind in ("dk", "dv"):
                     src = view[kind][:, : slot.num_past]
@@ -341,7 +343,6 @@ class OffloadedKVStore(ChunkLedger):
                     else:  # the chosen pages, scattered into the mapped host pool by the copy kernel
                         copy_pages(src, self._home(kind, layer_idx), dst_index=slot.past,
                                    use_kernel=self.copy_kernels)
-                        self._keep_for_copies(slot.past)
             if self._cuda and grads:
                 done = torch.cuda.Event()
                 done.record(self._copy_stream)
@@ -453,7 +454,7 @@ class OffloadedKVStore(ChunkLedger):
         if grads:
             self.moved_bytes["to_device"] += len(kinds) * b * record.num_pages * self._page_nbytes()
         if slot.past is not None:
-            self._order_after_list(slot.past)
+            self._hand_list_to_copy_stream(slot.past)
         with self._on_copy_stream(wait=slot.free):
             for kind in kinds:
                 view = slot.pools[kind][: b * rows].view(b, rows, *slot.pools[kind].shape[1:])
@@ -463,7 +464,6 @@ class OffloadedKVStore(ChunkLedger):
                         view[:, :num_past].copy_(host[:, :num_past], non_blocking=self._cuda)
                     else:  # the chosen pages, read from the mapped host pool by the copy kernel
                         copy_pages(host, view, src_index=slot.past, use_kernel=self.copy_kernels)
-                        self._keep_for_copies(slot.past)
                 if grads:  # the chunk's own pages too (K/V were written home by the forward)
                     c0, n = record.first_page, record.num_pages
                     view[:, num_past:].copy_(host[:, c0 : c0 + n], non_blocking=self._cuda)
@@ -495,32 +495,30 @@ class OffloadedKVStore(ChunkLedger):
                 slot.free = torch.cuda.Event()
                 slot.free.record(torch.cuda.current_stream(s.device))
 
-    def _order_after_list(self, pages: torch.Tensor) -> None:
-        """Order the copy stream after the compute-stream work that made the page list ``pages``.
+    def _hand_list_to_copy_stream(self, pages: torch.Tensor) -> None:
+        """Make the page list ``pages`` (made on the compute stream) safe for the copies queued next on
+        the copy stream, which read it.
 
-        The copy kernel reads the list on the copy stream, which otherwise waits only for the slot's
-        previous kernels: a list made since (a sparse layer's selection in stage 1, a window's range)
-        could be read before it is written, and the wrong pages copied (or an address outside the
-        pools). Waiting for the compute stream's current point is exact for a list made just now,
-        and costs nothing in ``fetch``, whose kernels wait for the copy anyway. Each list is waited
-        for once: stage 2 reuses stage 1's lists, which the copy stream is ordered after since.
+        Order: the copy stream otherwise waits only for the slot's previous kernels, so a list made
+        since (a sparse layer's selection in stage 1, a window's range) could be read before it is
+        written, and the wrong pages copied (or an address outside the pools). Waiting for the
+        compute stream's current point is exact for a list made just now, and costs nothing in
+        ``fetch``, whose kernels wait for the copy anyway. Each list is waited for once: stage 2
+        reuses stage 1's lists, which the copy stream is ordered after since.
+
+        Lifetime: when the last reference goes (the step drops a chunk's lists after its backward,
+        the slot takes the next list), the list's memory must not go to new compute-stream tensors
+        before those copies ran, or they would read someone else's numbers as page indices.
         """
         if not self._cuda:
             return
+        pages.record_stream(self._copy_stream)
         if self._ordered_lists.get(id(pages)) is pages:
             return
         made = torch.cuda.Event()
         made.record(torch.cuda.current_stream(self.spec.device))
         self._copy_stream.wait_event(made)
         self._ordered_lists[id(pages)] = pages
-
-    def _keep_for_copies(self, pages: torch.Tensor) -> None:
-        """The page list was allocated on the compute stream and is read by a copy queued on the copy
-        stream: when the last reference goes (the step drops a chunk's lists after its backward, the
-        slot takes the next list), its memory must not be handed to new compute-stream tensors before
-        that copy ran, or the copy would read someone else's numbers as page indices."""
-        if self._cuda and self.copy_kernels:
-            pages.record_stream(self._copy_stream)
 
     def _sync(self) -> None:
         """Debugging mode (``synchronous``): wait for all work of the device, every stream."""

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import oomb
+from oomb.sparse import PageSelection
 
 pytestmark = pytest.mark.gpu
 
@@ -81,7 +82,6 @@ def test_sparse_with_documents_bf16_close_to_fp32():
     precisions; the bound is the one used for dense training: Triton's error at most twice the
     PyTorch path's in the same bf16.
     """
-    from oomb.sparse import PageSelection
 
     ids = torch.randint(0, 4096, (1, 16384 + 50), device="cuda")
     doc_ids = torch.zeros_like(ids)
@@ -105,19 +105,14 @@ def test_sparse_with_documents_bf16_close_to_fp32():
     assert errors["triton"] <= 2 * errors["torch"] + 1e-6
 
 
-@pytest.mark.parametrize("sparse", [None, {"page_budget": 8}, {"selection": "one list per chunk"}],
+@pytest.mark.parametrize("sparse", [{}, {"page_budget": 8}, {"selection": PageSelection(page_budget=8, block=2048)}],
                          ids=["dense", "sparse", "sparse, one list per chunk"])
 def test_offload_bit_identical_on_gpu(sparse):
     """Copies on their own stream with events (sparse pages through the mapped-memory copy kernel), and
     layers kept on the GPU by offload_gpu_bytes: the same gradients, bit for bit, as pages on the GPU.
     One page list per chunk is the case where no torch.unique makes the host wait for the selection
-    (the copy stream must wait for it: oomb/offload/store.py, _order_after_list)."""
+    (the copy stream must wait for it: oomb/offload/store.py, _hand_list_to_copy_stream)."""
     from oomb.engine import store_for_model
-    from oomb.sparse import PageSelection
-
-    sparse = dict(sparse or {})
-    if sparse.get("selection"):
-        sparse["selection"] = PageSelection(page_budget=8, block=2048)
 
     ids = torch.randint(0, 4096, (1, 16384 + 77), device="cuda")
     model = _model(torch.bfloat16)
