@@ -69,7 +69,8 @@ def _train(args, console: Console) -> int:
     from oomb.train.config import ConfigError, describe_keys
     from oomb.train.faults import EXIT_CONFIG, RunStopped
     from oomb.train.presets import preset_names
-    from oomb.train.trainer import load_run_config, train
+    from oomb.train.rundir import load_run_config
+    from oomb.train.trainer import train
 
     if args.list_keys:
         for key, default, doc in describe_keys():
@@ -97,7 +98,7 @@ def _train(args, console: Console) -> int:
 def _plan(args, console: Console) -> int:
     from oomb.train.config import ConfigError
     from oomb.train.memory import run_plan
-    from oomb.train.trainer import load_run_config
+    from oomb.train.rundir import load_run_config
 
     overrides = list(args.args)
     config_path = overrides.pop(0) if overrides and "=" not in overrides[0] else None

@@ -49,6 +49,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message says which and why."""
 
 
+class NonFiniteCheckpointError(CheckpointError):
+    """A checkpoint was not written: the weights or optimizer state hold a NaN or an inf."""
+
+
 def checkpoint_dir(out_dir: Path, step: int) -> Path:
     return out_dir / CHECKPOINTS / f"step-{step:08d}"
 
@@ -146,12 +150,19 @@ def save_checkpoint(
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():  # debris of an earlier crash while writing this very step
         shutil.rmtree(tmp)
+    weights = trainable_state_dict(model)
+    optimizer_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    bad = nonfinite_names(weights) + [f"optimizer state {n}" for n in nonfinite_names(_tensors(optimizer_state))]
+    if bad:  # the trainer checks every update; this guards every other caller
+        raise NonFiniteCheckpointError(f"refusing to write checkpoint step {step}: non-finite values (NaN or inf) in "
+                                       f"{bad[:3]}")
     try:
         tmp.mkdir(parents=True)
-        save_file(trainable_state_dict(model), tmp / "model.safetensors")
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+        save_file(weights, tmp / "model.safetensors")
+        torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(rng_state(), tmp / "rng.pt")
-        state = {"step": step, "torch": torch.__version__, "master_weights": isinstance(optimizer, MasterWeights)}
+        state = {"step": step, "torch": torch.__version__, "master_weights": isinstance(optimizer, MasterWeights),
+                 "finite": True}
         if data_state is not None:
             state["data"] = data_state
         (tmp / "state.json").write_text(json.dumps(state))
@@ -168,17 +179,37 @@ def save_checkpoint(
 
 
 def find_checkpoint(path: Path) -> Path:
-    """A checkpoint folder from a run folder (its ``latest``) or a checkpoint folder itself."""
+    """A checkpoint folder from a run folder (its ``latest``) or a checkpoint folder itself.
+
+    ``latest`` must name a ``step-N`` folder inside the run's ``checkpoints/``: it is data in a
+    folder that may come from elsewhere, never a path to follow. A run whose ``latest`` was never
+    written (killed during its very first write) resumes from its newest ``step-N`` folder,
+    which exists only once complete (it is renamed into place).
+    """
     path = Path(path)
     if (path / "manifest.json").is_file():
         return path
-    latest = path / CHECKPOINTS / LATEST
+    folder = path / CHECKPOINTS
+    latest = folder / LATEST
     if latest.is_file():
-        return path / CHECKPOINTS / latest.read_text().strip()
+        name = latest.read_text().strip()
+        ckpt = folder / name
+        if not _STEP_DIR.fullmatch(name) or ckpt.is_symlink() or not ckpt.is_dir():
+            raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint folder (step-N) of this run; "
+                                  f"give one of its checkpoints instead: {_listing(path)}")
+        return ckpt
+    found = list_checkpoints(path)
+    if found:
+        return found[-1]
     raise CheckpointError(
         f"{path} holds no checkpoint: expected a run folder with {CHECKPOINTS}/{LATEST} "
         "or a checkpoint folder with manifest.json"
     )
+
+
+def _listing(run_dir: Path) -> str:
+    names = [str(p) for p in list_checkpoints(run_dir)]
+    return ", ".join(names) if names else "(none)"
 
 
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -187,7 +218,8 @@ _STEP_DIR = re.compile(r"step-(\d+)")
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """The run's checkpoint folders (complete or not), oldest step first; ``*.tmp`` debris excluded."""
     folder = Path(run_dir) / CHECKPOINTS
-    found = [p for p in folder.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)] if folder.is_dir() else []
+    found = [p for p in folder.iterdir() if p.is_dir() and not p.is_symlink() and _STEP_DIR.fullmatch(p.name)] \
+        if folder.is_dir() else []
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
@@ -235,19 +267,74 @@ def rotate_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
 
 
 def verify_checkpoint(ckpt: Path) -> None:
-    """Raise CheckpointError if a file is missing, truncated or altered."""
-    try:
-        manifest = json.loads((ckpt / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt} has no readable manifest.json: {e}") from e
+    """Raise CheckpointError if a file is missing, truncated, altered, unlisted, or holds non-finite values.
+
+    The manifest must list every file of the folder (so none the loader reads escapes the
+    checksums) and nothing outside it. Checkpoints oomb writes carry ``"finite": true`` in
+    state.json (checked before writing); older ones get their weights and optimizer state read.
+    """
+    ckpt = Path(ckpt)
+    manifest = _read_manifest(ckpt)
+    present = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file() or p.is_symlink()}
+    unlisted = sorted(present - set(manifest) - {"manifest.json"})
+    if unlisted:
+        raise CheckpointError(f"checkpoint {ckpt} holds files its manifest.json does not list: {unlisted[:5]}")
+    missing = [name for name in _FILES if name not in manifest] if "dcp" not in {n.split("/")[0] for n in manifest} \
+        else [name for name in ("state.json",) if name not in manifest]
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt}: its manifest.json does not list {missing}")
     for name, rec in manifest.items():
         f = ckpt / name
-        if not f.is_file():
+        if f.is_symlink() or not f.is_file():
             raise CheckpointError(f"checkpoint {ckpt} is missing {name}")
         if f.stat().st_size != rec["bytes"]:
             raise CheckpointError(f"checkpoint {ckpt}: {name} has {f.stat().st_size} bytes, expected {rec['bytes']}")
         if _sha256(f) != rec["sha256"]:
             raise CheckpointError(f"checkpoint {ckpt}: {name} does not match its checksum (altered or corrupted)")
+    try:
+        state = checkpoint_state(ckpt)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: state.json is not readable JSON: {e}") from e
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"checkpoint {ckpt}: state.json holds no step number")
+    if state.get("finite") is not True and "model.safetensors" in manifest:  # written before the check existed
+        bad = nonfinite_names(load_file(ckpt / "model.safetensors"))
+        bad += [f"optimizer state {n}" for n in nonfinite_names(_tensors(_load_plain(ckpt / "optimizer.pt")))]
+        if bad:
+            raise CheckpointError(f"checkpoint {ckpt} holds non-finite values (NaN or inf) in {bad[:3]}")
+
+
+def _read_manifest(ckpt: Path) -> dict[str, dict]:
+    """manifest.json as {relative path: {"bytes": int, "sha256": str}}, its shape checked."""
+    try:
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {ckpt} has no readable manifest.json: {e}") from e
+    def well_formed(name, rec) -> bool:
+        parts = Path(name).parts
+        return (isinstance(rec, dict) and isinstance(rec.get("bytes"), int) and isinstance(rec.get("sha256"), str)
+                and bool(parts) and not Path(name).is_absolute() and ".." not in parts and name != "manifest.json")
+    if not isinstance(manifest, dict) or not all(well_formed(n, r) for n, r in manifest.items()):
+        raise CheckpointError(f"checkpoint {ckpt}: manifest.json is not a mapping of the folder's files to their "
+                              'size and checksum ({"model.safetensors": {"bytes": ..., "sha256": ...}, ...})')
+    return manifest
+
+
+def nonfinite_names(named: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors of ``named`` that hold a NaN or an inf."""
+    return [name for name, t in named.items()
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def _tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in a nested dict/list (an optimizer state dict), by a dotted path."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list | tuple) else ()
+    out = {}
+    for key, value in items:
+        out.update(_tensors(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
 
 
 def load_checkpoint(
@@ -324,8 +411,12 @@ def export_model(model, out_dir: Path, *, merge_lora: bool = True, tokenizer=Non
         import copy
 
         model = copy.deepcopy(model).merge_and_unload()  # the training model keeps its adapters
-    model.save_pretrained(tmp, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    except BaseException:  # a full disk, a kill: no half-written export.tmp is left
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _publish_dir(tmp, final)
     return final

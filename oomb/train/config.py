@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,7 +34,8 @@ class ModelConfig:
     dtype: str = "auto"
     """Parameter dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16 or float32."""
     trust_remote_code: bool = False
-    """Run Python code shipped in model.path (auto_map in its config.json); read that code before setting true."""
+    """Run Python code shipped in model.path (auto_map in its config.json); read that code before setting true.
+    A resumed run takes it from the command line only: a run folder's config.json never turns it on."""
 
 
 @dataclass
@@ -87,7 +91,7 @@ class TrainConfig:
     kept; 4 B per parameter more, AdamW moments in fp32); auto = on in one process where the memory plan fits
     with them, off under torchrun."""
     lr: float = 3e-3
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate (AdamW), in (0, 1]; changed on resume, the schedule continues with the new peak."""
     warmup_steps: int = 5
     """Linear warmup steps before the cosine decay."""
     min_lr_ratio: float = 0.1
@@ -165,21 +169,10 @@ class Config:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults, then the YAML file, then ``key=value`` overrides."""
+    """Defaults, then the config file (YAML, or a run's config.json), then ``key=value`` overrides."""
     cfg = Config()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from e
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"{path} must hold a mapping of sections (model:, data:, train:), not {type(data).__name__}"
-            )
-        _apply(cfg, data, prefix="", source=str(path))
+        _apply(cfg, read_config_file(Path(path)), prefix="", source=str(path))
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -190,14 +183,113 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         for part in parts[:-1]:
             node = node.setdefault(part, {})
         try:
-            node[parts[-1]] = yaml.safe_load(raw) if raw else None
+            node[parts[-1]] = parse_value(raw)
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: the value is not plain YAML: {str(e).splitlines()[0]}") from e
-        _apply(cfg, nested, prefix="", source="command line")
+        _apply(cfg, nested, prefix="", source="command line", raw_text=raw)
     return cfg
 
 
-def _apply(obj, data: dict, prefix: str, source: str) -> None:
+def read_config_file(path: Path) -> dict:
+    """The mapping a config file holds: YAML (safe, YAML 1.2 numbers, no duplicate keys) or JSON (config.json)."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}): "
+                          "save it as UTF-8") from e
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e}") from e
+    if path.suffix == ".json":  # what oomb writes (config.json): read back as written, never through YAML 1.1
+        try:
+            data = json.loads(text, object_pairs_hook=_unique_json_keys(path))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+    else:
+        try:
+            data = yaml.load(text, Loader=_ConfigLoader) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, train:), not {type(data).__name__}")
+    return data
+
+
+def parse_value(raw: str):
+    """One ``key=value`` value as YAML (``null``, ``true``, ``3e-4``, ``[a, b]``); the empty string is null."""
+    return yaml.load(raw, Loader=_ConfigLoader) if raw else None
+
+
+def override_text(key: str, value) -> str:
+    """``key=value`` that ``load_config`` reads back as exactly ``value`` (the inverse of parse_value).
+
+    JSON is YAML's flow syntax; characters YAML may not hold raw (control and line-separator
+    characters, lone surrogates) are written as YAML escapes.
+    """
+    if value is None:
+        return f"{key}=null"
+    text = json.dumps(value, allow_nan=False, ensure_ascii=False)
+    return f"{key}={_YAML_RAW_UNSAFE.sub(lambda m: _yaml_escape(m.group()), text)}"
+
+
+# Outside YAML's printable set, or a line break inside a quoted scalar (NEL, LS, PS).
+_YAML_RAW_UNSAFE = re.compile("[^\x09\x0a\x0d\x20-\x7e\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]"
+                              "|[\x85\u2028\u2029]")
+
+
+def _yaml_escape(char: str) -> str:
+    return f"\\u{ord(char):04x}" if ord(char) < 0x10000 else f"\\U{ord(char):08x}"
+
+
+def config_json(cfg: Config) -> str:
+    """The resolved config as config.json holds it (read back exactly by ``load_config``)."""
+    return json.dumps(config_to_dict(cfg), indent=2, allow_nan=False)
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """yaml.SafeLoader with YAML 1.2's numbers and without duplicate keys.
+
+    PyYAML follows YAML 1.1, where ``2e-05`` and ``3e-4`` (no dot) are strings, not floats:
+    a learning rate written as Python or JSON writes it would be refused as "not a float".
+    A key given twice in one mapping is an error, not a silent "the last one wins".
+    """
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark, f"found the key {key!r} twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_YAML12_FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X)
+_ConfigLoader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _first, _resolvers in _ConfigLoader.yaml_implicit_resolvers.items():
+    _resolvers[:] = [(tag, regexp) for tag, regexp in _resolvers if tag != "tag:yaml.org,2002:float"]
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
+
+
+def _unique_json_keys(path: Path):
+    def pairs(items):
+        keys = [k for k, _ in items]
+        if len(keys) != len(set(keys)):
+            dup = next(k for k in keys if keys.count(k) > 1)
+            raise ConfigError(f"{path} gives the key {dup!r} twice")
+        return dict(items)
+
+    return pairs
+
+
+def _apply(obj, data: dict, prefix: str, source: str, raw_text: str | None = None) -> None:
+    """Set ``data``'s keys on the dataclass ``obj``; ``raw_text`` is a command-line value as typed."""
     fields = {f.name: f for f in dataclasses.fields(obj)}
     hints = typing.get_type_hints(type(obj))
     for key, value in data.items():
@@ -210,13 +302,15 @@ def _apply(obj, data: dict, prefix: str, source: str) -> None:
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ConfigError(f"{name} ({source}) must be a section (a mapping), got {value!r}")
-            _apply(current, value, prefix=f"{name}.", source=source)
+            _apply(current, value, prefix=f"{name}.", source=source, raw_text=raw_text)
         else:
-            setattr(obj, key, _coerce(value, hints[key], name, source))
+            setattr(obj, key, _coerce(value, hints[key], name, source, raw_text))
 
 
-def _coerce(value, hint, name: str, source: str):
+def _coerce(value, hint, name: str, source: str, raw_text: str | None = None):
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if raw_text is not None and str in allowed and not any(_fits(value, t) for t in allowed):
+        return raw_text  # `out_dir=2024`, `model.preset=no`: a name typed on the command line stays as typed
     if value is None:
         if type(None) in allowed:
             return None
@@ -230,12 +324,26 @@ def _coerce(value, hint, name: str, source: str):
                 return list(value)
             continue
         if t is float and isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:
+                number = math.inf
+            if not math.isfinite(number):
+                raise ConfigError(f"{name} ({source}) must be a finite number, got {value!r}")
+            return number
         if t is not type(None) and type(value) is t:
             return value
     expected = " or ".join(f"a list of {typing.get_args(t)[0].__name__}" if typing.get_origin(t) else t.__name__
                            for t in allowed)
     raise ConfigError(f"{name} ({source}) must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _fits(value, t) -> bool:
+    if typing.get_origin(t) is list:
+        return isinstance(value, list)
+    if t is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return type(value) is t
 
 
 def page_selection(cfg: Config) -> PageSelection | None:
@@ -272,6 +380,24 @@ def offload_selection_note(cfg: Config) -> str | None:
             f"GPU for every layer and chunk. train.select_block={t.chunk_size} (one list per chunk) moves far less "
             "(Qwen2.5-7B, 128K tokens, H200: +4.8% against +29.9% step time over no offload, docs/offload.md); "
             "it also changes which pages are attended")
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'141GiB', '80 GB', '1.5TiB', '150e9' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(f"{text!r} is not a memory size; write e.g. 141GiB, 80GB or 150e9")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def offload_gpu_bytes(value: str) -> int | str:
+    """train.offload_gpu_memory as plan_memory's offload_gpu_bytes: "auto" or a byte count."""
+    return "auto" if str(value).strip().lower() == "auto" else parse_bytes(str(value))
 
 
 def config_to_dict(cfg: Config) -> dict:

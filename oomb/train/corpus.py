@@ -18,6 +18,7 @@ byte-level tokenizer, whose 257 ids are the 256 byte values and an end-of-text t
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 from collections.abc import Iterator, Sequence
@@ -116,14 +117,79 @@ def find_sources(paths: str | Path | Sequence[str | Path]) -> list[Source]:
     return sources
 
 
+def check_sources(sources: Sequence[Source], text_field: str = "text") -> None:
+    """Read every source once, keeping nothing, so a bad file is named before training starts.
+
+    A run reads its sources lazily, one at a time: without this pass a file that is not UTF-8,
+    not readable, or has a row without text would stop the run hours in. Raises DataError
+    naming the file and the byte, line or row.
+    """
+    for source in sources:
+        if source.kind == "text":
+            _check_utf8(source.path)
+        else:  # jsonl, parquet, dataset: every row is parsed and its text field checked
+            for _ in _documents(source, text_field):
+                pass
+
+
+def _check_utf8(path: Path, block: int = 1 << 20) -> None:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes of the file before ``data``
+    try:
+        with open(path, "rb") as f:
+            while data := f.read(block):
+                pending = len(decoder.getstate()[0])  # bytes of a character cut by the previous block
+                try:
+                    decoder.decode(data)
+                except UnicodeDecodeError as e:
+                    raise DataError(_not_utf8(path, offset - pending + e.start, e)) from e
+                offset += len(data)
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text: it ends inside a character (byte {offset}); save it as UTF-8 "
+                        "or leave it out of data.paths") from e
+    except OSError as e:
+        raise DataError(f"{path} cannot be read: {e}") from e
+
+
+def _not_utf8(path: Path, byte: int, error: UnicodeDecodeError) -> str:
+    bad = error.object[error.start:error.start + 1]
+    return (f"{path} is not UTF-8 text: byte {byte} is {bad!r}; save it as UTF-8 (e.g. iconv -f latin1 -t "
+            "utf-8) or leave it out of data.paths")
+
+
 def read_documents(source: Source, text_field: str = "text") -> Sequence[str]:
     """All documents of one source as an indexable sequence (a saved dataset stays memory-mapped)."""
+    if source.kind == "dataset":
+        return _DatasetColumn(_open_dataset(source, text_field), text_field)
+    return list(_documents(source, text_field))
+
+
+def _documents(source: Source, text_field: str) -> Iterator[str]:
+    """The documents of one source in file order; DataError names the file (and line or row) of a bad one."""
+    try:
+        yield from _read(source, text_field)
+    except DataError:
+        raise
+    except UnicodeDecodeError as e:
+        raise DataError(_not_utf8(source.path, e.start, e)) from e
+    except (OSError, ValueError) as e:  # also pyarrow's and datasets' errors for a damaged file
+        raise DataError(f"{source.path} cannot be read: {type(e).__name__}: {e}") from e
+
+
+def _read(source: Source, text_field: str) -> Iterator[str]:
     if source.kind == "text":
-        return [source.path.read_text(encoding="utf-8")]
+        yield source.path.read_text(encoding="utf-8")
+        return
     if source.kind == "jsonl":
-        docs = []
-        with open(source.path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+        with open(source.path, "rb") as f:
+            offset = 0
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(_not_utf8(source.path, offset + e.start, e) + f" (line {number})") from e
+                offset += len(raw)
                 if not line.strip():
                     continue
                 try:
@@ -134,8 +200,8 @@ def read_documents(source: Source, text_field: str = "text") -> Sequence[str]:
                     keys = list(record) if isinstance(record, dict) else type(record).__name__
                     raise DataError(f"{source.path}:{number} has no field {text_field!r} (it has {keys}); "
                                     "set data.text_field")
-                docs.append(_as_text(record[text_field], f"{source.path}:{number}"))
-        return docs
+                yield _as_text(record[text_field], f"{source.path}:{number}")
+        return
     if source.kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -144,19 +210,28 @@ def read_documents(source: Source, text_field: str = "text") -> Sequence[str]:
             raise DataError(f"{source.path} has no column {text_field!r} (columns: {schema.names}); "
                             "set data.text_field")
         column = pq.read_table(source.path, columns=[text_field]).column(text_field)
-        return [_as_text(v, f"{source.path} row {i}") for i, v in enumerate(column.to_pylist())]
+        for i, v in enumerate(column.to_pylist()):
+            yield _as_text(v, f"{source.path} row {i}")
+        return
     if source.kind == "dataset":
-        import datasets
-
-        ds = datasets.load_from_disk(str(source.path))
-        if isinstance(ds, datasets.DatasetDict):
-            raise DataError(f"{source.path} holds a DatasetDict with splits {list(ds)}; "
-                            f"name one split's folder (e.g. {source.path}/train)")
-        if text_field not in ds.column_names:
-            raise DataError(f"{source.path} has no column {text_field!r} (columns: {ds.column_names}); "
-                            "set data.text_field")
-        return _DatasetColumn(ds, text_field)
+        column = _DatasetColumn(_open_dataset(source, text_field), text_field)
+        for i in range(len(column)):
+            yield column[i]
+        return
     raise AssertionError(source.kind)
+
+
+def _open_dataset(source: Source, text_field: str):
+    import datasets
+
+    ds = datasets.load_from_disk(str(source.path))
+    if isinstance(ds, datasets.DatasetDict):
+        raise DataError(f"{source.path} holds a DatasetDict with splits {list(ds)}; "
+                        f"name one split's folder (e.g. {source.path}/train)")
+    if text_field not in ds.column_names:
+        raise DataError(f"{source.path} has no column {text_field!r} (columns: {ds.column_names}); "
+                        "set data.text_field")
+    return ds
 
 
 class _DatasetColumn(Sequence):

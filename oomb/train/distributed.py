@@ -464,13 +464,14 @@ def check_checkpoint_format(ckpt: Path, ctx: DistributedContext | None) -> None:
 
 def load_checkpoint(ctx: DistributedContext, ckpt: Path, model, optimizer, scheduler) -> int:
     """Restore this rank's shards, the scheduler and this rank's RNG; returns the step."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from oomb.train.safe_dcp import load_dcp
 
     check_checkpoint_format(ckpt, ctx)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=ckpt / "dcp")
+    load_dcp(state, ckpt / "dcp")  # no pickled code runs from the checkpoint (oomb.train.safe_dcp)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     scheduler.load_state_dict(_load_plain(ckpt / "scheduler.pt"))
     set_rng_state(_load_plain(ckpt / f"rng-rank{ctx.rank}.pt"))
@@ -489,9 +490,13 @@ def export_model(ctx: DistributedContext, model, out_dir: Path, *, tokenizer=Non
     if ctx.is_main:
         if tmp.exists():
             shutil.rmtree(tmp)
-        model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        try:
+            model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        except BaseException:  # a full disk, a kill: no half-written export.tmp is left
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         _publish_dir(tmp, final)
     barrier(ctx)
     return final

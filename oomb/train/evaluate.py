@@ -30,6 +30,7 @@ from oomb.engine import chunked_eval
 from oomb.engine.loss import IGNORE_INDEX
 from oomb.sparse import DEFAULT_SCORE, SCORES
 from oomb.train.checkpoint import CheckpointError, find_checkpoint, load_weights, write_text_atomic
+from oomb.train.checks import check_remote_code
 from oomb.train.config import Config, ConfigError, load_config
 from oomb.train.data import NeedleTask, PasskeyTask
 from oomb.train.presets import build_model, preset_names
@@ -54,7 +55,7 @@ class LoadedModel:
 
 
 def resolve_device(name: str) -> torch.device:
-    from oomb.train.trainer import resolve_device as resolve
+    from oomb.train.checks import resolve_device as resolve
 
     try:
         return resolve(name, option="--device")
@@ -71,10 +72,13 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_eval_model(spec: str, device: torch.device, dtype_name: str = "auto") -> LoadedModel:
+def load_eval_model(spec: str, device: torch.device, dtype_name: str = "auto", *,
+                    trust_remote_code: bool = False) -> LoadedModel:
     """A model from a Hugging Face folder, an oomb run or checkpoint folder, or a preset name (random init).
 
     ``dtype_name`` "auto" keeps a checkpoint's training dtype, else bfloat16 on CUDA and float32 on CPU.
+    ``trust_remote_code`` (the command line's --trust-remote-code, never a run folder's config.json):
+    run Python code shipped in the model folder.
     """
     path = Path(spec)
     if path.exists():
@@ -86,9 +90,9 @@ def load_eval_model(spec: str, device: torch.device, dtype_name: str = "auto") -
         except CheckpointError:
             ckpt = None
         if ckpt is not None:
-            return _from_checkpoint(spec, ckpt, device, dtype_name)
+            return _from_checkpoint(spec, ckpt, device, dtype_name, trust_remote_code)
         if (path / "config.json").is_file():
-            return _from_huggingface(spec, path, device, _dtype(dtype_name, device))
+            return _from_huggingface(spec, path, device, _dtype(dtype_name, device), trust_remote_code)
         raise EvalError(f"{path} is neither a Hugging Face model folder (config.json and weights) nor an oomb "
                         "run folder (checkpoints/latest) or checkpoint folder (manifest.json)")
     if spec in preset_names():
@@ -98,28 +102,38 @@ def load_eval_model(spec: str, device: torch.device, dtype_name: str = "auto") -
     raise EvalError(f"model {spec!r}: no such folder, and not a built-in preset ({', '.join(preset_names())})")
 
 
-def _from_huggingface(spec: str, path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _from_huggingface(spec: str, path: Path, device: torch.device, dtype: torch.dtype,
+                      trust_remote_code: bool) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
     try:
+        check_remote_code(path, trust_remote_code, how="--trust-remote-code")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                     trust_remote_code=False)
+                                                     trust_remote_code=trust_remote_code)
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
     except (OSError, ValueError) as e:
         raise EvalError(f"cannot load a causal LM from {path}: {e}") from e
     return LoadedModel(model.to(device), "huggingface", spec, path, None)
 
 
-def _from_checkpoint(spec: str, ckpt: Path, device: torch.device, dtype_name: str) -> LoadedModel:
-    from oomb.train.trainer import build, resolve_dtype, run_dir_of
+def _from_checkpoint(spec: str, ckpt: Path, device: torch.device, dtype_name: str,
+                     trust_remote_code: bool) -> LoadedModel:
+    from oomb.train.checks import resolve_dtype
+    from oomb.train.model import build
+    from oomb.train.rundir import run_dir_of
 
     config_file = run_dir_of(ckpt) / "config.json"
     if not config_file.is_file():
         raise EvalError(f"checkpoint {ckpt} has no run config at {config_file}: it is needed to build the model")
     try:
         cfg = load_config(config_file)
+        cfg.model.trust_remote_code = trust_remote_code  # the command line's, never the run folder's
         if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
             raise EvalError(f"checkpoint {ckpt} was trained from model.path={cfg.model.path!r}, which is not a "
                             "folder any more; its weights are needed to build the model")
+        if cfg.model.path is not None:
+            check_remote_code(Path(cfg.model.path), trust_remote_code, how="--trust-remote-code")
         dtype = resolve_dtype(cfg.model.dtype, device) if dtype_name == "auto" else _DTYPES[dtype_name]
         model = build(cfg, device, dtype)
         load_weights(ckpt, model)
@@ -482,6 +496,9 @@ def add_arguments(parser) -> None:
                    help="with --offload: GPU memory for keeping whole layers' pages on the GPU, e.g. 40GiB "
                         "(default 0: two working layers)")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="run Python code shipped in the model folder (auto_map); read that code first. Never "
+                        "taken from a run folder's config.json")
     g.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
                    help="parameter dtype: auto = a checkpoint's training dtype, else bfloat16 on CUDA, "
                         "float32 on CPU")
@@ -529,15 +546,15 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise EvalError(f"--out {out} already holds files; oomb never overwrites results. Choose another --out")
     if ppl_on:
-        from oomb.train.corpus import DataError, find_sources
+        from oomb.train.corpus import DataError, check_sources, find_sources
 
         try:
-            find_sources(args.perplexity)  # every path checked before the model loads
+            check_sources(find_sources(args.perplexity), args.text_field)  # every file read once, before the model
         except DataError as e:
             raise EvalError(str(e)) from e
 
     device = resolve_device(args.device)
-    loaded = load_eval_model(args.model, device, args.dtype)
+    loaded = load_eval_model(args.model, device, args.dtype, trust_remote_code=args.trust_remote_code)
     model = loaded.model
     model_config = _base_config(model)
     vocab = model.get_input_embeddings().weight.shape[0]

@@ -9,8 +9,9 @@ scripts which failure it was. docs/failures.md shows each message and what to do
     2           refused before any work (config, paths, a damaged checkpoint to resume from)
     3           stopped: non-finite loss or gradient (train.on_nonfinite=stop)
     4           stopped: out of memory inside a step
-    5           stopped: a checkpoint could not be written
+    5           stopped: a checkpoint or another file of the run could not be written (a full disk)
     75          stopped by SIGINT/SIGTERM after writing a checkpoint
+    130         Ctrl-C before the first step (nothing trained, nothing left behind)
     130, 143    killed by a second SIGINT/SIGTERM (the default action of the signal)
 """
 
@@ -32,8 +33,9 @@ from oomb.train.optim import MasterWeights
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
 EXIT_OUT_OF_MEMORY = 4
-EXIT_CHECKPOINT_WRITE = 5
+EXIT_WRITE = 5  # a checkpoint, the export or another file of the run
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped on request, resumable
+EXIT_SIGINT = 130  # Ctrl-C before the first step: nothing to resume
 
 
 class RunStopped(Exception):
@@ -287,4 +289,36 @@ def first_nonfinite_grad(model: torch.nn.Module) -> str | None:
     for name, p in model.named_parameters():
         if p.grad is not None and not bool(torch.isfinite(p.grad).all()):  # host sync per parameter: rare path
             return name
+    return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard (FSDP2, tensor parallel)
+
+
+def nonfinite_after_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    """The first parameter (or optimizer state) of this process that holds a NaN or inf after an update.
+
+    One host sync per device when everything is finite: the max-abs of every tensor in one
+    foreach call (a NaN or inf survives a max, and nothing finite overflows it), then one check.
+    """
+    names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if isinstance(optimizer, MasterWeights):
+        for p, master in optimizer.pairs:
+            names[id(master)] = f"{names.get(id(p), 'a parameter')} (its fp32 master)"
+            named.append((names[id(master)], master))
+    for p, state in optimizer.state.items():
+        named += [(f"the optimizer's {key} of {names.get(id(p), 'a parameter')}", v) for key, v in state.items()
+                  if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    by_device: dict[torch.device, list] = {}
+    for name, t in named:
+        t = _local(t).detach()
+        if t.numel():
+            by_device.setdefault(t.device, []).append((name, t))
+    for group in by_device.values():
+        peaks = torch._foreach_norm([t for _, t in group], float("inf"))
+        if bool(torch.stack([p.float() for p in peaks]).isfinite().all()):  # host sync, once per device
+            continue
+        return next(name for (name, _), peak in zip(group, peaks, strict=True) if not bool(peak.isfinite()))
     return None

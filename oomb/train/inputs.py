@@ -11,7 +11,14 @@ positions — raises ConfigError here, before a model or a run folder exists.
 from __future__ import annotations
 
 from oomb.train.config import Config, ConfigError
-from oomb.train.corpus import DataError, check_tokenizer_fits, find_sources, has_tokenizer, load_tokenizer
+from oomb.train.corpus import (
+    DataError,
+    check_sources,
+    check_tokenizer_fits,
+    find_sources,
+    has_tokenizer,
+    load_tokenizer,
+)
 from oomb.train.data import NeedleTask, PasskeyTask
 from oomb.train.packing import PackedCorpus
 
@@ -123,7 +130,7 @@ def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs:
         if not d.paths:
             raise ConfigError("data.task=text needs data.paths: files, folders or glob patterns of text")
         try:
-            find_sources(d.paths)  # missing files are named before anything else is loaded
+            check_sources(find_sources(d.paths), d.text_field)  # every file read once: a bad one is named now
         except DataError as e:
             raise ConfigError(f"data.paths: {e}") from e
     elif d.paths:

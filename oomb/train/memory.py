@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 
 import psutil
 import torch
@@ -20,26 +19,9 @@ from rich.table import Table
 
 from oomb.engine.plan import MemoryPlan, largest_context, plan_memory
 from oomb.engine.plan import format_bytes as _gib
-from oomb.train.config import Config, ConfigError, offload_selection_note
+from oomb.train.config import Config, ConfigError, offload_gpu_bytes, offload_selection_note, parse_bytes
 from oomb.train.inputs import model_config
 from oomb.train.optim import wants_master_weights
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """'141GiB', '80 GB', '1.5TiB', '150e9' -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ConfigError(f"{text!r} is not a memory size; write e.g. 141GiB, 80GB or 150e9")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def offload_gpu_bytes(value: str) -> int | str:
-    """train.offload_gpu_memory as plan_memory's offload_gpu_bytes: "auto" or a byte count."""
-    return "auto" if str(value).strip().lower() == "auto" else parse_bytes(str(value))
 
 
 def offload_gpu_allowance(cfg: Config) -> int:
@@ -229,7 +211,7 @@ def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memo
     Plans for CUDA when train.device asks for it, when it is auto and a GPU is visible, or when
     --gpu-memory names the GPU to plan for; else for a CPU run (host memory only).
     """
-    from oomb.train.trainer import check_config, resolve_dtype
+    from oomb.train.checks import check_config, resolve_dtype
 
     check_config(cfg)
     name = cfg.train.device

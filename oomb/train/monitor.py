@@ -89,7 +89,12 @@ def plot_run(out_dir: Path) -> Path | None:
     fig.tight_layout()
     final = out_dir / PLOT
     tmp = final.with_name(final.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, final)
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, final)
+    except BaseException:  # a full disk: no half-drawn file is left
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
     return final

@@ -130,8 +130,8 @@ def test_liger_mode_refuses_a_cpu_model():
     ],
 )
 def test_train_config_refuses_bad_fused_ops(overrides, match):
+    from oomb.train.checks import check_config
     from oomb.train.config import ConfigError, load_config
-    from oomb.train.trainer import check_config
 
     with pytest.raises(ConfigError, match=match):
         check_config(load_config(None, overrides))

@@ -29,9 +29,12 @@ def losses(run: Path) -> dict[int, float | None]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
-def _env(fault_step: int | None, marker: Path | None, fault_batch: int | None = None) -> dict:
+def _env(fault_step: int | None, marker: Path | None, fault_batch: int | None = None,
+         disk: Path | None = None) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
         [str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    if disk is not None:
+        env["FAULT_DISK"] = str(disk)
     if fault_step is not None:
         env["FAULT_STEP"] = str(fault_step)
     if fault_batch is not None:
@@ -49,15 +52,33 @@ def command(fault: str | None, *args: str) -> list[str]:
 
 
 def run_process(fault: str | None, *args: str, fault_step: int | None = None,
-                fault_batch: int | None = None) -> subprocess.CompletedProcess:
+                fault_batch: int | None = None, disk: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(command(fault, *args), capture_output=True, text=True, timeout=300,
-                          env=_env(fault_step, None, fault_batch))
+                          env=_env(fault_step, None, fault_batch, disk))
 
 
 def start_process(fault: str | None, *args: str, fault_step: int | None = None,
-                  marker: Path | None = None, fault_batch: int | None = None) -> subprocess.Popen:
+                  marker: Path | None = None, fault_batch: int | None = None, sleep: float | None = None
+                  ) -> subprocess.Popen:
+    env = _env(fault_step, marker, fault_batch)
+    if sleep is not None:
+        env["FAULT_SLEEP"] = str(sleep)
     return subprocess.Popen(command(fault, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(fault_step, marker, fault_batch))
+                            env=env)
+
+
+def leftovers(run: Path) -> list[str]:
+    """Debris a failure must not leave: temporary files and folders, half lines of metrics."""
+    found = [str(p.relative_to(run)) for p in run.rglob("*") if ".tmp" in p.name]
+    metrics = run / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines(keepends=True):
+            try:
+                json.loads(line)
+                assert line.endswith("\n")
+            except (ValueError, AssertionError):
+                found.append(f"metrics.jsonl line {line!r}")
+    return found
 
 
 def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:

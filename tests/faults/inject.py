@@ -6,23 +6,34 @@ FAULT_STEP (1-based) is the step the fault hits; FAULT_BATCH (1-based, default 1
 its train.grad_accum batches the slow-chunk and out-of-memory faults hit; FAULT_MARKER, a
 file created when the fault point is reached (so a test knows when to send its signal).
 
-    slow-chunk      chunk 1 of step FAULT_STEP sleeps 1.5 s in layer 0 (a signal lands mid-step)
+    slow-chunk      chunk 1 of step FAULT_STEP sleeps FAULT_SLEEP s (1.5) in layer 0 (a signal lands mid-step)
     slow-save       the save of checkpoint FAULT_STEP sleeps 1.5 s after its first file
     oom-cuda        layer 0 raises torch.OutOfMemoryError in the backward stage of step FAULT_STEP
     oom-host        layer 0 asks the CPU allocator for 32 TiB (a real failed allocation)
     memoryerror     layer 0 asks Python for 32 TiB (a real MemoryError)
     oom-optimizer   AdamW.step raises torch.OutOfMemoryError in step FAULT_STEP
+    poison-update   AdamW.step of step FAULT_STEP leaves an inf in the first weight (finite gradients)
+    slow-build      building the model sleeps 60 s after touching FAULT_MARKER (Ctrl-C before the first step)
     nan             layer 0's output gets an inf in chunk 1 of step FAULT_STEP (forward and diagnosis)
-    enospc          writing optimizer.pt of checkpoint FAULT_STEP writes half, then raises ENOSPC
-    eacces          writing model.safetensors of checkpoint FAULT_STEP raises EACCES
+    full:WHAT       just before WHAT is written, fill the (small, test-mounted) file system FAULT_DISK holding
+                    the run: the write then fails for real (ENOSPC from the kernel). WHAT: lock, config,
+                    metrics (step FAULT_STEP's line), a checkpoint file of step FAULT_STEP (model.safetensors,
+                    optimizer.pt, rng.pt, state.json, manifest.json, latest), export, plot, tensorboard
+                    (its event file); lock, config, metrics, export, plot and tensorboard get the room back
+                    after their write failed
+    readonly:WHAT   the same point, but the file system is remounted read-only (EROFS)
+    pause:WHAT      in checkpoint FAULT_STEP's write, just before WHAT is written (model.safetensors, optimizer.pt,
+                    rng.pt, state.json, manifest.json), just after the folder is renamed into place (publish),
+                    or once latest.tmp is written but not renamed (latest): touch FAULT_MARKER and sleep, for
+                    a kill -9
 """
 
 from __future__ import annotations
 
-import errno
 import functools
-import io
 import os
+import pathlib
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +43,9 @@ import torch
 import oomb
 import oomb.train.checkpoint as checkpoint
 import oomb.train.inputs as inputs
+import oomb.train.monitor as monitor
+import oomb.train.run as run_module
+import oomb.train.rundir as rundir
 import oomb.train.trainer as trainer
 from oomb.cli import main
 
@@ -39,6 +53,7 @@ FAULT, ARGS = sys.argv[1], sys.argv[2:]
 STEP = int(os.environ.get("FAULT_STEP", "0"))
 BATCH = int(os.environ.get("FAULT_BATCH", "1"))
 MARKER = Path(os.environ.get("FAULT_MARKER", os.devnull))
+SLEEP = float(os.environ.get("FAULT_SLEEP", "1.5"))  # seconds slow-chunk sleeps
 CHUNK1_START = 256  # the tests run seq_len 512 in chunks of 256
 current_step = [0]  # 1-based step whose batches the trainer asked for last
 current_batch = [0]  # 1-based: which of that step's batches chunked_backward runs
@@ -75,7 +90,7 @@ def layer0_fault(module, args, kwargs, output):
         return None
     if FAULT == "slow-chunk":
         MARKER.touch()
-        time.sleep(1.5)
+        time.sleep(SLEEP)
     elif FAULT == "nan":
         hidden = output[0] if isinstance(output, tuple) else output
         hidden = hidden.clone()
@@ -105,6 +120,28 @@ def build(cfg, device, dtype):
 
 trainer.build = build
 
+if FAULT == "poison-update":
+    _poison_step = torch.optim.AdamW.step
+
+    def poisoning_step(self, *a, **k):
+        result = _poison_step(self, *a, **k)
+        if current_step[0] == STEP:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = float("inf")
+        return result
+
+    torch.optim.AdamW.step = poisoning_step
+
+if FAULT == "slow-build":
+    _slow_build = trainer.build
+
+    def slow_build(cfg, device, dtype):
+        MARKER.touch()
+        time.sleep(60)
+        return _slow_build(cfg, device, dtype)
+
+    trainer.build = slow_build
+
 if FAULT == "oom-optimizer":
     _adamw_step = torch.optim.AdamW.step
 
@@ -131,27 +168,96 @@ if FAULT == "slow-save":
 
     checkpoint._fsync_file = slow_fsync
 
-if FAULT == "enospc":
-    _save = torch.save
+KIND, _, WHAT = FAULT.partition(":")
+DISK = os.environ.get("FAULT_DISK")
+CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json", "manifest.json")
 
-    def full_disk_save(obj, f, *a, **k):
-        if isinstance(f, str | Path) and _in_checkpoint(f) and Path(f).name == "optimizer.pt":
-            buffer = io.BytesIO()
-            _save(obj, buffer, *a, **k)
-            Path(f).write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
-        return _save(obj, f, *a, **k)
 
-    checkpoint.torch.save = full_disk_save
+def break_disk() -> None:
+    """Make the next write to FAULT_DISK fail for real: fill it to the last byte, or remount it read-only."""
+    if KIND == "readonly":
+        subprocess.run(["mount", "-o", "remount,ro", DISK], check=True)
+        return
+    fd = os.open(os.path.join(DISK, "filler"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    for size in (1 << 20, 1 << 12, 1):  # tmpfs allocates pages: fill them, then the last page's bytes
+        while True:
+            try:
+                os.write(fd, b"\0" * size)
+            except OSError:
+                break
+    os.close(fd)
 
-if FAULT == "eacces":
-    _save_file = checkpoint.save_file
 
-    def denied_save_file(tensors, filename, *a, **k):
-        if _in_checkpoint(filename):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(filename))
+def at(point: str) -> None:
+    """The run reached ``point``: break the disk before it, or pause after it, as FAULT asks."""
+    if point != WHAT:
+        return
+    if KIND in ("full", "readonly"):
+        break_disk()
+    elif KIND == "pause":
+        MARKER.touch()
+        time.sleep(120)
+
+
+if KIND in ("full", "readonly", "pause"):
+    _save_file, _torch_save, _write_text = checkpoint.save_file, checkpoint.torch.save, pathlib.Path.write_text
+    _publish = checkpoint._publish_dir
+    saving = [0]  # the step of the checkpoint being written (0: none)
+
+    def in_step_checkpoint(path) -> bool:
+        return Path(path).parent.name == f"step-{STEP:08d}.tmp"
+
+    def save_file(tensors, filename, *a, **k):
+        if in_step_checkpoint(filename):
+            saving[0] = STEP
+            at("model.safetensors")
         return _save_file(tensors, filename, *a, **k)
 
-    checkpoint.save_file = denied_save_file
+    def torch_save(obj, f, *a, **k):
+        if isinstance(f, str | Path) and in_step_checkpoint(f):
+            at(Path(f).name)
+        return _torch_save(obj, f, *a, **k)
+
+    def write_text(self, data, *a, **k):
+        if in_step_checkpoint(self):
+            at(self.name)
+        latest = self.name == "latest.tmp" and saving[0] == STEP
+        if latest and KIND != "pause":
+            at("latest")
+        result = _write_text(self, data, *a, **k)
+        if latest and KIND == "pause":  # latest.tmp is written, the rename that publishes it has not run
+            at("latest")
+        return result
+
+    def publish_dir(tmp, final):
+        _publish(tmp, final)
+        if final.name == f"step-{STEP:08d}":
+            at("publish")
+
+    checkpoint.save_file, checkpoint.torch.save, pathlib.Path.write_text = save_file, torch_save, write_text
+    checkpoint._publish_dir = publish_dir
+
+    def before(owner, name: str, point: str, when=lambda *a, **k: True):
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def wrapped(*a, **k):
+            if not when(*a, **k):
+                return original(*a, **k)
+            at(point)
+            try:
+                return original(*a, **k)
+            finally:  # the write failed: the disk has room again for whatever the run does next
+                if KIND == "full" and point == WHAT:
+                    os.unlink(os.path.join(DISK, "filler"))
+
+        setattr(owner, name, wrapped)
+
+    before(rundir.RunLock, "acquire", "lock")
+    before(trainer, "write_config", "config")
+    before(rundir.MetricsLog, "append", "metrics", when=lambda self, record: record["step"] == STEP)
+    before(run_module, "export_model", "export")
+    before(trainer, "plot_run", "plot")
+    before(monitor.TensorBoardLog, "__init__", "tensorboard")  # the event file's first write
 
 sys.exit(main(["train", *ARGS]))

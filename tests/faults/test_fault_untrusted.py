@@ -1,23 +1,29 @@
 """Untrusted files: no pickled code runs from a checkpoint, YAML is parsed safely, a model folder's own
-code runs only with model.trust_remote_code=true, and every path is checked before any work."""
+code runs only with model.trust_remote_code=true given on the command line (never from a run folder),
+`latest` names only the run's own checkpoints, a run folder is locked while a process trains in it,
+and every path is checked before any work."""
 
 import hashlib
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from faultrun import HERE, RUN
+from faultrun import HERE, RUN, losses, run_process, start_process, wait_for
 
 import oomb.train.trainer as trainer
 from oomb.cli import main
 from oomb.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from oomb.train.config import ConfigError, load_config
+from oomb.train.faults import EXIT_INTERRUPTED
 from oomb.train.presets import build_model
+from oomb.train.rundir import RunLock, check_paths, load_run_config
 
 ROOT = HERE.parents[1]
 
@@ -141,4 +147,85 @@ def test_an_unwritable_out_dir_is_refused(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     with pytest.raises(ConfigError, match="is not a writable folder"):
-        trainer.check_paths(load_config(None, [f"out_dir={locked / 'run'}"]))
+        check_paths(load_config(None, [f"out_dir={locked / 'run'}"]))
+
+
+def _poisoned_run(tmp_path: Path, straight: Path, marker: Path) -> Path:
+    """A copy of a finished run whose config.json points at a model folder with code and trusts it."""
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    folder = _model_folder_with_code(tmp_path / "model", marker)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["model"].update(path=str(folder), trust_remote_code=True)
+    (run / "config.json").write_text(json.dumps(cfg))
+    return run
+
+
+def test_a_run_folder_never_turns_on_remote_code_for_resume_or_eval(tmp_path, straight, capsys):
+    marker = tmp_path / "ran"
+    run = _poisoned_run(tmp_path, straight, marker)
+    assert main(["train", f"resume={run}", "train.steps=8"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "needs Python code shipped in the folder" in out and "model.trust_remote_code=true on the command " \
+        "line" in out
+    assert main(["eval", str(run), "--retrieval", "--lengths", "256", "--samples", "1",
+                 "--out", str(tmp_path / "eval")]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "needs Python code shipped in the folder" in out and "--trust-remote-code" in out
+    assert not marker.exists()
+    assert load_run_config(None, [f"resume={run}"]).model.trust_remote_code is False
+    assert load_run_config(None, [f"resume={run}", "model.trust_remote_code=true"]).model.trust_remote_code
+
+
+@pytest.mark.parametrize("latest", ["../../elsewhere/checkpoints/step-00000002", "/etc", "step-2", "", "latest"])
+def test_latest_must_name_one_of_the_runs_own_checkpoints(tmp_path, straight, latest, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    shutil.copytree(straight, tmp_path / "elsewhere")
+    (run / "checkpoints" / "latest").write_text(latest)
+    before = (tmp_path / "elsewhere" / "metrics.jsonl").read_text()
+    assert main(["train", f"resume={run}"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"names {latest!r}, which is not a checkpoint folder (step-N) of this run" in out
+    assert (tmp_path / "elsewhere" / "metrics.jsonl").read_text() == before  # the other run was not touched
+
+
+def test_a_checkpoint_folder_that_is_a_link_elsewhere_is_refused(tmp_path, straight, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    shutil.copytree(straight, tmp_path / "elsewhere")
+    shutil.rmtree(run / "checkpoints" / "step-00000006")
+    (run / "checkpoints" / "step-00000006").symlink_to(tmp_path / "elsewhere" / "checkpoints" / "step-00000006")
+    assert main(["train", f"resume={run}"]) == 2
+    assert "not a checkpoint folder (step-N) of this run" in " ".join(capsys.readouterr().out.split())
+    assert main(["train", f"resume={run / 'checkpoints' / 'step-00000006'}"]) == 2  # named directly
+    assert "is not inside an oomb run folder" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_run_folder_in_use_is_refused_naming_the_holder(tmp_path, straight, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    lock = RunLock(run).acquire()  # as if another process trained in it
+    try:
+        assert main(["train", f"resume={run}", "train.steps=8"]) == 2
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"the run folder {run} is in use: process {os.getpid()} on " in out and "kill -INT" in out
+        assert sorted(losses(run)) == list(range(1, 7))  # nothing was written
+    finally:
+        lock.release()
+    assert main(["train", f"resume={run}", "train.steps=8"]) == 0  # released: the run goes on
+    assert sorted(losses(run)) == list(range(1, 9))
+
+
+def test_two_processes_resuming_one_run_train_once(tmp_path, straight):
+    """A real second process: the first holds the lock while it trains; the second is refused at once."""
+    run, marker = tmp_path / "run", tmp_path / "slow"
+    shutil.copytree(straight, run)
+    first = start_process("slow-chunk", f"resume={run}", "train.steps=8", fault_step=7, marker=marker, sleep=60)
+    wait_for(marker.exists, first, "the first process's step 7")
+    second = run_process(None, f"resume={run}", "train.steps=8")
+    assert second.returncode == 2 and f"process {first.pid}" in " ".join(second.stdout.split()), second.stdout
+    first.send_signal(signal.SIGINT)  # no need to wait out the sleep: stop it the documented way
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == EXIT_INTERRUPTED, (out, err)
+    assert sorted(losses(run)) == list(range(1, 7))  # the second process wrote nothing

@@ -10,7 +10,7 @@ from oomb.cli import main
 from oomb.engine.plan import HOST_PROCESS_BYTES, largest_context, plan_memory
 from oomb.train.config import ConfigError
 from oomb.train.presets import preset_config
-from oomb.train.trainer import load_run_config
+from oomb.train.rundir import load_run_config
 
 FAST = ["train.chunk_size=128", "train.page_size=64", "train.device=cpu", "train.steps=1", "train.export=false"]
 TINY = dict(batch_size=1, chunk_size=128, page_size=64, dtype=torch.float32, device_type="cpu",
@@ -155,12 +155,12 @@ def test_auto_attention_cache_is_on_only_where_it_fits(monkeypatch):
     cfg = load_run_config(None, [*overrides, "train.memory_check=false"])  # no plan: no cache
     assert memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16) is None and cfg.train.cache_attention is False
     with pytest.raises(ConfigError, match="train.cache_attention='sometimes'"):
-        from oomb.train.trainer import check_config
+        from oomb.train.checks import check_config
         check_config(load_run_config(None, [*overrides, "train.cache_attention=sometimes"]))
 
 
 def test_offload_gpu_memory_is_checked_and_settled_by_the_plan(monkeypatch):
-    from oomb.train.trainer import check_config
+    from oomb.train.checks import check_config
 
     base = ["model.preset=qwen2.5-0.5b", "data.seq_len=131072", "train.device=cpu", "train.offload=true"]
     with pytest.raises(ConfigError, match="not a memory size"):

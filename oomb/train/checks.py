@@ -1,0 +1,141 @@
+"""Checks a run makes before any work: settings, devices and dtypes, the model folder.
+
+Every failure raises ConfigError with the key to change; nothing is built or written before.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
+from oomb.engine.fused_ops import liger_available
+from oomb.train.config import Config, ConfigError, offload_gpu_bytes, page_selection
+from oomb.train.optim import wants_master_weights
+from oomb.train.presets import preset_names
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(name: str, option: str = "train.device") -> torch.device:
+    """``auto`` -> cuda when visible, else cpu; ``option`` names the setting in error messages."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"{option} {name!r} is not a device name (use auto, cpu, cuda or cuda:N)") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sep = "=" if option.startswith("train.") else " "
+        raise ConfigError(f"{option} asks for CUDA but no CUDA device is visible; use {option}{sep}cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ConfigError(f"model.dtype={name!r}: use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def check_config(cfg: Config) -> None:
+    """Everything that can be checked before a model is built (floats are finite already: load_config)."""
+    t = cfg.train
+    for name, value in (("train.steps", t.steps), ("train.batch_size", t.batch_size),
+                        ("train.grad_accum", t.grad_accum), ("train.chunk_size", t.chunk_size),
+                        ("train.page_size", t.page_size), ("data.seq_len", cfg.data.seq_len),
+                        ("train.tensor_parallel", t.tensor_parallel)):
+        if value <= 0:
+            raise ConfigError(f"{name} must be positive, got {value}")
+    if t.chunk_size % t.page_size:
+        raise ConfigError(f"train.chunk_size={t.chunk_size} must be a multiple of train.page_size={t.page_size}")
+    if t.save_every < 0 or t.keep_last < 0:
+        raise ConfigError(f"train.save_every and train.keep_last must be >= 0, got {t.save_every}, {t.keep_last}")
+    if t.on_nonfinite not in ("stop", "skip"):
+        raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r}: use stop or skip")
+    wants_master_weights(t.master_weights, torchrun=False)  # the value (torchrun's refusal: distributed.setup)
+    _check_ranges(cfg)
+    if cfg.model.path is None and cfg.model.preset not in preset_names():
+        raise ConfigError(f"unknown model preset {cfg.model.preset!r}; built-in presets: {', '.join(preset_names())}")
+    page_selection(cfg)  # page-sparse attention settings
+    if not (t.cache_attention is True or t.cache_attention is False or t.cache_attention == "auto"):
+        raise ConfigError(f"train.cache_attention={t.cache_attention!r}: use auto (on where the memory plan fits "
+                          "with it), true or false")
+    offload_gpu_bytes(t.offload_gpu_memory)  # a byte count or auto (ConfigError otherwise)
+    _check_fused_ops(cfg)
+    if t.cache_attention is True and t.offload:
+        raise ConfigError("train.cache_attention=true keeps attention outputs on the GPU and train.offload=true moves "
+                          "pages off it: choose one")
+
+
+def _check_ranges(cfg: Config) -> None:
+    """The ranges where the numbers mean something: outside them a run fails later or trains nothing."""
+    t = cfg.train
+    if not 0 < t.lr <= 1:
+        raise ConfigError(f"train.lr={t.lr:g} must be in (0, 1]: AdamW moves every weight by about the learning "
+                          "rate each step (fine-tuning uses 1e-5 to 1e-4, pre-training about 3e-4)")
+    if t.weight_decay < 0 or t.lr * t.weight_decay >= 1:
+        raise ConfigError(f"train.weight_decay={t.weight_decay:g} must be >= 0 with train.lr * train.weight_decay "
+                          "< 1 (each step multiplies the weights by 1 - lr * weight_decay); 0.0 to 0.1 is usual")
+    if t.warmup_steps < 0 or t.grad_clip < 0 or not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError("train.warmup_steps and train.grad_clip must be >= 0 and train.min_lr_ratio in [0, 1], "
+                          f"got {t.warmup_steps}, {t.grad_clip:g}, {t.min_lr_ratio:g}")
+    if not 0 <= t.seed < 2**63:
+        raise ConfigError(f"train.seed={t.seed} must be in [0, 2**63)")
+    if cfg.lora.r < 0:
+        raise ConfigError(f"lora.r={cfg.lora.r} must be >= 0 (0 = full fine-tuning, 8 to 64 for LoRA adapters)")
+    if cfg.lora.alpha <= 0:
+        raise ConfigError(f"lora.alpha={cfg.lora.alpha:g} must be > 0 (the adapters' update is scaled by alpha / r)")
+
+
+def _check_fused_ops(cfg: Config) -> None:
+    t = cfg.train
+    if t.fused_ops not in FUSED_OPS_MODES:
+        raise ConfigError(f"train.fused_ops={t.fused_ops!r}: use one of {', '.join(FUSED_OPS_MODES)}")
+    if t.fused_ops != "liger":
+        return
+    if t.tensor_parallel > 1:
+        raise ConfigError("train.fused_ops=liger is not supported with train.tensor_parallel > 1 (not tested on "
+                          "split layers): use train.fused_ops=auto, which leaves split models as they are")
+    if not liger_available():
+        raise ConfigError("train.fused_ops=liger needs liger-kernel: pip install liger-kernel, or train.fused_ops=auto")
+    if resolve_device(t.device).type != "cuda":
+        raise ConfigError("train.fused_ops=liger runs liger's Triton kernels: it needs a CUDA device (they do not "
+                          "run in Triton's CPU interpreter); use train.fused_ops=auto")
+
+
+def check_model_path(cfg: Config) -> None:
+    """model.path is a Hugging Face folder whose code (if it ships any) the user said to trust."""
+    if cfg.model.path is None:
+        return
+    path = Path(cfg.model.path)
+    if not path.is_dir():
+        state = "is a file" if path.exists() else "does not exist"
+        raise ConfigError(f"model.path={cfg.model.path!r} {state}: give a Hugging Face model folder")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path={cfg.model.path!r} has no config.json: not a Hugging Face model folder")
+    check_remote_code(path, cfg.model.trust_remote_code)
+
+
+def check_remote_code(path: Path, trusted: bool, *, how: str = "model.trust_remote_code=true on the command line"
+                      ) -> None:
+    """Refuse a model folder that needs its own Python code unless trusted (``how`` says how to trust it)."""
+    try:
+        fields = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: {path / 'config.json'} is not readable JSON: {e}") from e
+    auto_map = fields.get("auto_map") or {} if isinstance(fields, dict) else {}
+    if trusted or not auto_map:
+        return
+    from transformers import CONFIG_MAPPING
+
+    if fields.get("model_type") not in CONFIG_MAPPING:  # a known type loads with transformers' own code
+        code = ", ".join(sorted({str(v) for v in auto_map.values()}))
+        raise ConfigError(
+            f"model.path={str(path)!r} needs Python code shipped in the folder ({code}) for model_type "
+            f"{fields.get('model_type')!r}, which transformers does not know. oomb never runs code from a model "
+            f"folder unless you set {how}: read that code first."
+        )
