@@ -118,8 +118,8 @@ def _open_run_folder(cfg: Config, out: Path, created: bool, main_rank: bool) -> 
         if lock is not None:
             lock.release()
         left = "" if cfg.resume is not None else f" and {remove_unstarted_run(out, created)}"
-        raise RunStopped(f"could not write to the run folder {out}: {write_failure(e, out.parent)}; nothing was "
-                         f"trained{left}. Then run the same command again", EXIT_WRITE) from None
+        raise RunStopped(f"could not write to the run folder {out}: {write_failure(e, out.parent)}.\nNothing was "
+                         f"trained{left}; then run the same command again", EXIT_WRITE) from None
     return lock
 
 

@@ -19,8 +19,7 @@ file created when the fault point is reached (so a test knows when to send its s
                     the run: the write then fails for real (ENOSPC from the kernel). WHAT: lock, config,
                     metrics (step FAULT_STEP's line), a checkpoint file of step FAULT_STEP (model.safetensors,
                     optimizer.pt, rng.pt, state.json, manifest.json, latest), export, plot, tensorboard
-                    (its event file); lock, config, metrics, export, plot and tensorboard get the room back
-                    after their write failed
+                    (its event file); plot and tensorboard get the room back after their write failed
     readonly:WHAT   the same point, but the file system is remounted read-only (EROFS)
     pause:WHAT      in checkpoint FAULT_STEP's write, just before WHAT is written (model.safetensors, optimizer.pt,
                     rng.pt, state.json, manifest.json), just after the folder is renamed into place (publish),
@@ -247,8 +246,8 @@ if KIND in ("full", "readonly", "pause"):
             at(point)
             try:
                 return original(*a, **k)
-            finally:  # the write failed: the disk has room again for whatever the run does next
-                if KIND == "full" and point == WHAT:
+            finally:  # the plot and TensorBoard give way, the run goes on: the disk has room again
+                if KIND == "full" and point == WHAT and point in ("plot", "tensorboard"):
                     os.unlink(os.path.join(DISK, "filler"))
 
         setattr(owner, name, wrapped)
