@@ -10,19 +10,16 @@ from tiny_models import VOCAB, tiny_model
 from oomb.cli import main
 from oomb.engine import chunked_eval
 from oomb.train.data import NeedleTask, PasskeyTask
-from oomb.train.evaluate import (
-    EvalError,
+from oomb.train.eval_metrics import (
     PositionBuckets,
     answers_correct,
     bucket_edges,
-    check_positions,
-    load_eval_model,
     parse_depths,
     parse_lengths,
     perplexity_by_position,
     retrieval_grid,
-    rope_is_scaled,
 )
+from oomb.train.eval_model import EvalError, check_positions, load_eval_model, rope_is_scaled
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
