@@ -1,6 +1,6 @@
 """stream_summary: per-stream busy time and the compute stream's gaps, from trace events."""
 
-from oomb.bench.timeline import kernel_group, stream_summary
+from benchmarks.timeline import kernel_group, stream_summary
 
 
 def _kernel(stream, ts, dur, name="k"):

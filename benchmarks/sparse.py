@@ -1,7 +1,7 @@
 """Page-sparse attention against dense, on a GPU: attention kernels and whole training steps.
 
-    python -m oomb.bench.sparse --out results/sparse.json
-    python -m oomb.bench.sparse --contexts 65536 --lengths 65536 --sparse-lengths 524288
+    python -m benchmarks.sparse --out out/sparse.json
+    python -m benchmarks.sparse --contexts 65536 --lengths 65536 --sparse-lengths 524288
 
 Kernels: one chunk of C=4096 queries of Qwen2.5-7B's heads (28 query / 4 KV, d=128, bf16)
 over kv_len stored tokens in 128-token pages; forward+backward (dQ, dK/dV added into bf16
@@ -26,9 +26,9 @@ import sys
 import torch
 
 import oomb
-from oomb.bench.attention import H_KV, C, D, H, _bench, _paged_inputs, attention_flops
-from oomb.bench.common import add_step_arguments, int_list, run_benchmark
-from oomb.bench.core import _time_steps
+from benchmarks.attention import H_KV, C, D, H, _bench, _paged_inputs, attention_flops
+from benchmarks.common import add_step_arguments, int_list, run_benchmark
+from benchmarks.core import _time_steps
 from oomb.engine import store_for_model
 from oomb.sparse import PageSelection, select_pages
 
@@ -212,7 +212,7 @@ def run(args) -> dict:
 
     return {
         "bench": "sparse",
-        "command": "python -m oomb.bench.sparse " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.sparse " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
         "host": platform.node(),
@@ -243,7 +243,7 @@ def _print_table(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="oomb bench sparse", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sparse", description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int_list, default=[65536, 131072, 262144], help="kernel kv_len values")
     p.add_argument("--lengths", type=int_list, default=[65536, 131072], help="step lengths, dense and sparse")
     p.add_argument("--sparse-lengths", type=int_list, default=[], help="step lengths, sparse only")

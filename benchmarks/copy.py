@@ -1,6 +1,6 @@
 """Host <-> GPU page copies: the copy engine against the mapped-memory copy kernel, on a GPU.
 
-    python -m oomb.bench.copy --out results/copy.json
+    python -m benchmarks.copy --out out/copy.json
 
 Pages of Qwen2.5-7B's shape ([4 KV heads, 128 tokens, 128] bf16 = 128 KiB) in a pinned,
 mapped host pool (oomb.offload.copy.pinned_empty). For ``--pages`` chosen pages (random,
@@ -22,8 +22,8 @@ import sys
 
 import torch
 
-from oomb.bench.common import int_list, run_benchmark
-from oomb.bench.core import _time_steps
+from benchmarks.common import int_list, run_benchmark
+from benchmarks.core import _time_steps
 
 CONFIGS = {  # name: (programs, block elements, warps); "per-part": one program per work item
     "p16-b16k-w8": (16, 16384, 8),
@@ -120,7 +120,7 @@ def run(args) -> dict:
             print(json.dumps(row), flush=True)
     return {
         "bench": "copy",
-        "command": "python -m oomb.bench.copy " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.copy " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__},
@@ -140,7 +140,7 @@ def _print_table(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="oomb bench copy", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.copy", description=__doc__.splitlines()[0])
     p.add_argument("--pages", type=int_list, default=[64, 900])
     p.add_argument("--pool-pages", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=10)

@@ -1,24 +1,25 @@
-"""The sparse-quality study (oomb/bench/sparse_quality.py) at smoke sizes on CPU: files, structure, exactness."""
+"""The sparse-quality study (benchmarks/studies/sparse_quality.py) at smoke sizes on CPU: files, structure,
+exactness."""
 
 import json
 
 import pytest
 
-from oomb.bench import sparse_quality as sq
-from oomb.cli import main
+from benchmarks.studies import sparse_quality as sq
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("sq") / "run"
-    assert main(["bench", "sparse_quality", "--out", str(out), "--smoke", "--device", "cpu"]) == 0
+    assert sq.main(["--out", str(out), "--smoke", "--device", "cpu"]) == 0
     return out, json.loads((out / "sparse_quality.json").read_text())
 
 
 def test_report_holds_every_setting_and_number(smoke):
     out, report = smoke
     s = sq.SMOKE
-    assert report["command"].startswith("python -m oomb.bench.sparse_quality") and "--smoke" in report["command"]
+    assert report["command"].startswith("python -m benchmarks.studies.sparse_quality")
+    assert "--smoke" in report["command"]
     assert report["date"] and report["device"] and report["settings"]["train_len"] == s.train_len
     for arm in ("dense", "sparse"):
         learned = report["learning"][arm]

@@ -1,4 +1,4 @@
-"""The offload bench (oomb/bench/offload.py): its summaries on synthetic rows, and one run on CPU.
+"""The offload bench (benchmarks/offload.py): its summaries on synthetic rows, and one run on CPU.
 
 The GPU numbers (peak memory, CUDA event timing) only exist on the H200; on CPU the bench runs
 the same rows with wall-clock timing, so every code path but the CUDA calls is exercised here.
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import oomb
-from oomb.bench import offload as ob
+from benchmarks import offload as ob
 from oomb.engine.plan import plan_memory
 from oomb.train.presets import preset_config
 
@@ -172,7 +172,7 @@ def cpu_report(tmp_path_factory):
 def test_cpu_run_report(cpu_report):
     r = cpu_report
     assert r["bench"] == "offload" and r["complete"] and "in_progress" not in r
-    assert r["command"].startswith("python -m oomb.bench.offload")
+    assert r["command"].startswith("python -m benchmarks.offload")
     assert r["versions"]["torch"] == torch.__version__ and r["select_blocks"] == [32, 16]
     assert r["dtype"] == "float32" and r["planner_method"] == ob.PLAN_NO_OPTIMIZER and r["host_total_gib"] > 0
     rows = r["results"]

@@ -1,7 +1,7 @@
 """Memory and time of one chunked_backward step against context length, on a GPU.
 
-    python -m oomb.bench.core --out results/core.json                # Qwen2.5-7B, 16K/32K/64K
-    python -m oomb.bench.core --lengths 16384,65536 --hf-lengths 16384
+    python -m benchmarks.core --out out/core.json                # Qwen2.5-7B, 16K/32K/64K
+    python -m benchmarks.core --lengths 16384,65536 --hf-lengths 16384
 
 Each length: one warm-up step at the first length, then ``--repeats`` timed steps
 (CUDA events; the median is reported) with the peak GPU memory of the timed steps.
@@ -26,8 +26,8 @@ import sys
 import torch
 
 import oomb
-from oomb.bench.common import int_list, run_benchmark
-from oomb.bench.tune_attention import CANDIDATES
+from benchmarks.common import int_list, run_benchmark
+from benchmarks.tune_attention import CANDIDATES
 from oomb.engine import linear_cross_entropy_sum, store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import use_fused_ops
@@ -164,7 +164,7 @@ def run(args) -> dict:
     summary = _memory_growth([r for r in results if r["system"] == "oomb" and "error" not in r])
     return {
         "bench": "core",
-        "command": "python -m oomb.bench.core " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.core " + " ".join(sys.argv[1:]),
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),
         "host": platform.node(),
@@ -211,7 +211,7 @@ def _print_table(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="oomb bench core", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.core", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen2.5-7b")
     p.add_argument("--lengths", type=int_list, default=[16384, 32768, 65536])
     p.add_argument("--ckpt-lengths", type=int_list, default=[],
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-ops", default="auto", choices=FUSED_OPS_MODES,
                    help="liger's fused RMSNorm/SwiGLU in oomb's rows (oomb.engine.fused_ops); transformers' rows never")
     p.add_argument("--tiles", default="default", choices=[name for name, _ in CANDIDATES],
-                   help="attention tiles for oomb's rows: a candidate of oomb.bench.tune_attention")
+                   help="attention tiles for oomb's rows: a candidate of benchmarks.tune_attention")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", default=None, help="write the JSON report here")
     return run_benchmark("core", p.parse_args(argv), run, _print_table)

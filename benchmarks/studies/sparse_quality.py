@@ -1,7 +1,7 @@
 """Page-sparse attention against dense: learning and gradient quality (issue 4's two studies).
 
-    python -m oomb.bench.sparse_quality --out results/sparse_quality     # the H200 study
-    python -m oomb.bench.sparse_quality --out /tmp/sq --smoke            # tiny sizes, CPU, seconds
+    python -m benchmarks.studies.sparse_quality --out out/sparse_quality   # the H200 study
+    python -m benchmarks.studies.sparse_quality --out /tmp/sq --smoke      # tiny sizes, CPU, seconds
 
 One process, in this order:
 
@@ -42,7 +42,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import oomb
-from oomb.bench.common import int_list
+from benchmarks.common import int_list
 from oomb.engine import chunked_eval
 from oomb.sparse import PageSelection
 from oomb.train.checkpoint import write_text_atomic
@@ -621,7 +621,7 @@ def _print(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="oomb bench sparse_quality", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.sparse_quality", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output folder (refused if it holds files)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (seconds on a CPU): checks the pipeline only")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
@@ -665,16 +665,17 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device asks for CUDA but no CUDA device is visible; use --device cpu")
     except (ValueError, RuntimeError) as e:
-        print(f"oomb bench sparse_quality: {e}", file=sys.stderr)
+        print(f"python -m benchmarks.studies.sparse_quality: {e}", file=sys.stderr)
         return 2
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        print(f"oomb bench sparse_quality: --out {out} already holds files; choose another folder", file=sys.stderr)
+        print(f"python -m benchmarks.studies.sparse_quality: --out {out} already holds files; choose another folder",
+              file=sys.stderr)
         return 2
     if not args.smoke and device.type != "cuda":
         print("note: the full study on a CPU takes many hours; --smoke checks the pipeline in seconds",
               file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
-    report = run(study, out, device, "python -m oomb.bench.sparse_quality " + " ".join(
+    report = run(study, out, device, "python -m benchmarks.studies.sparse_quality " + " ".join(
         sys.argv[1:] if argv is None else argv))
     _print(report)
     print(f"wrote {out / 'sparse_quality.json'} and {out / 'sparse_quality.md'}")

@@ -1,11 +1,11 @@
 """Offload against pages on the GPU: step time, GPU memory, pinned host memory, the planner's prediction.
 
-    python -m oomb.bench.offload --out results/offload.json
-    python -m oomb.bench.offload --dense-lengths 65536 --sparse-lengths 131072 \\
+    python -m benchmarks.offload --out out/offload.json
+    python -m benchmarks.offload --dense-lengths 65536 --sparse-lengths 131072 \\
         --growth-lengths 65536,131072,262144,524288 --select-blocks 4096,128
-    python -m oomb.bench.offload --dense-lengths "" --sparse-lengths "" --growth-lengths "" \\
+    python -m benchmarks.offload --dense-lengths "" --sparse-lengths "" --growth-lengths "" \\
         --longest-lengths 1048576 --repeat-steps 20 --repeat-length 131072
-    python -m oomb.bench.offload --device cpu --preset tiny ...       # checks the bench, no GPU numbers
+    python -m benchmarks.offload --device cpu --preset tiny ...       # checks the bench, no GPU numbers
 
 One chunked_backward step of ``--preset`` (random init, bf16, bf16 gradients kept allocated, no
 optimizer) per row, after a warm-up step of the same setting at a short length (CUDA events).
@@ -57,8 +57,8 @@ from dataclasses import dataclass
 import torch
 
 import oomb
-from oomb.bench.common import add_step_arguments, int_list, run_benchmark
-from oomb.bench.core import _time_steps
+from benchmarks.common import add_step_arguments, int_list, run_benchmark
+from benchmarks.core import _time_steps
 from oomb.engine import store_for_model
 from oomb.sparse import PageSelection
 
@@ -423,8 +423,8 @@ class Bench:
 
     def run_profile(self, s: Setting, trace_dir: str | None) -> dict:
         """One step under torch.profiler: per-stream GPU busy time and the compute stream's idle time
-        (oomb.bench.timeline), after an unprofiled step of the same length."""
-        from oomb.bench.timeline import profile_streams
+        (benchmarks.timeline), after an unprofiled step of the same length."""
+        from benchmarks.timeline import profile_streams
 
         head = s.head()
         if not self.cuda:
@@ -511,7 +511,7 @@ def run(args) -> dict:
     cuda = bench.cuda
     meta = {
         "bench": "offload",
-        "command": "python -m oomb.bench.offload " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
+        "command": "python -m benchmarks.offload " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(bench.device) if cuda else "cpu",
         "host": platform.node(),
@@ -643,7 +643,7 @@ def _print_table(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="oomb bench offload", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.offload", description=__doc__.splitlines()[0])
     p.add_argument("--dense-lengths", type=int_list, default=[65536])
     p.add_argument("--sparse-lengths", type=int_list, default=[131072])
     p.add_argument("--growth-lengths", type=int_list, default=[65536, 262144])

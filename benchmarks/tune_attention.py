@@ -1,6 +1,6 @@
 """Sweep tile settings of the Triton paged attention on a GPU (forward and backward timed apart).
 
-    python -m oomb.bench.tune_attention --kv-len 65536 --out results/tune.json
+    python -m benchmarks.tune_attention --kv-len 65536 --out out/tune.json
 
 Qwen2.5-7B heads (28 query, 4 KV, d=128), a 4096-token chunk, page 128, bf16 pools and
 gradient pools. Each candidate replaces ``triton_attention.choose_tiles`` and is timed
@@ -18,8 +18,8 @@ import sys
 
 import torch
 
-from oomb.bench.attention import H_KV, C, H, _paged_inputs, attention_flops
-from oomb.bench.common import int_list, run_benchmark
+from benchmarks.attention import H_KV, C, H, _paged_inputs, attention_flops
+from benchmarks.common import int_list, run_benchmark
 from oomb.kernels import triton_attention as T
 
 # (name, overrides of the default Tiles). The default is measured first.
@@ -48,7 +48,7 @@ CANDIDATES = [
 def run(args) -> dict:
     import triton.testing
 
-    from oomb.bench.sparse import _kernel_times
+    from benchmarks.sparse import _kernel_times
     from oomb.sparse import PageSelection, select_pages
 
     dev = torch.device("cuda")
@@ -104,7 +104,7 @@ def run(args) -> dict:
             "gpu": torch.cuda.get_device_name(), "kv_len": args.kv_len, "q_len": C, "heads": [h, h_kv],
             "budget_pages": args.budget, "page_size": args.page_size,
             "flops": "fwd = 2*2*C*H*D*(visible keys - C/2); bwd = 2.5x fwd",
-            "command": "python -m oomb.bench.tune_attention " + " ".join(sys.argv[1:]),
+            "command": "python -m benchmarks.tune_attention " + " ".join(sys.argv[1:]),
             "results": rows}
 
 
@@ -124,7 +124,7 @@ def _print_table(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="oomb bench tune", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tune_attention", description=__doc__.splitlines()[0])
     p.add_argument("--kv-len", type=int, default=65536)
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--heads", type=int_list, default=[H, H_KV], help="query,KV heads (default 28,4)")

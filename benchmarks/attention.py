@@ -1,7 +1,7 @@
 """Paged attention kernels against torch SDPA (cuDNN, FLASH), Qwen2.5-7B heads, on a GPU.
 
-    python -m oomb.bench.attention --out results/attention.json
-    python -m oomb.bench.attention --contexts 16384 --page-size 64
+    python -m benchmarks.attention --out out/attention.json
+    python -m benchmarks.attention --contexts 16384 --page-size 64
 
 Work: a chunk of C=4096 queries (the newest tokens) over kv_len stored tokens, 28 query /
 4 KV heads, d=128, bf16, pages in a pool in shuffled order. Our forward and forward+backward
@@ -31,7 +31,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from oomb.bench.common import int_list, run_benchmark
+from benchmarks.common import int_list, run_benchmark
 
 H, H_KV, D, C = 28, 4, 128, 4096
 
@@ -197,7 +197,7 @@ def run(args) -> dict:
 
     return {
         "bench": "attention",
-        "command": "python -m oomb.bench.attention " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.attention " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
         "host": platform.node(),
@@ -229,7 +229,7 @@ def _print_table(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="oomb bench attention", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int_list, default=[16384, 65536, 131072], help="kv_len values")
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--out", default=None, help="write the JSON report here")

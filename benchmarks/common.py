@@ -19,7 +19,7 @@ def run_benchmark(name: str, args, run: Callable[[object], dict], print_table: C
     """Refuse without CUDA (unless not ``require_cuda``), run, write the JSON report to ``args.out``
     (if given), print the table."""
     if require_cuda and not torch.cuda.is_available():
-        print(f"oomb bench {name} needs a CUDA GPU", file=sys.stderr)
+        print(f"the {name} benchmark needs a CUDA GPU (benchmarks/README.md: how to run it on one)", file=sys.stderr)
         return 2
     report = run(args)
     if args.out:
