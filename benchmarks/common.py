@@ -6,6 +6,7 @@ import json
 import sys
 from collections.abc import Callable
 
+import psutil
 import torch
 
 
@@ -38,3 +39,12 @@ def add_step_arguments(parser, *, budget: bool = True) -> None:
     parser.add_argument("--page", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", default=None, help="write the JSON report here")
+
+
+def machine_description() -> str:
+    """The machine a record was measured on, in words: GPU and its memory, host memory."""
+    host = f"{psutil.virtual_memory().total / 2**30:.1f} GiB host memory"
+    if not torch.cuda.is_available():
+        return f"CPU only, {host}"
+    props = torch.cuda.get_device_properties(0)
+    return f"{torch.cuda.device_count()} x {props.name} ({props.total_memory / 2**30:.1f} GiB), {host}"
