@@ -1,4 +1,6 @@
-"""`oomb` command line: `oomb train [CONFIG.yaml] [key=value ...]`, `oomb plan ...`, `oomb eval`, `oomb bench`."""
+"""`oomb` command line: `oomb train [CONFIG.yaml] [key=value ...]`, `oomb plan ...`, `oomb eval`.
+
+The benchmarks are not part of the package: `python -m benchmarks.NAME` from the repo root (benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -7,10 +9,6 @@ import sys
 
 from rich.console import Console
 from rich.markup import escape
-
-_BENCHES = {"core": "oomb.bench.core", "attention": "oomb.bench.attention", "tune": "oomb.bench.tune_attention",
-            "sparse": "oomb.bench.sparse", "sparse_quality": "oomb.bench.sparse_quality",
-            "offload": "oomb.bench.offload", "copy": "oomb.bench.copy"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,12 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     from oomb.train.evaluate import add_arguments
 
     add_arguments(eval_p)
-    bench_p = sub.add_parser("bench", help="measured benchmarks on a GPU: core (a training step against "
-                             "context), attention (kernels against SDPA), tune (kernel tile sweep), "
-                             "sparse (page-sparse against dense attention), sparse_quality (gradient "
-                             "quality and learning with page-sparse attention; --smoke runs on a CPU)")
-    bench_p.add_argument("name", choices=sorted(_BENCHES), help="which benchmark")
-    bench_p.add_argument("bench_args", nargs=argparse.REMAINDER, help="its options (see oomb bench NAME --help)")
 
     args, extra = parser.parse_known_args(argv)
     if extra and args.command == "plan" and all("=" in e and not e.startswith("-") for e in extra):
@@ -56,11 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args, console)
     if args.command == "plan":
         return _plan(args, console)
-    if args.command == "eval":
-        return _eval(args, sys.argv[1:] if argv is None else argv, console)
-    import importlib
-
-    return importlib.import_module(_BENCHES[args.name]).main(args.bench_args)
+    return _eval(args, sys.argv[1:] if argv is None else argv, console)
 
 
 def _train(args, console: Console) -> int:

@@ -109,14 +109,6 @@ def test_train_refuses_bad_settings_before_work(tmp_path, capsys):
     assert "unknown model preset 'nope'" in capsys.readouterr().out
 
 
-def test_bench_refuses_without_cuda(capsys):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    for name in ("core", "attention", "tune"):
-        assert main(["bench", name]) == 2
-        assert "needs a CUDA GPU" in capsys.readouterr().err
-
-
 def test_layer_checkpointing_gives_the_same_run(tmp_path):
     common = ["train.steps=3", "data.seq_len=512", "train.chunk_size=256", "train.page_size=64", "train.export=false"]
     assert main(["train", f"out_dir={tmp_path / 'a'}", *common]) == 0

@@ -1,0 +1,50 @@
+"""What every benchmark entry point shares: list arguments, the CUDA check, the report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+
+import psutil
+import torch
+
+
+def int_list(text: str) -> list[int]:
+    """'16384,65536' -> [16384, 65536] (an argparse type)."""
+    return [int(x) for x in text.split(",") if x]
+
+
+def run_benchmark(name: str, args, run: Callable[[object], dict], print_table: Callable[[dict], None], *,
+                  require_cuda: bool = True) -> int:
+    """Refuse without CUDA (unless not ``require_cuda``), run, write the JSON report to ``args.out``
+    (if given), print the table."""
+    if require_cuda and not torch.cuda.is_available():
+        print(f"the {name} benchmark needs a CUDA GPU (benchmarks/README.md: how to run it on one)", file=sys.stderr)
+        return 2
+    report = run(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    print_table(report)
+    return 0
+
+
+def add_step_arguments(parser, *, budget: bool = True) -> None:
+    """The options every step benchmark shares: model, chunking, repeats, output."""
+    parser.add_argument("--preset", default="qwen2.5-7b")
+    if budget:
+        parser.add_argument("--budget", type=int, default=64, help="pages per query block (sparse rows)")
+    parser.add_argument("--chunk", type=int, default=4096)
+    parser.add_argument("--page", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", default=None, help="write the JSON report here")
+
+
+def machine_description() -> str:
+    """The machine a record was measured on, in words: GPU and its memory, host memory."""
+    host = f"{psutil.virtual_memory().total / 2**30:.1f} GiB host memory"
+    if not torch.cuda.is_available():
+        return f"CPU only, {host}"
+    props = torch.cuda.get_device_properties(0)
+    return f"{torch.cuda.device_count()} x {props.name} ({props.total_memory / 2**30:.1f} GiB), {host}"

@@ -1,0 +1,240 @@
+"""Memory and time of one chunked_backward step against context length, on a GPU.
+
+    python -m benchmarks.core --out out/core.json                # Qwen2.5-7B, 16K/32K/64K
+    python -m benchmarks.core --lengths 16384,65536 --hf-lengths 16384
+
+Each length: one warm-up step at the first length, then ``--repeats`` timed steps
+(CUDA events; the median is reported) with the peak GPU memory of the timed steps.
+Parameters are bf16 with bf16 gradients kept allocated (no optimizer), random init.
+Optionally the same work through transformers (full sequence, SDPA, gradient
+checkpointing, loss through the same fused cross-entropy) as the baseline, in the
+same run, until it runs out of memory. oomb's rows run with liger's fused RMSNorm and
+SwiGLU where available (``--fused-ops``, as ``oomb train`` does); transformers' rows
+with its own modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import statistics
+import sys
+
+import torch
+
+import oomb
+from benchmarks.common import int_list, run_benchmark
+from benchmarks.tune_attention import CANDIDATES
+from oomb.engine import linear_cross_entropy_sum, store_for_model
+from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
+from oomb.engine.fused_ops import use_fused_ops
+from oomb.kernels import triton_attention as T
+from oomb.sparse import DEFAULT_SCORE, SCORES, PageSelection
+from oomb.train.presets import build_model
+
+
+def model_flops(config, seq_len: int) -> float:
+    """Training FLOPs of one sequence without recomputation: 6*N*P (matmuls) + causal attention.
+
+    Causal attention forward per layer = 2 matmuls * 2 FLOPs * N^2/2 * H * D = 2 N^2 H D;
+    forward + backward = 3x that.
+    """
+    h, kv, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
+    d = getattr(config, "head_dim", None) or hidden // h
+    layer_params = hidden * d * (h + 2 * kv) + h * d * hidden + 3 * hidden * config.intermediate_size
+    matmul_params = config.num_hidden_layers * layer_params + config.vocab_size * hidden
+    return 6.0 * seq_len * matmul_params + config.num_hidden_layers * 6.0 * seq_len**2 * h * d
+
+
+def _time_steps(fn, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def _hf_step(model, ids):
+    """Full-sequence training step through transformers with gradient checkpointing."""
+    hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    loss = linear_cross_entropy_sum(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight, None,
+                                    targets.reshape(-1)) / (ids.numel() - ids.shape[0])
+    loss.backward()
+
+
+def run(args) -> dict:
+    device = torch.device("cuda")
+    model = build_model(args.preset, dtype=torch.bfloat16, device=device)
+    model.train()
+    plain_modules = dict(model.named_modules())
+    fused = use_fused_ops(model, args.fused_ops)  # oomb's rows; transformers' rows get the plain modules back
+    tiles = dict(CANDIDATES)[args.tiles]
+    if tiles:  # a tune_attention candidate instead of the default tiles, for oomb's rows
+        default_tiles = T.choose_tiles
+        T.choose_tiles = lambda *a: dataclasses.replace(default_tiles(*a), **tiles)  # noqa: E731
+    cfg = model.config
+    params = [p for p in model.parameters()]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    for p in params:  # bf16 gradients, allocated up front as a trainer would hold them
+        p.grad = torch.zeros_like(p)
+    results = []
+
+    def record(kind, n, times=None, error=None, extra=None):
+        row = {"system": kind, "seq_len": n}
+        if times:
+            med = statistics.median(times)
+            row.update(step_s=med, step_times_s=times, tokens_per_s=n / med,
+                       model_tflops=model_flops(cfg, n) / med / 1e12)
+        row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        if error:
+            row["error"] = error
+        row.update(extra or {})
+        results.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "step_times_s"}), flush=True)
+
+    vocab = cfg.vocab_size
+    warmed = False
+    # (tokens, row name, layer checkpointing, chunked_backward options)
+    sparse = {"selection": PageSelection(page_budget=args.budget, score=args.select_score)}
+    runs = ([(n, "oomb", False, {}) for n in args.lengths]
+            + [(n, "oomb+layer-ckpt", True, {}) for n in args.ckpt_lengths]
+            + [(n, "oomb+cached-attn", False, {"cache_attention": True}) for n in args.cache_lengths]
+            + [(n, "oomb-sparse", False, sparse) for n in args.sparse_lengths]
+            + [(n, "oomb-sparse+cached-attn", False, {**sparse, "cache_attention": True})
+               for n in args.sparse_cache_lengths])
+    for n, system, layer_ckpt, options in runs:
+        ids = torch.randint(0, vocab, (1, n), device=device)
+        if layer_ckpt:  # transformers' per-layer checkpointing inside each chunk
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+        def step(ids=ids, options=options):
+            oomb.chunked_backward(model, ids, chunk_size=args.chunk, page_size=args.page, backend=args.backend,
+                                  **options)
+
+        try:
+            if not warmed:
+                step()
+                warmed = True
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            times = _time_steps(step, args.repeats)
+            # No local name for the store: a live reference would keep its pools through the next length.
+            record(system, n, times, extra={
+                "chunk_size": args.chunk, "page_size": args.page, "backend": args.backend,
+                "options": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in options.items()},
+                "store_gib": store_for_model(model).nbytes() / 2**30,
+                "store_bytes_per_token": store_for_model(model).spec.bytes_per_token(),
+                "params_plus_grads_gib": 2 * param_bytes / 2**30,
+                "fused_ops_modules": len(fused), "tiles": args.tiles,
+            })
+        except torch.OutOfMemoryError as e:
+            record(system, n, error=f"out of memory: {str(e).splitlines()[0]}")
+        model.gradient_checkpointing_disable()
+        oomb.release_memory(model)
+        torch.cuda.empty_cache()
+
+    for name in fused:  # transformers' rows: its own modules, as a user of plain transformers runs them
+        model.set_submodule(name, plain_modules[name])
+    if args.hf_lengths:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for n in args.hf_lengths:
+            ids = torch.randint(0, vocab, (1, n), device=device)
+            try:
+                _hf_step(model, ids)  # warm-up at this length
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                times = _time_steps(lambda ids=ids: _hf_step(model, ids), args.repeats)
+                record("transformers-sdpa-ckpt", n, times)
+            except torch.OutOfMemoryError as e:
+                record("transformers-sdpa-ckpt", n, error=f"out of memory: {str(e).splitlines()[0]}")
+                break
+            finally:
+                torch.cuda.empty_cache()
+        model.gradient_checkpointing_disable()
+
+    summary = _memory_growth([r for r in results if r["system"] == "oomb" and "error" not in r])
+    return {
+        "bench": "core",
+        "command": "python -m benchmarks.core " + " ".join(sys.argv[1:]),
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "host": platform.node(),
+        "versions": {"torch": torch.__version__, "oomb": oomb.__version__,
+                     "transformers": __import__("transformers").__version__},
+        "preset": args.preset,
+        "fused_ops": args.fused_ops, "fused_ops_modules": len(fused), "tiles": args.tiles,
+        "param_gib": param_bytes / 2**30,
+        "results": results,
+        "memory_growth": summary,
+    }
+
+
+def _memory_growth(rows: list[dict]) -> dict:
+    """Peak GPU memory per extra 10K tokens (measured) against the store's prediction."""
+    if len(rows) < 2:
+        return {}
+    first, last = rows[0], rows[-1]
+    extra_tokens = last["seq_len"] - first["seq_len"]
+    measured = (last["peak_gpu_gib"] - first["peak_gpu_gib"]) / extra_tokens * 1e4
+    predicted = first["store_bytes_per_token"] * 1e4 / 2**30
+    non_store = [r["peak_gpu_gib"] - r["store_gib"] for r in rows]
+    return {
+        "gib_per_10k_tokens_measured": measured,
+        "gib_per_10k_tokens_store_predicts": predicted,
+        "peak_minus_store_gib": {r["seq_len"]: v for r, v in zip(rows, non_store, strict=True)},
+    }
+
+
+def _print_table(report: dict) -> None:
+    print(f"\n{report['gpu']}  {report['date']}  preset {report['preset']}")
+    print(f"{'system':<24}{'tokens':>9}{'step s':>9}{'tok/s':>9}{'TFLOP/s':>9}{'peak GiB':>10}{'store GiB':>10}")
+    for r in report["results"]:
+        if "error" in r:
+            print(f"{r['system']:<24}{r['seq_len']:>9}  {r['error'][:60]}")
+            continue
+        print(f"{r['system']:<24}{r['seq_len']:>9}{r['step_s']:>9.2f}{r['tokens_per_s']:>9.0f}"
+              f"{r['model_tflops']:>9.1f}{r['peak_gpu_gib']:>10.2f}{r.get('store_gib', 0):>10.2f}")
+    g = report["memory_growth"]
+    if g:
+        print(f"GPU memory per extra 10K tokens: measured {g['gib_per_10k_tokens_measured']:.3f} GiB, "
+              f"store predicts {g['gib_per_10k_tokens_store_predicts']:.3f} GiB; "
+              f"peak minus store: {', '.join(f'{k}: {v:.2f}' for k, v in g['peak_minus_store_gib'].items())} GiB")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.core", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen2.5-7b")
+    p.add_argument("--lengths", type=int_list, default=[16384, 32768, 65536])
+    p.add_argument("--ckpt-lengths", type=int_list, default=[],
+                   help="also time oomb with per-layer checkpointing inside chunks at these lengths")
+    p.add_argument("--cache-lengths", type=int_list, default=[],
+                   help="also time oomb with cache_attention=True (stage 1 outputs reused) at these lengths")
+    p.add_argument("--sparse-lengths", type=int_list, default=[], help="also time page-sparse oomb (--budget)")
+    p.add_argument("--sparse-cache-lengths", type=int_list, default=[],
+                   help="also time page-sparse oomb with cache_attention=True")
+    p.add_argument("--budget", type=int, default=64, help="pages per block of 128 queries for the sparse rows")
+    p.add_argument("--select-score", default=DEFAULT_SCORE, choices=SCORES,
+                   help=f"page score of the sparse rows: bound or mean (the paper's); default {DEFAULT_SCORE}")
+    p.add_argument("--hf-lengths", type=int_list, default=[], help="also time transformers at these lengths")
+    p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--page", type=int, default=128)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--fused-ops", default="auto", choices=FUSED_OPS_MODES,
+                   help="liger's fused RMSNorm/SwiGLU in oomb's rows (oomb.engine.fused_ops); transformers' rows never")
+    p.add_argument("--tiles", default="default", choices=[name for name, _ in CANDIDATES],
+                   help="attention tiles for oomb's rows: a candidate of benchmarks.tune_attention")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--out", default=None, help="write the JSON report here")
+    return run_benchmark("core", p.parse_args(argv), run, _print_table)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# Reproduces every measured figure of README.md and docs/ on one NVIDIA H200 (139.8 GiB; 125.8 GiB host
+# memory), from the repo root. One job per record of benchmarks/results/: a job writes $OUT/NAME.json under
+# the record's own name (compare it with benchmarks/results/NAME.json), its log as $OUT/NAME.log.
+#
+#   bash benchmarks/h200.sh PART|JOB ...        # e.g. core sparse offload faults longrun quality gpu-tests
+#   bash benchmarks/h200.sh all                 # every part, in the order below (about 3 hours)
+#   bash benchmarks/h200.sh --list              # the parts and their jobs
+#   bash benchmarks/h200.sh --dry-run PART ...  # print the commands, run nothing
+#
+# OUT: the folder for results (default ./out). TIMEOUT: seconds allowed per job (default: none). Wheels the
+# machine lacks (liger-kernel: it has no network) are installed from .whl/*.whl into /tmp/site first.
+# Each job pins the options whose defaults changed since its record was made (fused ops, the page score),
+# so it measures what the record measured with the code of today. benchmarks/README.md lists what each
+# job measures; a part that needs more than a 10-minute device call is split by naming its jobs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-out}
+
+declare -A JOB PART
+JOBS=()
+PARTS=()
+job() { JOB[$1]=$2; JOBS+=("$1"); }
+part() { PART[$1]=$2; PARTS+=("$1"); }
+
+C='python3 -m benchmarks.core'
+O='python3 -m benchmarks.offload'
+NOSPLIT='--dense-lengths "" --sparse-lengths "" --growth-lengths ""'
+
+# gpu-tests: every GPU test; the gradient errors of bf16 training against fp32 that they print.
+job gpu-tests 'python3 -m pytest -q -m gpu -p no:cacheprovider tests'
+job gradient-accuracy-bf16 'python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/engine/test_gpu_bf16.py \
+    > "$OUT/gradient-accuracy-bf16.pytest.log" 2>&1
+  python3 -m benchmarks.records gradient-accuracy "$OUT/gradient-accuracy-bf16.pytest.log" \
+    --command "python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/engine/test_gpu_bf16.py" \
+    --out "$OUT/gradient-accuracy-bf16.json"'
+part gpu-tests 'gpu-tests gradient-accuracy-bf16'
+
+# core: one training step of Qwen2.5-7B against context length, and transformers' step beside it.
+job core-7b-chunk8192 "$C --lengths '' --cache-lengths 65536,131072 --chunk 8192 --fused-ops auto"
+job core-7b-chunk4096 "$C --lengths 32768,65536,131072 --cache-lengths 65536,131072 --sparse-lengths 131072 \
+  --sparse-cache-lengths 131072 --hf-lengths 65536,131072 --fused-ops none --select-score mean"
+job core-7b-fused-ops "$C --lengths '' --cache-lengths 65536,131072 --sparse-cache-lengths 131072 --fused-ops auto \
+  --tiles default --select-score mean"
+job core-7b-no-fused-ops "$C --lengths '' --cache-lengths 65536 --fused-ops none"
+part core 'core-7b-chunk8192 core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops'
+
+# memory: GPU memory against context, 16K to 256K (where transformers runs out).
+job core-7b-memory "$C --lengths 16384,32768,65536,131072 --ckpt-lengths 65536 --hf-lengths 16384,32768 --fused-ops none"
+job core-7b-256k "$C --lengths 16384,262144 --hf-lengths 65536,262144 --fused-ops none"
+part memory 'core-7b-memory core-7b-256k'
+
+# attention: the paged attention kernels against SDPA, and tile sweeps.
+job attention-kernels 'python3 -m benchmarks.attention --contexts 16384,65536,131072'
+job attention-tiles-64k 'python3 -m benchmarks.tune_attention --kv-len 65536 \
+  --candidates default,dq-fused,dq-fused-m32,dq-fused-m32-4st,dq-fused-2st'
+job attention-tiles-16k 'python3 -m benchmarks.tune_attention --kv-len 16384 \
+  --candidates default,fwd-n64,fwd-2st,fwd-4st,fwd-m64-w4'
+job attention-dkdv-layouts-64k 'python3 -m benchmarks.tune_attention --kv-len 65536 \
+  --candidates default,interleaved-m32,head-major-m32,head-major-m64-4st,head-major-m64-2st'
+part attention 'attention-kernels attention-tiles-64k attention-tiles-16k attention-dkdv-layouts-64k'
+
+# sparse: page-sparse attention against dense, kernels and steps, and where a sparse step's time goes.
+job sparse-kernels "python3 -m benchmarks.sparse --contexts 65536,131072,262144 --lengths ''"
+job sparse-steps-7b 'python3 -m benchmarks.sparse --contexts 65536,131072,262144 --lengths 65536,131072 \
+  --sparse-lengths 262144,524288'
+job core-7b-sparse-128k-bound "$C --lengths '' --sparse-cache-lengths 131072 --select-score bound --fused-ops auto"
+job core-7b-sparse-128k-mean "$C --lengths '' --sparse-cache-lengths 131072 --select-score mean --fused-ops auto"
+job core-7b-sparse-128k-plain "$C --lengths '' --sparse-lengths 131072 --sparse-cache-lengths 131072 --chunk 4096 \
+  --fused-ops none --select-score mean"
+job sparse-profile-7b-128k "$O $NOSPLIT --select-blocks 4096 --profile-length 131072 --profile-stacks"
+part sparse 'sparse-kernels sparse-steps-7b core-7b-sparse-128k-bound core-7b-sparse-128k-mean core-7b-sparse-128k-plain
+  sparse-profile-7b-128k'
+
+# quality: the sparse-quality study (learning and gradient quality of sparse against dense training).
+job sparse-quality-study 'python3 -m benchmarks.studies.sparse_quality --out "$OUT/sparse-quality-study" \
+  --data-workers 12 --learn-options default,bound
+  cp "$OUT/sparse-quality-study/sparse_quality.json" "$OUT/sparse-quality-study.json"
+  rm -rf "$OUT/sparse-quality-study/dense_model"'
+part quality 'sparse-quality-study'
+
+# offload: pages in host memory: overhead, where it goes, memory growth, the longest contexts, bit identity.
+job offload-overhead-7b "$O --preset qwen2.5-7b --chunk 4096 --dense-lengths 65536 --sparse-lengths 131072 \
+  --growth-lengths '' --select-blocks 4096,128"
+job offload-overhead-7b-one-list "$O --dense-lengths '' --sparse-lengths 131072 --growth-lengths '' --select-blocks 4096"
+job offload-profiles-7b "$O --preset qwen2.5-7b --chunk 4096 $NOSPLIT --profile-dense-length 65536 \
+  --profile-length 131072 --select-blocks 4096"
+job offload-memory-growth-7b "$O --preset qwen2.5-7b --chunk 4096 --dense-lengths '' --sparse-lengths '' \
+  --growth-lengths 65536,131072,262144,524288 --select-blocks 4096,128"
+job offload-longest-7b "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576,983040,917504 --longest-first-fit \
+  --select-blocks 4096 --chunk 4096 --host-margin-gib 4"
+job offload-longest-0.5b "$O --preset qwen2.5-0.5b $NOSPLIT --longest-lengths 4194304,3670016,3145728 \
+  --longest-first-fit --select-blocks 4096 --chunk 4096 --host-margin-gib 4"
+job offload-repeat-0.5b "$O --preset qwen2.5-0.5b $NOSPLIT --repeat-steps 20 --repeat-length 32768 \
+  --select-blocks 4096 --chunk 4096"
+job offload-copy-bandwidth 'python3 -m benchmarks.copy'
+job offload-bit-identity 'python3 -m benchmarks.offload_check'
+part offload 'offload-overhead-7b offload-overhead-7b-one-list offload-profiles-7b offload-memory-growth-7b
+  offload-longest-7b offload-longest-0.5b offload-repeat-0.5b offload-copy-bandwidth offload-bit-identity'
+
+# faults: interrupted, killed and refused runs of oomb train at 128K; a forced out-of-memory error (alone).
+job faults-h200 'python3 -m benchmarks.faults --skip-oom --out "$OUT/faults-h200"
+  cp "$OUT/faults-h200/faults.json" "$OUT/faults-h200.json"'
+job faults-oom-h200 'python3 -m benchmarks.faults --only-oom --out "$OUT/faults-oom-h200"
+  cp "$OUT/faults-oom-h200/faults-oom.json" "$OUT/faults-oom-h200.json"'
+part faults 'faults-h200 faults-oom-h200'
+
+# longrun: Qwen2.5-0.5B from random init learns the passkey task up to 128K tokens in one ~10-minute call,
+# then `oomb eval` measures its retrieval (docs/eval.md).
+job longrun-0.5b-128k 'OUT="$OUT/longrun-0.5b-128k" DIGITS=1 CURRICULUM="128:64:160:5e-4 1024:16:30:4e-4 16384:2:30:2e-4" \
+    LONG_LEN=131072 LONG_LR=1e-4 LONG_STEPS=400 CHUNK=4096 DEADLINE=553 EVAL_RESERVE=150 LONG_MIN_S=120 \
+    EVAL_LENGTHS=4k,32k,128k EVAL_DEPTHS=0.1,0.5,0.9 EVAL_SAMPLES=6 bash benchmarks/longrun.sh
+  python3 -m benchmarks.records longrun "$OUT/longrun-0.5b-128k/longrun" \
+    --command "bash benchmarks/h200.sh longrun-0.5b-128k" --out "$OUT/longrun-0.5b-128k.json"
+  cp "$OUT/longrun-0.5b-128k/longrun/eval/retrieval.png" "$OUT/longrun-0.5b-128k-retrieval.png"
+  cp "$OUT/longrun-0.5b-128k/longrun/long131072/training.png" "$OUT/longrun-0.5b-128k-training.png"'
+part longrun 'longrun-0.5b-128k'
+
+# A bench job that writes its own report gets --out $OUT/NAME.json; the others name their outputs themselves.
+command_of() {
+  local name=$1 cmd=${JOB[$1]}
+  local one_line=${cmd//$'\\\n'/}  # continuation lines joined
+  if [[ $cmd == "python3 -m benchmarks."* && $one_line != *$'\n'* && $cmd != *" --out "* ]]; then
+    cmd="$cmd --out \"\$OUT/$name.json\""
+  fi
+  printf '%s' "$cmd"
+}
+
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+dry=0
+wanted=()
+for arg in "$@"; do
+  case $arg in
+    --dry-run) dry=1 ;;
+    --list) for p in "${PARTS[@]}"; do echo "$p:" ${PART[$p]}; done; exit 0 ;;
+    -h|--help) usage ;;
+    all) for p in "${PARTS[@]}"; do wanted+=(${PART[$p]}); done ;;
+    *) if [[ -n ${PART[$arg]+x} ]]; then wanted+=(${PART[$arg]})
+       elif [[ -n ${JOB[$arg]+x} ]]; then wanted+=("$arg")
+       else echo "h200.sh: no part or job '$arg' (bash benchmarks/h200.sh --list)" >&2; exit 2; fi ;;
+  esac
+done
+if [ ${#wanted[@]} -eq 0 ]; then usage; fi
+
+if [ "$dry" = 1 ]; then
+  for name in "${wanted[@]}"; do printf '### %s\n%s\n' "$name" "$(command_of "$name")"; done
+  exit 0
+fi
+
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; free -b | head -2
+  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+  git rev-parse HEAD; git status --porcelain; } > "$OUT/machine.txt" 2>&1
+failed=()
+for name in "${wanted[@]}"; do
+  echo "=== $name ($SECONDS s so far)"
+  if [ -n "${TIMEOUT:-}" ]; then runner=(timeout "$TIMEOUT" bash -c); else runner=(bash -c); fi
+  "${runner[@]}" "set -e; $(command_of "$name")" > "$OUT/$name.log" 2>&1
+  rc=$?
+  tail -5 "$OUT/$name.log" | cut -c1-240
+  if [ "$rc" != 0 ]; then echo "=== $name failed (exit $rc): $OUT/$name.log"; failed+=("$name"); fi
+done
+echo "=== done in $SECONDS s; results in $OUT${failed[*]:+; failed: ${failed[*]}}"
+[ ${#failed[@]} -eq 0 ]

@@ -1,0 +1,128 @@
+"""Records that no benchmark writes itself, built from what a GPU run printed or left on disk.
+
+    python -m benchmarks.records gradient-accuracy out/gpu-tests.log --command "..." --out out/X.json
+    python -m benchmarks.records longrun out/longrun --command "..." --out out/Y.json
+
+- gradient-accuracy: the errors tests/engine/test_gpu_bf16.py prints under `pytest -s -m gpu`
+  (bf16 gradients against fp32 full-sequence training; bf16 against fp32 gradient pages; sparse
+  with packed documents);
+- longrun: a run folder of benchmarks/longrun.sh: each phase's settings, metrics and answer loss
+  (first and last tenth of its steps), and the retrieval eval.
+
+Every record carries the command that made it, the date, the machine and what it was built from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+from pathlib import Path
+
+_FLOAT = r"([0-9.]+(?:e-?\d+)?)"
+# test_bf16_gradients_close_to_fp32_full_sequence prints one line per backend, parametrized in this order.
+_DENSE_BACKENDS = ("torch", "triton")
+_DENSE = re.compile(rf"global relative gradient error vs fp32: oomb {_FLOAT}, transformers bf16 {_FLOAT}; "
+                    rf"oomb vs transformers bf16: {_FLOAT}")
+_PAGES = re.compile(rf"gradient pages bf16: error vs fp32 full sequence {_FLOAT}; fp32 pages: {_FLOAT}")
+_SPARSE_DOCS = re.compile(rf"sparse\+documents bf16 vs fp32: triton {_FLOAT}, torch path {_FLOAT}")
+
+
+class RecordError(ValueError):
+    """The input does not hold what the record needs; the message says what is missing."""
+
+
+def gradient_accuracy(log_text: str) -> dict:
+    """The figures test_gpu_bf16.py printed, by test; RecordError when a test's line is missing."""
+    dense = _DENSE.findall(log_text)
+    if len(dense) != len(_DENSE_BACKENDS):
+        raise RecordError(f"expected {len(_DENSE_BACKENDS)} lines 'global relative gradient error vs fp32: ...' "
+                          f"(one per backend), found {len(dense)}: run pytest with -s on tests/engine/test_gpu_bf16.py")
+    record = {"dense_8269_tokens_chunk_2048": {
+        backend: {"oomb_vs_fp32": float(a), "transformers_bf16_vs_fp32": float(b),
+                  "oomb_vs_transformers_bf16": float(c)}
+        for backend, (a, b, c) in zip(_DENSE_BACKENDS, dense, strict=True)}}
+    pages, sparse = _PAGES.search(log_text), _SPARSE_DOCS.search(log_text)
+    if pages:
+        record["gradient_pages_16384_tokens"] = {"bf16_pages_vs_fp32": float(pages[1]),
+                                                 "fp32_pages_vs_fp32": float(pages[2])}
+    if sparse:
+        record["sparse_documents_bf16_vs_fp32"] = {"triton": float(sparse[1]), "torch": float(sparse[2])}
+    return record
+
+
+def _metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _tenths(losses: list[float]) -> tuple[float, float]:
+    """Mean loss of the first and of the last tenth of the steps (at least one step each)."""
+    n = max(1, len(losses) // 10)
+    return sum(losses[:n]) / n, sum(losses[-n:]) / n
+
+
+def longrun(run_dir: Path) -> dict:
+    """A benchmarks/longrun.sh folder as one record: settings, phases in order, the (latest) eval."""
+    settings_file = run_dir / "settings.txt"
+    if not settings_file.is_file():
+        raise RecordError(f"{run_dir} has no settings.txt: not a folder benchmarks/longrun.sh wrote")
+    text = settings_file.read_text()
+    # KEY=value pairs; CURRICULUM's value holds spaces, so a value runs to the next KEY=.
+    settings = dict(re.findall(r"([A-Z_]+)=(.*?)(?= [A-Z_]+=|$)", text))
+    phases = []
+    for name in [f"len{spec.split(':')[0]}" for spec in settings.get("CURRICULUM", "").split()] + \
+            [f"long{settings.get('LONG_LEN', '')}"]:
+        folder = run_dir / name
+        if not (folder / "metrics.jsonl").is_file():
+            raise RecordError(f"phase {name} has no {folder / 'metrics.jsonl'}: the run did not reach it")
+        config = json.loads((folder / "config.json").read_text())
+        rows = _metrics(folder / "metrics.jsonl")
+        losses = [r["loss"] for r in rows if r.get("loss") is not None]
+        first, last = _tenths(losses)
+        done = run_dir / f"{name}.done"
+        seconds = re.search(r", (\d+) s: ", done.read_text()) if done.is_file() else None
+        phases.append({"name": name, "seq_len": config["data"]["seq_len"], "batch_size": config["train"]["batch_size"],
+                       "steps_planned": config["train"]["steps"], "steps": len(rows), "lr": config["train"]["lr"],
+                       "chunk_size": config["train"]["chunk_size"], "finished": done.is_file(),
+                       "seconds": int(seconds[1]) if seconds else None,
+                       "answer_loss_first_tenth": first, "answer_loss_last_tenth": last,
+                       "config": config, "metrics": rows})
+    evals = sorted(run_dir.glob("eval*/results.json"), key=lambda p: p.stat().st_mtime)
+    if not evals:
+        raise RecordError(f"{run_dir} holds no eval*/results.json: the run's eval did not finish")
+    return {"settings": settings, "phases": phases, "eval": json.loads(evals[-1].read_text())}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.records", description=__doc__.splitlines()[0])
+    p.add_argument("kind", choices=["gradient-accuracy", "longrun"])
+    p.add_argument("source", help="gradient-accuracy: the pytest log; longrun: the run folder")
+    p.add_argument("--command", required=True, help="the command that produced the source")
+    p.add_argument("--machine", default=None, help="the machine, in words (default: this one)")
+    p.add_argument("--date", default=None, help="ISO date of the run (default: now)")
+    p.add_argument("--out", required=True, help="the JSON record to write")
+    args = p.parse_args(argv)
+    source = Path(args.source)
+    try:
+        body = gradient_accuracy(source.read_text()) if args.kind == "gradient-accuracy" else longrun(source)
+    except (OSError, RecordError) as e:
+        print(f"python -m benchmarks.records {args.kind}: {e}", file=sys.stderr)
+        return 2
+    if args.machine is None:
+        from benchmarks.common import machine_description
+
+        args.machine = machine_description()
+    record = {"bench": args.kind.replace("-", "_"), "command": args.command, "date": args.date or _now(),
+              "machine": args.machine, "built_from": str(source), **body}
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

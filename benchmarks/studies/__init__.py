@@ -1,0 +1,1 @@
+"""Studies: experiments on what a setting does to training (learning, gradient quality), not timings."""

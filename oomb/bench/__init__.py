@@ -1,1 +1,0 @@
-"""Measured benchmarks: memory and time against context, kernels against baselines."""
