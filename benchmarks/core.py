@@ -6,11 +6,15 @@
 Each length: one warm-up step at the first length, then ``--repeats`` timed steps
 (CUDA events; the median is reported) with the peak GPU memory of the timed steps.
 Parameters are bf16 with bf16 gradients kept allocated (no optimizer), random init.
-Optionally the same work through transformers (full sequence, SDPA, gradient
-checkpointing, loss through the same fused cross-entropy) as the baseline, in the
-same run, until it runs out of memory. oomb's rows run with liger's fused RMSNorm and
-SwiGLU where available (``--fused-ops``, as ``oomb train`` does); transformers' rows
-with its own modules.
+The baseline a user would pick instead (``--baseline-lengths``): transformers with
+FlashAttention-4 (where flash-attn-4 is installed) and with SDPA, each with Liger's kernels,
+gradient checkpointing and Liger's fused linear cross-entropy (benchmarks.baseline), each in a
+process of its own started before oomb's model exists; every oomb row then gets its time and
+peak memory as a ratio of the faster stack's at the same length. ``--auto-lengths`` times the
+configuration `oomb train` picks by itself for that length (chunk size, attention cache, fused
+ops, settled by its memory plan for this GPU). ``--hf-lengths`` keeps the older plain
+transformers row (SDPA, checkpointing, no Liger). oomb's rows run with liger's fused RMSNorm
+and SwiGLU where available (``--fused-ops``, as ``oomb train`` does).
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ import datetime
 import json
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -70,8 +77,62 @@ def _hf_step(model, ids):
     loss.backward()
 
 
+def run_baselines(args) -> list[dict]:
+    """The transformers stacks at ``args.baseline_lengths``, each in a process of its own (benchmarks.baseline)."""
+    rows = []
+    for stack in ("fa4", "sdpa"):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.baseline", "--stack", stack, "--preset",
+                                   args.preset, "--lengths", ",".join(map(str, args.baseline_lengths)),
+                                   "--repeats", str(max(2, args.repeats)), "--out", out.name])
+            if proc.returncode != 0:
+                rows += [{"system": f"transformers-{stack}", "seq_len": n, "error": f"exit {proc.returncode}"}
+                         for n in args.baseline_lengths]
+                continue
+            rows += json.loads(Path(out.name).read_text())
+    return rows
+
+
+def auto_settings(args) -> dict[int, dict]:
+    """What `oomb train model.preset=P data.seq_len=N` picks on this GPU: chunk, cache, fused ops.
+
+    Settled by its memory plan before this process holds a model (the plan counts free memory).
+    """
+    from oomb.train.checks import check_config
+    from oomb.train.config import load_config
+    from oomb.train.memory import available_memory, resolve_auto_settings
+
+    picked = {}
+    for n in args.auto_lengths:
+        cfg = load_config(None, [f"model.preset={args.preset}", f"data.seq_len={n}", "train.device=cuda"])
+        check_config(cfg)
+        gpu, host = available_memory(torch.device("cuda"))
+        resolve_auto_settings(cfg, "cuda", torch.bfloat16, gpu_bytes=gpu, host_bytes=host)
+        picked[n] = {"chunk_size": cfg.train.chunk_size, "page_size": cfg.train.page_size,
+                     "cache_attention": cfg.train.cache_attention is True, "fused_ops": cfg.train.fused_ops}
+    return picked
+
+
+def versus_baseline(results: list[dict]) -> list[dict]:
+    """Each oomb row's step time and peak memory over the faster transformers stack's at its length."""
+    best: dict[int, dict] = {}
+    for r in results:
+        if r["system"].startswith("transformers-") and "error" not in r and "liger" in r["system"]:
+            if r["seq_len"] not in best or r["step_s"] < best[r["seq_len"]]["step_s"]:
+                best[r["seq_len"]] = r
+    rows = []
+    for r in results:
+        b = best.get(r["seq_len"])
+        if r["system"].startswith("oomb") and "error" not in r and b is not None:
+            rows.append({"system": r["system"], "seq_len": r["seq_len"], "baseline": b["system"],
+                         "time_ratio": r["step_s"] / b["step_s"], "peak_ratio": r["peak_gpu_gib"] / b["peak_gpu_gib"]})
+    return rows
+
+
 def run(args) -> dict:
     device = torch.device("cuda")
+    baseline = run_baselines(args) if args.baseline_lengths else []
+    auto = auto_settings(args) if args.auto_lengths else {}
     model = build_model(args.preset, dtype=torch.bfloat16, device=device)
     model.train()
     plain_modules = dict(model.named_modules())
@@ -85,7 +146,7 @@ def run(args) -> dict:
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     for p in params:  # bf16 gradients, allocated up front as a trainer would hold them
         p.grad = torch.zeros_like(p)
-    results = []
+    results = list(baseline)
 
     def record(kind, n, times=None, error=None, extra=None):
         row = {"system": kind, "seq_len": n}
@@ -105,7 +166,9 @@ def run(args) -> dict:
     warmed = False
     # (tokens, row name, layer checkpointing, chunked_backward options)
     sparse = {"selection": PageSelection(page_budget=args.budget, score=args.select_score)}
-    runs = ([(n, "oomb", False, {}) for n in args.lengths]
+    runs = ([(n, "oomb-auto", False, {"chunk_size": a["chunk_size"], "page_size": a["page_size"],
+                                       "cache_attention": a["cache_attention"]}) for n, a in auto.items()]
+            + [(n, "oomb", False, {}) for n in args.lengths]
             + [(n, "oomb+layer-ckpt", True, {}) for n in args.ckpt_lengths]
             + [(n, "oomb+cached-attn", False, {"cache_attention": True}) for n in args.cache_lengths]
             + [(n, "oomb-sparse", False, sparse) for n in args.sparse_lengths]
@@ -116,12 +179,13 @@ def run(args) -> dict:
         if layer_ckpt:  # transformers' per-layer checkpointing inside each chunk
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
+        options = {"chunk_size": args.chunk, "page_size": args.page, **options}
+
         def step(ids=ids, options=options):
-            oomb.chunked_backward(model, ids, chunk_size=args.chunk, page_size=args.page, backend=args.backend,
-                                  **options)
+            oomb.chunked_backward(model, ids, backend=args.backend, **options)
 
         try:
-            if not warmed:
+            if not warmed or args.warm_each:
                 step()
                 warmed = True
             torch.cuda.synchronize()
@@ -129,7 +193,7 @@ def run(args) -> dict:
             times = _time_steps(step, args.repeats)
             # No local name for the store: a live reference would keep its pools through the next length.
             record(system, n, times, extra={
-                "chunk_size": args.chunk, "page_size": args.page, "backend": args.backend,
+                "chunk_size": options["chunk_size"], "page_size": options["page_size"], "backend": args.backend,
                 "options": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in options.items()},
                 "store_gib": store_for_model(model).nbytes() / 2**30,
                 "store_bytes_per_token": store_for_model(model).spec.bytes_per_token(),
@@ -174,6 +238,8 @@ def run(args) -> dict:
         "fused_ops": args.fused_ops, "fused_ops_modules": len(fused), "tiles": args.tiles,
         "param_gib": param_bytes / 2**30,
         "results": results,
+        "versus_baseline": versus_baseline(results),
+        "auto_settings": auto,
         "memory_growth": summary,
     }
 
@@ -203,6 +269,9 @@ def _print_table(report: dict) -> None:
             continue
         print(f"{r['system']:<24}{r['seq_len']:>9}{r['step_s']:>9.2f}{r['tokens_per_s']:>9.0f}"
               f"{r['model_tflops']:>9.1f}{r['peak_gpu_gib']:>10.2f}{r.get('store_gib', 0):>10.2f}")
+    for v in report.get("versus_baseline", []):
+        print(f"{v['system']:<24}{v['seq_len']:>9}  {v['time_ratio']:.2f}x the time, {v['peak_ratio']:.2f}x the peak "
+              f"memory of {v['baseline']}")
     g = report["memory_growth"]
     if g:
         print(f"GPU memory per extra 10K tokens: measured {g['gib_per_10k_tokens_measured']:.3f} GiB, "
@@ -224,7 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=64, help="pages per block of 128 queries for the sparse rows")
     p.add_argument("--select-score", default=DEFAULT_SCORE, choices=SCORES,
                    help=f"page score of the sparse rows: bound or mean (the paper's); default {DEFAULT_SCORE}")
-    p.add_argument("--hf-lengths", type=int_list, default=[], help="also time transformers at these lengths")
+    p.add_argument("--hf-lengths", type=int_list, default=[],
+                   help="also time plain transformers (SDPA, checkpointing, no Liger) at these lengths")
+    p.add_argument("--baseline-lengths", type=int_list, default=[],
+                   help="time the transformers stacks a user would pick (FA4 and SDPA, Liger, checkpointing) at "
+                        "these lengths, each in its own process, and print oomb's ratios to the faster")
+    p.add_argument("--auto-lengths", type=int_list, default=[],
+                   help="time the configuration `oomb train` picks by itself at these lengths")
+    p.add_argument("--warm-each", action="store_true",
+                   help="a warm-up step before every row, at its length (default: one, before the first row)")
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--page", type=int, default=128)
     p.add_argument("--backend", default="auto")

@@ -43,7 +43,14 @@ job core-7b-chunk4096 "$C --lengths 32768,65536,131072 --cache-lengths 65536,131
 job core-7b-fused-ops "$C --lengths '' --cache-lengths 65536,131072 --sparse-cache-lengths 131072 --fused-ops auto \
   --tiles default --select-score mean"
 job core-7b-no-fused-ops "$C --lengths '' --cache-lengths 65536 --fused-ops none"
-part core 'core-7b-chunk8192 core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops'
+# The baseline a user would pick (transformers + FlashAttention-4 or SDPA + Liger + checkpointing, each in
+# its own process) beside what `oomb train` picks by itself and oomb's fastest settings; FA4 needs its wheels.
+job core-7b-vs-transformers-64k "$C --lengths '' --baseline-lengths 65536 --auto-lengths 65536 --cache-lengths 65536 \
+  --chunk 8192 --fused-ops auto --warm-each --repeats 2"
+job core-7b-vs-transformers-128k "$C --lengths '' --baseline-lengths 131072 --auto-lengths 131072 \
+  --cache-lengths 131072 --sparse-cache-lengths 131072 --chunk 8192 --fused-ops auto --warm-each --repeats 2"
+part core 'core-7b-chunk8192 core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops core-7b-vs-transformers-64k
+  core-7b-vs-transformers-128k'
 
 # memory: GPU memory against context, 16K to 256K (where transformers runs out).
 job core-7b-memory "$C --lengths 16384,32768,65536,131072 --ckpt-lengths 65536 --hf-lengths 16384,32768 --fused-ops none"
@@ -152,6 +159,12 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+# flash-attn-4's CUDA 13 libraries (nvidia-cutlass-dsl-libs-cu13, 92 MB) travel as an xz tarball of the unpacked
+# wheel in two parts (one per device call: a call carries 64 MiB): join them over the wheels installed above.
+if ls .whl/cu13.part.* .whl2/cu13.part.* >/dev/null 2>&1; then
+  cat .whl/cu13.part.* .whl2/cu13.part.* | xz -d | tar x -C /tmp/site \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages  # pip --target skips its .pth
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; free -b | head -2
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"

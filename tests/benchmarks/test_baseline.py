@@ -1,0 +1,47 @@
+"""The fair baseline of benchmarks.core: each oomb row against the faster transformers stack at its length."""
+
+import pytest
+
+from benchmarks.baseline import main as baseline_main
+from benchmarks.core import versus_baseline
+
+
+def _row(system, n, step_s=None, peak=None, error=None):
+    row = {"system": system, "seq_len": n}
+    if error:
+        row["error"] = error
+    else:
+        row.update(step_s=step_s, peak_gpu_gib=peak)
+    return row
+
+
+def test_each_oomb_row_is_compared_with_the_faster_stack_at_its_length():
+    rows = [
+        _row("transformers-fa4-liger-ckpt", 65536, 11.7, 53.3),
+        _row("transformers-sdpa-liger-ckpt", 65536, 12.6, 53.2),
+        _row("transformers-fa4-liger-ckpt", 131072, error="out of memory"),  # a stack that failed is no baseline
+        _row("transformers-sdpa-liger-ckpt", 131072, 40.0, 78.0),
+        _row("transformers-sdpa-ckpt", 131072, 30.0, 70.0),  # the plain row (no Liger) is not the baseline
+        _row("oomb-auto", 65536, 14.04, 82.6),
+        _row("oomb+cached-attn", 131072, 36.0, 102.0),
+        _row("oomb", 262144, 100.0, 90.0),  # no baseline at this length: no ratio
+        _row("oomb", 65536, error="out of memory"),
+    ]
+    got = versus_baseline(rows)
+    assert [(r["system"], r["seq_len"], r["baseline"]) for r in got] == [
+        ("oomb-auto", 65536, "transformers-fa4-liger-ckpt"),
+        ("oomb+cached-attn", 131072, "transformers-sdpa-liger-ckpt"),
+    ]
+    assert got[0]["time_ratio"] == pytest.approx(14.04 / 11.7) and got[0]["peak_ratio"] == pytest.approx(82.6 / 53.3)
+    assert got[1]["time_ratio"] == pytest.approx(36.0 / 40.0)
+
+
+def test_the_baseline_refuses_without_a_gpu_and_needs_its_options(capsys, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert baseline_main(["--stack", "sdpa", "--lengths", "1024", "--out", str(tmp_path / "b.json")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        baseline_main(["--stack", "flash", "--lengths", "1024", "--out", str(tmp_path / "b.json")])
