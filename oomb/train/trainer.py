@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 import oomb
-from oomb.engine import release_memory, store_for_model
+from oomb.engine import StepOptions, release_memory, store_for_model
 from oomb.engine.diagnose import locate_nonfinite
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import liger_available, use_fused_ops
@@ -627,7 +627,7 @@ class _Run:
             for m, batch in enumerate(batches):  # the grad_accum batches in the order they ran
                 doc_ids = batch.doc_ids.to(self.device) if self.cfg.data.document_mask else None
                 site = locate_nonfinite(self.model, batch.input_ids.to(self.device), batch.labels.to(self.device),
-                                        chunk_size=t.chunk_size, page_size=t.page_size, doc_ids=doc_ids)
+                                        options=step_options(self.cfg), doc_ids=doc_ids)  # the step's options
                 if site is not None:
                     if len(batches) > 1:
                         site = f"{site}, in batch {m + 1} of {len(batches)} (train.grad_accum)"
@@ -662,19 +662,26 @@ def accumulate_gradients(model, params, batches, device: torch.device, cfg: Conf
         raise ValueError("no sequence of this step has a target token (every label is -100)")
     total = sum(counts)
     loss = torch.zeros((), dtype=torch.float32, device=device)
+    options = step_options(cfg)
     for m, batch in enumerate(batches):
         if m and counts[m] != counts[m - 1]:
             _scale_gradients(params, counts[m - 1] / counts[m])
-        extra = {"doc_ids": batch.doc_ids.to(device)} if cfg.data.document_mask else {}
+        doc_ids = batch.doc_ids.to(device) if cfg.data.document_mask else None
         loss += counts[m] / total * oomb.chunked_backward(
-            model, batch.input_ids.to(device), batch.labels.to(device),
-            chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, selection=page_selection(cfg),
-            offload=cfg.train.offload, offload_gpu_bytes=offload_gpu_allowance(cfg),
-            cache_attention=cfg.train.cache_attention, **extra,
+            model, batch.input_ids.to(device), batch.labels.to(device), doc_ids=doc_ids, options=options,
         )
     if counts[-1] != total:
         _scale_gradients(params, counts[-1] / total)
     return loss
+
+
+def step_options(cfg: Config) -> StepOptions:
+    """The engine's options of this run's steps, for chunked_backward and, after a non-finite step,
+    locate_nonfinite: the diagnosis then runs the step's chunks, store and page selection."""
+    t = cfg.train
+    return StepOptions(chunk_size=t.chunk_size, page_size=t.page_size, selection=page_selection(cfg),
+                       offload=t.offload, offload_gpu_bytes=offload_gpu_allowance(cfg),
+                       cache_attention=t.cache_attention is True)  # "auto" not settled by a memory plan: off
 
 
 def _record_resumed_config(out: Path, cfg: Config, step: int) -> Path | None:
