@@ -33,6 +33,7 @@ from oomb.engine.activations import (
     measure_saved_activations,
     saved_bytes_per_token,
 )
+from oomb.engine.prepare import require_int
 from oomb.engine.sizes import (
     OPTIMIZER_KINDS,
     ModelShape,
@@ -177,13 +178,13 @@ def plan_memory(
     """
     arguments = dict(locals())  # the parameters, for the "auto" GPU allowance's second plan
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("chunk_size", chunk_size),
-                        ("page_size", page_size), ("select_block", select_block)):
-        if value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
+                        ("page_size", page_size), ("select_block", select_block), ("tensor_parallel", tensor_parallel)):
+        require_int(name, value, minimum=1)
+    require_int("lora_r", lora_r, minimum=0)
+    if page_budget is not None:
+        require_int("page_budget", page_budget, minimum=1)
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
-    if tensor_parallel < 1:
-        raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
     if optimizer not in OPTIMIZER_KINDS:
         raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_KINDS)}")
     if offload_gpu_bytes == "auto":
@@ -193,7 +194,7 @@ def plan_memory(
         if offload and device_type == "cuda" and base.device_total_bytes is not None:
             headroom = max(0, base.device_total_bytes - base.gpu_bytes - AUTO_GPU_MARGIN_BYTES)
         return plan_memory(model_config, offload_gpu_bytes=headroom, **settings)
-    if not isinstance(offload_gpu_bytes, int) or offload_gpu_bytes < 0:
+    if isinstance(offload_gpu_bytes, bool) or not isinstance(offload_gpu_bytes, int) or offload_gpu_bytes < 0:
         raise ValueError(f"offload_gpu_bytes must be a byte count >= 0 or 'auto', got {offload_gpu_bytes!r}")
     shape = ModelShape.from_config(model_config)
     notes = []

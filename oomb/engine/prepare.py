@@ -264,6 +264,10 @@ def validate_inputs(model: PreTrainedModel, input_ids: torch.Tensor, labels: tor
         raise ValueError(
             f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {_describe(labels)}"
         )
+    elif labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        # A float or bool tensor would be cast to ids silently: 0.7 -> 0, True -> token 1.
+        raise TypeError(f"labels must be an integer tensor of token ids (-100 where there is no target), "
+                        f"got {labels.dtype}")
     labels = labels.to(input_ids.device, torch.int64)
     # Position t predicts labels[t + 1]; the last position predicts nothing.
     pad = torch.full((batch, 1), IGNORE_INDEX, dtype=torch.int64, device=labels.device)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oomb.attention import check_model_config
 from oomb.cache import StoreSpec
 
 OPTIMIZER_KINDS = ("adamw", "adamw8bit", "paged_adamw8bit")
@@ -55,6 +56,8 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
+        """The sizes of a transformers config; ValueError for a config oomb does not support."""
+        check_model_config(config)
         heads = config.num_attention_heads
         return cls(
             family=config.model_type,
