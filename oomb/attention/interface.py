@@ -69,12 +69,30 @@ def oomb_attention_forward(
 AttentionInterface.register(ATTENTION_NAME, oomb_attention_forward)
 
 
+# The config fields oomb reads a decoder's sizes from, to size its paged store and memory plan, in
+# transformers' common names. Configs that name them otherwise (GPT-2's n_inner, OPT's ffn_dim) are refused.
+MODEL_SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
+def check_model_config(config) -> None:
+    """Raise ValueError, naming the model type and the fields, where a config lacks a size oomb needs."""
+    missing = [name for name in MODEL_SIZE_FIELDS if getattr(config, name, None) is None]
+    if missing:
+        raise ValueError(
+            f"oomb does not support {getattr(config, 'model_type', None)!r} models ({type(config).__name__}): "
+            f"oomb sizes its paged store and memory plan from a decoder config with the fields "
+            f"{', '.join(MODEL_SIZE_FIELDS)}, and this one has no {', '.join(missing)}. Use a supported decoder "
+            "(Llama, Qwen2/2.5, Qwen3, Mistral, GPT-OSS, or another whose config has these fields)"
+        )
+
+
 def check_attention_support(model: PreTrainedModel) -> None:
-    """Raise if the model's attention cannot be routed through AttentionInterface."""
+    """Raise if oomb cannot run the model: its config's sizes or its attention's routing."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(
             f"oomb needs a transformers PreTrainedModel (e.g. AutoModelForCausalLM), got {type(model).__name__}"
         )
+    check_model_config(model.config)
     if not model._can_set_attn_implementation():
         raise ValueError(
             f"{type(model).__name__} does not route its attention through transformers' AttentionInterface, "

@@ -1,12 +1,14 @@
 """Where did a NaN or inf first appear? A diagnostic forward over the chunks, in order.
 
 After a step produced a non-finite loss or gradient, the trainer calls
-``locate_nonfinite`` with the same sequence. It runs stage 1 of the step (fill the
-paged store, no autograd) over EVERY chunk, c_0 -> c_{m-1}, with forward hooks on the
-token embedding, each decoder layer and the final norm, then each chunk's loss. The
-first module whose output is not finite, in chunk order and then layer order, is where
-the value first appeared: it is what the recompute of stage 2 computed too (the same
-forward on the same store). If the whole forward is finite, the NaN arose in the
+``locate_nonfinite`` with the same sequence and the step's own StepOptions: its chunks,
+its store (offloaded or not, the same spec: the diagnosis allocates nothing the step did
+not) and its page selection. It runs stage 1 of the step (fill the paged store, no
+autograd) over EVERY chunk, c_0 -> c_{m-1}, with forward hooks on the token embedding,
+each decoder layer and the final norm, then each chunk's loss. The first module whose
+output is not finite, in chunk order and then layer order, is where the value first
+appeared: it is what the recompute of stage 2 computed too (the same forward on the same
+store, attending the same pages). If the whole forward is finite, the NaN arose in the
 backward pass; the caller names the first parameter whose gradient is non-finite.
 
 Cost: one forward over the sequence without autograd, only on the failure path.
@@ -18,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from oomb.attention import StepContext, oomb_attention
+from oomb.attention import oomb_attention
 from oomb.engine.loss import linear_cross_entropy_sum
-from oomb.engine.step import _store_for, _unwrap_peft, _validate, document_starts, run_chunk
-from oomb.kernels import get_backend
+from oomb.engine.prepare import StepOptions, prepare_step
+from oomb.engine.step import run_chunk
 
 
 @dataclass(frozen=True)
@@ -53,26 +55,18 @@ def locate_nonfinite(
     input_ids: torch.Tensor,
     labels: torch.Tensor | None = None,
     *,
-    chunk_size: int = 4096,
-    page_size: int = 128,
-    backend: str = "auto",
-    grad_dtype: torch.dtype | None = None,
-    loss_impl: str = "auto",
+    options: StepOptions,
     doc_ids: torch.Tensor | None = None,
 ) -> NonFiniteSite | None:
     """The first module output (chunk by chunk, layer by layer) or chunk loss that is not finite.
 
-    Arguments as for ``chunked_backward``. Returns None when the forward pass and every
-    chunk's loss are finite (the non-finite value then arose in the backward pass).
+    ``options``: the failing step's StepOptions, so the diagnosis runs its chunks, its store (an
+    offloaded one stays offloaded, in the same spec: nothing new is allocated) and its page
+    selection; ``labels`` and ``doc_ids`` as given to that step. Returns None when the forward
+    pass and every chunk's loss are finite (the non-finite value then arose in the backward pass).
     """
-    model = _unwrap_peft(model)
-    targets = _validate(model, input_ids, labels, chunk_size, page_size)
-    batch, seq_len = input_ids.shape
-    store = _store_for(model, input_ids.device, page_size, grad_dtype)
-    store.reserve(batch, seq_len)
-    doc_start = document_starts(doc_ids, input_ids) if doc_ids is not None else None
-    step = StepContext(store=store, backend=get_backend(backend, input_ids.device.type), stage="fill",
-                       doc_start=doc_start)
+    prepared = prepare_step(model, input_ids, labels, doc_ids, options, forward_only=True)
+    model, targets, store, step = prepared.model, prepared.targets, prepared.store, prepared.context
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     names = {id(m): n for n, m in model.named_modules()}
     layers = list(getattr(decoder, "layers", []))
@@ -80,7 +74,7 @@ def locate_nonfinite(
     if isinstance(getattr(decoder, "norm", None), torch.nn.Module):
         watched.append(decoder.norm)
     layer_index = {id(m): i for i, m in enumerate(layers)}
-    bounds = [(s, min(s + chunk_size, seq_len)) for s in range(0, seq_len, chunk_size)]
+    bounds = prepared.bounds
     found: list[torch.nn.Module] = []
 
     def check(module, args, output):
@@ -94,13 +88,14 @@ def locate_nonfinite(
             for k, (start, end) in enumerate(bounds):
                 store.append_chunk(end - start)
                 hidden = run_chunk(model, step, input_ids, start, end)
+                step.drop_page_lists(start)  # each chunk runs once: its page lists are not needed again
                 site = dict(chunk=k, num_chunks=len(bounds), start=start, end=end)
                 if found:
                     module = found[0]
                     return NonFiniteSite(**site, module=names.get(id(module), type(module).__name__),
                                          layer=layer_index.get(id(module)))
                 loss = linear_cross_entropy_sum(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias,
-                                                targets[:, start:end].reshape(-1), impl=loss_impl)
+                                                targets[:, start:end].reshape(-1), impl=options.loss_impl)
                 if not bool(torch.isfinite(loss)):
                     return NonFiniteSite(**site, module="loss (LM head and cross-entropy)", layer=None)
     finally:

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from oomb.attention import StepContext, oomb_attention
+from oomb.attention import oomb_attention
 from oomb.engine.loss import IGNORE_INDEX
-from oomb.engine.step import _store_for, _unwrap_peft, _validate, document_starts, run_chunk, selection_policy
-from oomb.engine.tensor_parallel import tensor_parallel_group
-from oomb.kernels import get_backend
+from oomb.engine.prepare import StepOptions, options_from_keywords, prepare_step, unwrap_peft
+from oomb.engine.step import run_chunk
 from oomb.sparse import PageSelection
 
 _ROW_BLOCK = 2048
@@ -68,13 +67,14 @@ def chunked_eval(
     selection: PageSelection | None = None,
     offload: bool = False,
     offload_gpu_bytes: int = 0,
+    options: StepOptions | None = None,
 ) -> EvalResult:
     """Per-token NLL and argmax correctness of a long sequence, one chunk of activations at a time.
 
     Args:
         model: a transformers causal LM (or a peft model wrapping one).
         input_ids: [B, N] token ids, N >= 2.
-        labels: [B, N] targets aligned with ``input_ids`` as in transformers (shifted inside);
+        labels: [B, N] integer targets aligned with ``input_ids`` as in transformers (shifted inside);
             -100 marks positions without a target. None = next-token prediction on ``input_ids``.
         chunk_size: tokens per chunk (a multiple of ``page_size``).
         page_size: tokens per page of the K/V store.
@@ -82,42 +82,41 @@ def chunked_eval(
         doc_ids, page_budget, selection, offload, offload_gpu_bytes: packed documents, page-sparse
             attention and pages in host memory, as in ``chunked_backward`` (evaluate a model the way
             it was trained).
+        options: the training step's ``oomb.engine.StepOptions`` instead of the keywords from
+            ``chunk_size`` to ``offload_gpu_bytes`` (leave those at their defaults): the same store and
+            the same attention as the step (its ``cache_attention`` and ``loss_impl`` do not apply).
 
     Runs under ``torch.no_grad`` with the model in eval mode (its mode is restored after).
     Positions without a target skip the LM head, so an evaluation that scores a few
     tokens (retrieval answers) pays for the head on those tokens only.
     """
-    model = _unwrap_peft(model)
+    options = options_from_keywords(options, chunk_size=chunk_size, page_size=page_size, backend=backend,
+                                    page_budget=page_budget, selection=selection, offload=offload,
+                                    offload_gpu_bytes=offload_gpu_bytes)
+    model = unwrap_peft(model)
     was_training = model.training
     model.eval()  # no dropout: evaluation is deterministic
     try:
-        return _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend, doc_ids,
-                             selection_policy(page_budget, selection), offload, offload_gpu_bytes)
+        return _chunked_eval(model, input_ids, labels, doc_ids, options)
     finally:
         model.train(was_training)
 
 
 @torch.no_grad()
-def _chunked_eval(model, input_ids, labels, chunk_size, page_size, backend, doc_ids, selection,
-                  offload, offload_gpu_bytes=0) -> EvalResult:
-    targets = _validate(model, input_ids, labels, chunk_size, page_size)
-    doc_start = document_starts(doc_ids, input_ids) if doc_ids is not None else None
-    batch, seq_len = input_ids.shape
-    device = input_ids.device
+def _chunked_eval(model, input_ids, labels, doc_ids, options: StepOptions) -> EvalResult:
     # The store keeps gradient pages too (as in training); sharing the training step's
     # store means evaluating between training steps reallocates nothing.
-    store = _store_for(model, device, page_size, None, offload, offload_gpu_bytes, selection)
-    store.reserve(batch, seq_len)
-    step = StepContext(store=store, backend=get_backend(backend, device.type), stage="fill", doc_start=doc_start,
-                       selection=selection, tp_group=tensor_parallel_group(model))
+    prepared = prepare_step(model, input_ids, labels, doc_ids, options, forward_only=True)
+    targets, store, step = prepared.targets, prepared.store, prepared.context
+    batch, seq_len = input_ids.shape
+    device = input_ids.device
     head = model.get_output_embeddings()
 
     nll = torch.full((batch, seq_len), float("nan"), dtype=torch.float32, device=device)
     correct = torch.zeros((batch, seq_len), dtype=torch.bool, device=device)
     try:
         with oomb_attention(model):
-            for start in range(0, seq_len, chunk_size):
-                end = min(start + chunk_size, seq_len)
+            for start, end in prepared.bounds:
                 store.append_chunk(end - start)
                 hidden = run_chunk(model, step, input_ids, start, end)
                 chunk_targets = targets[:, start:end]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100
+LOSS_IMPLS = ("auto", "liger", "torch")  # linear_cross_entropy_sum(impl=...)
 _LOGITS_BLOCK_BYTES = 64 * 2**20
 
 

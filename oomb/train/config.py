@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from oomb.engine import StepOptions
 from oomb.sparse import DEFAULT_SCORE, PageSelection
 
 
@@ -398,6 +399,22 @@ def parse_bytes(text: str) -> int:
 def offload_gpu_bytes(value: str) -> int | str:
     """train.offload_gpu_memory as plan_memory's offload_gpu_bytes: "auto" or a byte count."""
     return "auto" if str(value).strip().lower() == "auto" else parse_bytes(str(value))
+
+
+def offload_gpu_allowance(cfg: Config) -> int:
+    """The offloaded store's GPU allowance for chunked_backward (train.offload_gpu_memory as settled by
+    the memory plan; 0 without train.offload, or where "auto" was never settled)."""
+    value = offload_gpu_bytes(cfg.train.offload_gpu_memory)
+    return value if cfg.train.offload and value != "auto" else 0
+
+
+def step_options(cfg: Config) -> StepOptions:
+    """The engine's options of this run's steps: chunked_backward's, and the NaN locator's after a
+    non-finite step (it then runs the step's chunks, store and page selection)."""
+    t = cfg.train
+    return StepOptions(chunk_size=t.chunk_size, page_size=t.page_size, selection=page_selection(cfg),
+                       offload=t.offload, offload_gpu_bytes=offload_gpu_allowance(cfg),
+                       cache_attention=t.cache_attention is True)  # "auto" not settled by a memory plan: off
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -64,8 +64,7 @@ from oomb.train.checkpoint import (
     set_rng_state,
     write_text_atomic,
 )
-from oomb.train.config import Config, ConfigError
-from oomb.train.memory import offload_gpu_allowance
+from oomb.train.config import Config, ConfigError, step_options
 from oomb.train.optim import wants_master_weights
 
 FORMAT = "dcp-fsdp2"  # state.json "format" of a checkpoint written by data parallel ranks together
@@ -328,8 +327,7 @@ def _gradient_sync(model: torch.nn.Module, on: bool) -> None:
 def accumulate_gradients(model, batches, ctx: DistributedContext, cfg: Config) -> torch.Tensor:
     """The step's gradients, reduced once and sharded; returns the mean loss over all ranks' target tokens."""
     import oomb
-    from oomb.train.config import page_selection
-
+    options = step_options(cfg)
     counts = torch.tensor([int((b.labels[:, 1:] != -100).sum()) for b in batches], dtype=torch.float64)
     every = [torch.zeros_like(counts) for _ in range(ctx.world_size)]
     dist.all_gather(every, counts)  # the same decision on every rank: none starts a backward alone
@@ -350,13 +348,11 @@ def accumulate_gradients(model, batches, ctx: DistributedContext, cfg: Config) -
     try:
         for m, batch in enumerate(batches):
             last = m == len(batches) - 1
-            extra = {"doc_ids": batch.doc_ids.to(ctx.device)} if cfg.data.document_mask else {}
+            doc_ids = batch.doc_ids.to(ctx.device) if cfg.data.document_mask else None
             loss += oomb.chunked_backward(
-                model, batch.input_ids.to(ctx.device), batch.labels.to(ctx.device),
-                chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, selection=page_selection(cfg),
-                offload=cfg.train.offload, offload_gpu_bytes=offload_gpu_allowance(cfg),
-                cache_attention=cfg.train.cache_attention, loss_divisor=divisor,
-                before_last_backward=(lambda: _gradient_sync(model, True)) if last else None, **extra,
+                model, batch.input_ids.to(ctx.device), batch.labels.to(ctx.device), doc_ids=doc_ids,
+                options=options, loss_divisor=divisor,
+                before_last_backward=(lambda: _gradient_sync(model, True)) if last else None,
             )
     finally:
         _gradient_sync(model, True)

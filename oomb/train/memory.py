@@ -24,13 +24,6 @@ from oomb.train.inputs import model_config
 from oomb.train.optim import wants_master_weights
 
 
-def offload_gpu_allowance(cfg: Config) -> int:
-    """The offloaded store's GPU allowance for chunked_backward (train.offload_gpu_memory as settled by
-    the memory plan; 0 without train.offload, or where "auto" was never settled)."""
-    value = offload_gpu_bytes(cfg.train.offload_gpu_memory)
-    return value if cfg.train.offload and value != "auto" else 0
-
-
 def available_memory(device: torch.device) -> tuple[int | None, int]:
     """(GPU bytes free for this run or None off CUDA, host bytes available to this process)."""
     host = psutil.virtual_memory().available + psutil.Process(os.getpid()).memory_info().rss

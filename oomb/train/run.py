@@ -26,7 +26,7 @@ from oomb.train.checkpoint import (
     rotate_checkpoints,
     save_checkpoint,
 )
-from oomb.train.config import Config
+from oomb.train.config import Config, step_options
 from oomb.train.faults import (
     EXIT_INTERRUPTED,
     EXIT_NONFINITE,
@@ -193,7 +193,7 @@ class Run:
             for m, batch in enumerate(batches):  # the grad_accum batches in the order they ran
                 doc_ids = batch.doc_ids.to(self.device) if self.cfg.data.document_mask else None
                 site = locate_nonfinite(self.model, batch.input_ids.to(self.device), batch.labels.to(self.device),
-                                        chunk_size=t.chunk_size, page_size=t.page_size, doc_ids=doc_ids)
+                                        options=step_options(self.cfg), doc_ids=doc_ids)  # the step's options
                 if site is not None:
                     if len(batches) > 1:
                         site = f"{site}, in batch {m + 1} of {len(batches)} (train.grad_accum)"

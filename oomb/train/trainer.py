@@ -27,7 +27,7 @@ from oomb.offload import OffloadedKVStore
 from oomb.train import distributed
 from oomb.train.checkpoint import CheckpointError, checkpoint_state, load_checkpoint, rng_state, set_rng_state
 from oomb.train.checks import check_config, check_model_path, resolve_device, resolve_dtype
-from oomb.train.config import Config, ConfigError, offload_selection_note, page_selection
+from oomb.train.config import Config, ConfigError, offload_selection_note, step_options
 from oomb.train.faults import (
     EXIT_SIGINT,
     EXIT_WRITE,
@@ -38,7 +38,7 @@ from oomb.train.faults import (
     measure_memory,
 )
 from oomb.train.inputs import build_inputs, model_config
-from oomb.train.memory import check_memory, offload_gpu_allowance
+from oomb.train.memory import check_memory
 from oomb.train.model import build, prepare_for_training
 from oomb.train.monitor import TensorBoardLog, memory_fields, plot_run
 from oomb.train.optim import MasterWeights, build_optimizer, check_optimizer, wants_master_weights
@@ -447,15 +447,13 @@ def accumulate_gradients(model, params, batches, device: torch.device, cfg: Conf
         raise ValueError("no sequence of this step has a target token (every label is -100)")
     total = sum(counts)
     loss = torch.zeros((), dtype=torch.float32, device=device)
+    options = step_options(cfg)
     for m, batch in enumerate(batches):
         if m and counts[m] != counts[m - 1]:
             _scale_gradients(params, counts[m - 1] / counts[m])
-        extra = {"doc_ids": batch.doc_ids.to(device)} if cfg.data.document_mask else {}
+        doc_ids = batch.doc_ids.to(device) if cfg.data.document_mask else None
         loss += counts[m] / total * oomb.chunked_backward(
-            model, batch.input_ids.to(device), batch.labels.to(device),
-            chunk_size=cfg.train.chunk_size, page_size=cfg.train.page_size, selection=page_selection(cfg),
-            offload=cfg.train.offload, offload_gpu_bytes=offload_gpu_allowance(cfg),
-            cache_attention=cfg.train.cache_attention, **extra,
+            model, batch.input_ids.to(device), batch.labels.to(device), doc_ids=doc_ids, options=options,
         )
     if counts[-1] != total:
         _scale_gradients(params, counts[-1] / total)

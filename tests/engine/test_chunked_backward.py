@@ -161,7 +161,8 @@ def test_answer_only_labels_run_the_head_on_their_rows_only(monkeypatch):
 
 
 def test_target_rows():
-    from oomb.engine.step import chunk_target_counts, target_rows
+    from oomb.engine.prepare import chunk_target_counts
+    from oomb.engine.step import target_rows
 
     targets = torch.tensor([[-100, 5, -100, -100, -100, 7], [-100, -100, -100, -100, 3, -100]])
     assert chunk_target_counts(targets, 4) == [1, 2]  # the last chunk is [4, 6): padded

@@ -8,7 +8,7 @@ from tiny_models import VOCAB, tiny_model
 import oomb
 from oomb.attention import function as attention_function
 from oomb.engine import store_for_model
-from oomb.engine.step import document_starts
+from oomb.engine.prepare import document_starts
 from oomb.sparse import PageSelection
 
 TOL = 1e-5

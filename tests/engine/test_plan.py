@@ -135,6 +135,11 @@ def test_bad_settings_raise():
         plan_memory(cfg, seq_len=0)
     with pytest.raises(ValueError, match="unknown optimizer 'sgd'"):
         plan_memory(cfg, seq_len=128, optimizer="sgd")
+    # bools are ints in Python: chunk_size=True would plan chunks of one token
+    for name, value in (("chunk_size", True), ("seq_len", 4096.0), ("page_budget", True), ("tensor_parallel", True),
+                        ("offload_gpu_bytes", True)):
+        with pytest.raises((TypeError, ValueError), match=f"{name} must be an? (integer|byte count)"):
+            plan_memory(cfg, **{"seq_len": 4096, name: value, "offload": name == "offload_gpu_bytes"})
 
 
 @pytest.mark.parametrize("targets", [("q_proj", "k_proj", "v_proj", "o_proj"),

@@ -107,3 +107,95 @@ def test_oomb_attention_outside_a_step_raises(model):
     model.set_attn_implementation("oomb")
     with pytest.raises(RuntimeError, match="only runs inside oomb.chunked_backward"):
         model(torch.zeros(1, 4, dtype=torch.long))
+
+
+def _nothing_allocated(model):
+    _untouched(model)
+    assert store_for_model(model) is None  # refused before the store was built
+
+
+@pytest.mark.parametrize("labels", [
+    torch.ones(1, 8, dtype=torch.bool),
+    torch.full((1, 8), 3.0),
+    torch.full((1, 8), 3.0, dtype=torch.bfloat16),
+], ids=["bool", "float32", "bfloat16"])
+def test_labels_that_are_not_integers_are_refused(model, labels):
+    ids = torch.randint(0, VOCAB, (1, 8))
+    with pytest.raises(TypeError, match=f"labels must be an integer tensor of token ids.*got {labels.dtype}"):
+        oomb.chunked_backward(model, ids, labels)
+    _nothing_allocated(model)
+    with pytest.raises(TypeError, match="labels must be an integer tensor"):
+        oomb.engine.chunked_eval(model, ids, labels)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.int8, torch.int32, torch.bool, "float32"])
+def test_grad_dtype_must_be_floating(model, grad_dtype):
+    with pytest.raises(TypeError, match="grad_dtype must be a floating-point torch dtype"):
+        oomb.chunked_backward(model, torch.randint(0, VOCAB, (1, 64)), chunk_size=32, page_size=16,
+                              grad_dtype=grad_dtype)
+    _nothing_allocated(model)
+
+
+@pytest.mark.parametrize("option,value", [
+    ("chunk_size", True), ("page_size", True), ("chunk_size", 32.0), ("page_size", "16"),
+    ("offload_gpu_bytes", True), ("page_budget", True), ("page_budget", 2.5),
+])
+def test_integer_options_refuse_bools_and_non_integers(model, option, value):
+    kw = {"chunk_size": 32, "page_size": 16, "offload": option == "offload_gpu_bytes", option: value}
+    with pytest.raises(TypeError, match=f"{option} must be an integer, got {value!r}"):
+        oomb.chunked_backward(model, torch.randint(0, VOCAB, (1, 64)), **kw)
+    _nothing_allocated(model)
+
+
+def test_selection_fields_refuse_bools(model):
+    from oomb.sparse import PageSelection
+
+    with pytest.raises(TypeError, match="selection.block must be an integer, got True"):
+        oomb.chunked_backward(model, torch.randint(0, VOCAB, (1, 64)), chunk_size=32, page_size=16,
+                              selection=PageSelection(page_budget=2, block=True))
+    _nothing_allocated(model)
+
+
+def test_flags_must_be_bools(model):
+    with pytest.raises(TypeError, match="offload must be True or False"):
+        oomb.chunked_backward(model, torch.randint(0, VOCAB, (1, 64)), chunk_size=32, page_size=16, offload="yes")
+    _nothing_allocated(model)
+
+
+def test_unknown_loss_impl_refused_before_the_step(model):
+    # Before, the name was checked by the first chunk's loss, after stage 1 had run.
+    with pytest.raises(ValueError, match="unknown cross-entropy implementation loss_impl='fast'"):
+        oomb.chunked_backward(model, torch.randint(0, VOCAB, (1, 64)), chunk_size=32, page_size=16,
+                              loss_impl="fast")
+    _nothing_allocated(model)
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=0,
+                     eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def _opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=96,
+                    max_position_embeddings=256, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0)
+    return OPTForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("build,model_type", [(_gpt2, "gpt2"), (_opt, "opt")])
+def test_models_without_the_config_sizes_oomb_needs_are_refused(build, model_type):
+    from oomb.engine import largest_context, plan_memory
+
+    model = build()
+    expected = rf"oomb does not support '{model_type}' models .*has no intermediate_size.*Use a supported decoder"
+    with pytest.raises(ValueError, match=expected):
+        oomb.chunked_backward(model, torch.randint(0, VOCAB, (1, 64)), chunk_size=32, page_size=16)
+    _nothing_allocated(model)
+    with pytest.raises(ValueError, match=expected):
+        plan_memory(model.config, seq_len=1024)
+    with pytest.raises(ValueError, match=expected):
+        largest_context(model.config, device_type="cpu", host_total_bytes=2**34)

@@ -9,11 +9,13 @@ from faultrun import RUN, STEPS, assert_resumes_exactly, losses, run_process
 from safetensors.torch import load_file
 
 from oomb.cli import main
+from oomb.engine import StepOptions
 from oomb.engine.diagnose import locate_nonfinite
 from oomb.train.checkpoint import find_checkpoint, list_checkpoints
 from oomb.train.faults import EXIT_NONFINITE
 from oomb.train.presets import build_model
 
+OPTIONS = StepOptions(chunk_size=128, page_size=64)
 WHERE = "first non-finite value: the output of decoder layer 0 (model.layers.0) in chunk 1 of 2 (tokens 256..511)"
 
 
@@ -59,7 +61,7 @@ def test_nonfinite_skip_makes_no_update_and_logs_it(tmp_path, straight):
 def test_diagnosis_finds_the_first_layer_or_reports_a_finite_forward():
     model = build_model("tiny", dtype=torch.float32, device="cpu")
     ids = torch.randint(0, 63, (1, 384))  # token 63 only where placed below
-    assert locate_nonfinite(model, ids, chunk_size=128, page_size=64) is None
+    assert locate_nonfinite(model, ids, options=OPTIONS) is None
 
     def poison(module, args, kwargs, output):
         if int(kwargs["position_ids"][0, 0]) == 256:
@@ -68,16 +70,16 @@ def test_diagnosis_finds_the_first_layer_or_reports_a_finite_forward():
         return output
 
     handle = model.model.layers[1].register_forward_hook(poison, with_kwargs=True)
-    site = locate_nonfinite(model, ids, chunk_size=128, page_size=64)
+    site = locate_nonfinite(model, ids, options=OPTIONS)
     handle.remove()
     assert (site.chunk, site.num_chunks, site.start, site.end, site.layer, site.module) == (2, 3, 256, 384, 1,
                                                                                          "model.layers.1")
     with torch.no_grad():
         model.model.embed_tokens.weight[63] = float("inf")
     ids[0, 150] = 63
-    site = locate_nonfinite(model, ids, chunk_size=128, page_size=64)
+    site = locate_nonfinite(model, ids, options=OPTIONS)
     # The tiny preset ties the LM head to the embedding: chunk 0 never reads token 63, but its logits are inf.
     assert (site.chunk, site.layer, site.module) == (0, None, "loss (LM head and cross-entropy)")
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone().nan_to_num(posinf=0.0))
-    site = locate_nonfinite(model, ids, chunk_size=128, page_size=64)
+    site = locate_nonfinite(model, ids, options=OPTIONS)
     assert (site.chunk, site.layer, site.module) == (1, None, "model.embed_tokens")

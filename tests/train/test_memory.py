@@ -8,7 +8,7 @@ import torch
 import oomb.train.memory as memory
 from oomb.cli import main
 from oomb.engine.plan import HOST_PROCESS_BYTES, largest_context, plan_memory
-from oomb.train.config import ConfigError
+from oomb.train.config import ConfigError, offload_gpu_allowance
 from oomb.train.presets import preset_config
 from oomb.train.rundir import load_run_config
 
@@ -166,11 +166,11 @@ def test_offload_gpu_memory_is_checked_and_settled_by_the_plan(monkeypatch):
     with pytest.raises(ConfigError, match="not a memory size"):
         check_config(load_run_config(None, [*base, "train.offload_gpu_memory=lots"]))
     cfg = load_run_config(None, [*base, "train.offload_gpu_memory=3GiB"])
-    assert memory.offload_gpu_allowance(cfg) == 3 * 2**30
-    assert memory.offload_gpu_allowance(load_run_config(None, base)) == 0  # default: two working layers only
+    assert offload_gpu_allowance(cfg) == 3 * 2**30
+    assert offload_gpu_allowance(load_run_config(None, base)) == 0  # default: two working layers only
     # auto is settled by the plan to a byte count (0 here: on the CPU nothing is offloaded), and is 0 unplanned.
     cfg = load_run_config(None, [*base, "train.offload_gpu_memory=auto"])
-    assert memory.offload_gpu_allowance(cfg) == 0
+    assert offload_gpu_allowance(cfg) == 0
     memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16)
     assert cfg.train.offload_gpu_memory == "0"
     settings = memory._settings(load_run_config(None, [*base, "train.offload_gpu_memory=auto"]), "cuda",

@@ -1,0 +1,310 @@
+"""What every chunk-recurrent pass over a sequence sets up first, in one place.
+
+    StepOptions (how the pass runs) + model, input_ids, labels, doc_ids
+        -> prepare_step -> PreparedStep: the transformers model (peft unwrapped), the shifted
+           targets and their count per chunk, the chunk bounds, the model's store reserved for
+           the batch, and the StepContext every attention layer receives
+
+``chunked_backward`` (step.py), ``chunked_eval`` (evaluate.py) and ``locate_nonfinite``
+(diagnose.py) all start here. Given the same options, they share one store per model (kept
+between calls, so evaluating or diagnosing after a step reallocates nothing) and attend the
+same pages: the NaN locator after an offloaded sparse step stays offloaded and sparse.
+
+Everything is checked before the store is touched: a refused call leaves ``.grad``, the
+store and the model as they were, with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from oomb.attention import StepContext, check_attention_support
+from oomb.cache import PagedKVStore
+from oomb.engine.loss import IGNORE_INDEX, LOSS_IMPLS
+from oomb.engine.sizes import store_spec
+from oomb.engine.tensor_parallel import tensor_parallel_group
+from oomb.kernels import BACKEND_NAMES, get_backend
+from oomb.offload import OffloadedKVStore
+from oomb.sparse import PageSelection, store_key_summary
+
+# One store per model, reused across steps so the pools are allocated once.
+_STORES: weakref.WeakKeyDictionary[torch.nn.Module, PagedKVStore | OffloadedKVStore] = weakref.WeakKeyDictionary()
+
+
+def require_int(name: str, value, *, minimum: int) -> None:
+    """Raise unless ``value`` is an integer (not a bool: True would run as 1) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be positive, got {value}" if minimum == 1 else
+                         f"{name} must be >= {minimum}, got {value}")
+
+
+def _require_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a chunk-recurrent pass runs: ``chunked_backward``'s settings in one object, checked when made.
+
+    The same object given to ``chunked_backward``, ``chunked_eval`` and ``locate_nonfinite`` makes
+    them run the same store and the same attention (``cache_attention`` and ``loss_impl`` apply to
+    training steps only).
+    """
+
+    chunk_size: int = 4096  # tokens per chunk (a multiple of page_size)
+    page_size: int = 128  # tokens per page of the K/V store
+    backend: str = "auto"  # attention kernels: "auto" (Triton on CUDA, PyTorch elsewhere), "triton", "torch"
+    grad_dtype: torch.dtype | None = None  # dtype of the gradient pages (None: the model's dtype)
+    loss_impl: str = "auto"  # fused linear cross-entropy: "auto", "liger" or "torch"
+    selection: PageSelection | None = None  # page-sparse attention (its page_budget included); None = dense
+    offload: bool = False  # K, V and their gradient pages in host memory (oomb.offload)
+    offload_gpu_bytes: int = 0  # with offload: device bytes for keeping the first layers' pages whole
+    cache_attention: bool = False  # stage 2 reuses stage 1's attention outputs (device memory; not with offload)
+
+    def __post_init__(self) -> None:
+        require_int("chunk_size", self.chunk_size, minimum=1)
+        require_int("page_size", self.page_size, minimum=1)
+        if self.chunk_size % self.page_size:
+            raise ValueError(
+                f"chunk_size={self.chunk_size} is not a multiple of page_size={self.page_size}: chunks must start on "
+                f"a page; try chunk_size={max(self.page_size, self.chunk_size // self.page_size * self.page_size)}"
+            )
+        if self.backend not in BACKEND_NAMES:
+            raise ValueError(f"unknown attention backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
+        if self.grad_dtype is not None and not (isinstance(self.grad_dtype, torch.dtype)
+                                                and self.grad_dtype.is_floating_point):
+            raise TypeError(f"grad_dtype must be a floating-point torch dtype (torch.bfloat16, torch.float16, "
+                            f"torch.float32) or None for the model's dtype, got {self.grad_dtype!r}")
+        if self.loss_impl not in LOSS_IMPLS:
+            raise ValueError(f"unknown cross-entropy implementation loss_impl={self.loss_impl!r}: use "
+                             f"{', '.join(map(repr, LOSS_IMPLS))}")
+        if self.selection is not None:
+            if not isinstance(self.selection, PageSelection):
+                raise TypeError(f"selection must be an oomb.sparse.PageSelection or None (dense), "
+                                f"got {type(self.selection).__name__}")
+            for name in ("page_budget", "block"):
+                require_int(f"selection.{name}", getattr(self.selection, name), minimum=1)
+            for name in ("sink_pages", "local_pages"):
+                require_int(f"selection.{name}", getattr(self.selection, name), minimum=0)
+            _require_bool("selection.per_head", self.selection.per_head)
+        _require_bool("offload", self.offload)
+        _require_bool("cache_attention", self.cache_attention)
+        require_int("offload_gpu_bytes", self.offload_gpu_bytes, minimum=0)
+        if self.offload_gpu_bytes and not self.offload:
+            raise ValueError("offload_gpu_bytes sets how much of an offloaded store stays on the GPU: "
+                             "it needs offload=True")
+        if self.cache_attention and self.offload:
+            raise ValueError("cache_attention=True keeps attention outputs on the device, against offload=True's "
+                             "purpose: choose one")
+
+
+_DEFAULTS = StepOptions()
+
+
+def selection_policy(page_budget: int | None, selection: PageSelection | None) -> PageSelection | None:
+    """The page-selection policy of a step: ``page_budget`` overrides the budget of ``selection``."""
+    if page_budget is not None:
+        require_int("page_budget", page_budget, minimum=1)
+        return dataclasses.replace(selection or PageSelection(), page_budget=page_budget)
+    return selection
+
+
+def options_from_keywords(options: StepOptions | None, *, page_budget: int | None = None,
+                          **keywords) -> StepOptions:
+    """``options`` where given, else the StepOptions the keywords describe (``page_budget`` folded into
+    ``selection``). Both at once is refused unless every keyword is at its default: one source of truth."""
+    if options is None:
+        selection = selection_policy(page_budget, keywords.pop("selection", None))
+        return StepOptions(selection=selection, **keywords)
+    if not isinstance(options, StepOptions):
+        raise TypeError(f"options must be an oomb.engine.StepOptions, got {type(options).__name__}")
+    given = [name for name, value in keywords.items() if value != getattr(_DEFAULTS, name)]
+    if page_budget is not None:
+        given.append("page_budget")
+    if given:
+        raise ValueError(f"options= was given together with {', '.join(given)}: set them in the StepOptions "
+                         f"(dataclasses.replace(options, ...)) instead")
+    return options
+
+
+@dataclass
+class PreparedStep:
+    """What a pass over the chunks of one batch needs, ready to run."""
+
+    model: PreTrainedModel  # the transformers model (a peft model's base, adapters injected)
+    targets: torch.Tensor  # [B, N] int64: position t's target, labels[t + 1]; -100 = none
+    target_counts: list[int]  # targets per chunk
+    bounds: list[tuple[int, int]]  # [start, end) of each chunk, in order
+    store: PagedKVStore | OffloadedKVStore  # the model's store, empty, reserved for [B, N]
+    context: StepContext  # handed to every attention layer; stage "fill"
+
+
+def prepare_step(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None,
+    doc_ids: torch.Tensor | None,
+    options: StepOptions,
+    *,
+    forward_only: bool = False,
+) -> PreparedStep:
+    """Check the inputs, then reserve the model's store and build the step's context.
+
+    ``forward_only``: a pass of stage 1 alone (evaluation, the NaN locator): a batch without any
+    target is allowed and attention outputs are not kept for a stage 2 that does not come.
+    """
+    if not isinstance(options, StepOptions):
+        raise TypeError(f"options must be an oomb.engine.StepOptions, got {type(options).__name__}")
+    model = unwrap_peft(model)
+    targets = validate_inputs(model, input_ids, labels)
+    doc_start = document_starts(doc_ids, input_ids) if doc_ids is not None else None
+    counts = chunk_target_counts(targets, options.chunk_size)  # host sync, once per step
+    if not forward_only and sum(counts) == 0:
+        raise ValueError("no position has a target: every label is -100 (or the sequence has one token)")
+    device = input_ids.device
+    backend = get_backend(options.backend, device.type)
+    batch, seq_len = input_ids.shape
+    store = _store_for(model, device, options)
+    store.reserve(batch, seq_len)
+    context = StepContext(store=store, backend=backend, stage="fill", doc_start=doc_start,
+                          selection=options.selection, cache_attention=options.cache_attention and not forward_only,
+                          tp_group=tensor_parallel_group(model))
+    bounds = [(s, min(s + options.chunk_size, seq_len)) for s in range(0, seq_len, options.chunk_size)]
+    return PreparedStep(model=model, targets=targets, target_counts=counts, bounds=bounds, store=store,
+                        context=context)
+
+
+def unwrap_peft(model: torch.nn.Module) -> torch.nn.Module:
+    """A peft PeftModel -> the transformers model it wraps (with the adapter layers injected)."""
+    if not isinstance(model, PreTrainedModel) and callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
+    return model
+
+
+def release_memory(model: torch.nn.Module) -> None:
+    """Free the paged store's memory kept for ``model`` (its pools are otherwise reused by the next step)."""
+    store = _STORES.pop(unwrap_peft(model), None)
+    if store is not None:
+        store.release()  # frees the pools even if something else still references the store
+
+
+def store_for_model(model: torch.nn.Module) -> PagedKVStore | OffloadedKVStore | None:
+    """The store oomb keeps for ``model`` between steps, if any (for memory accounting)."""
+    return _STORES.get(unwrap_peft(model))
+
+
+def _store_for(model: PreTrainedModel, device: torch.device, options: StepOptions) -> PagedKVStore | OffloadedKVStore:
+    """The model's store for these options: the kept one where its spec and kind match, else a new one."""
+    group = tensor_parallel_group(model)
+    split = 1 if group is None else torch.distributed.get_world_size(group)  # each rank stores its KV heads
+    selection = options.selection
+    # The planner's spec, so what is planned is what is allocated.
+    spec = store_spec(model.config, page_size=options.page_size, dtype=model.get_input_embeddings().weight.dtype,
+                      grad_dtype=options.grad_dtype, device=device, tensor_parallel=split,
+                      key_summary=store_key_summary(selection.score if selection is not None else None))
+    kind = OffloadedKVStore if options.offload else PagedKVStore
+    store = _STORES.get(model)
+    if store is None or store.spec != spec or type(store) is not kind:
+        release_memory(model)  # free the old pools before allocating new ones
+        store = kind(spec)
+        _STORES[model] = store
+    if options.offload:
+        store.gpu_bytes = options.offload_gpu_bytes  # applied by the next reserve()
+    return store
+
+
+def validate_inputs(model: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    """Check the model and the batch before any work starts; return the shifted targets [B, N]."""
+    check_attention_support(model)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [batch, seq_len] tensor, got {_describe(input_ids)}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    batch, seq_len = input_ids.shape
+    if batch == 0 or seq_len < 2:
+        raise ValueError(
+            f"input_ids has shape {tuple(input_ids.shape)}: need at least 1 sequence of at least 2 tokens "
+            "(a 1-token sequence has nothing to predict)"
+        )
+    vocab = model.get_input_embeddings().weight.shape[0]
+    lo, hi = int(input_ids.min()), int(input_ids.max())  # host sync, once per step
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"input_ids must lie in [0, {vocab}) (the model's vocabulary), found ids in [{lo}, {hi}]")
+    param = next(model.parameters())
+    if input_ids.device != param.device:
+        raise ValueError(f"input_ids are on {input_ids.device} but the model is on {param.device}")
+    cfg = model.config
+    if getattr(cfg, "final_logit_softcapping", None):
+        raise ValueError("final logit soft-capping is not supported by oomb's fused cross-entropy")
+    if getattr(cfg, "output_router_logits", False):
+        raise ValueError(
+            "output_router_logits=True adds a router auxiliary loss that oomb does not compute; "
+            "set model.config.output_router_logits = False"
+        )
+    if model.training and getattr(cfg, "attention_dropout", 0.0):
+        raise ValueError(
+            f"attention_dropout={cfg.attention_dropout}: dropout makes the recomputed forward differ from "
+            "the first one; set model.config.attention_dropout = 0"
+        )
+    if model.get_output_embeddings() is None:
+        raise ValueError(f"{type(model).__name__} has no output embedding (LM head): use a *ForCausalLM model")
+
+    if labels is None:
+        labels = input_ids
+    elif not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {_describe(labels)}"
+        )
+    elif labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        # A float or bool tensor would be cast to ids silently: 0.7 -> 0, True -> token 1.
+        raise TypeError(f"labels must be an integer tensor of token ids (-100 where there is no target), "
+                        f"got {labels.dtype}")
+    labels = labels.to(input_ids.device, torch.int64)
+    # Position t predicts labels[t + 1]; the last position predicts nothing.
+    pad = torch.full((batch, 1), IGNORE_INDEX, dtype=torch.int64, device=labels.device)
+    targets = torch.cat([labels[:, 1:], pad], dim=1)
+    bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= head_vocab(model)))
+    if bool(bad.any()):
+        raise ValueError(f"labels must be -100 or lie in [0, {head_vocab(model)}) (the LM head's vocabulary)")
+    return targets
+
+
+def document_starts(doc_ids: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, N] int32 position of the first token of each token's document, from document ids."""
+    if not isinstance(doc_ids, torch.Tensor) or tuple(doc_ids.shape) != tuple(input_ids.shape):
+        raise ValueError(f"doc_ids must have the shape of input_ids {tuple(input_ids.shape)}, got {_describe(doc_ids)}")
+    if doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool:
+        raise TypeError(f"doc_ids must be an integer tensor, got {doc_ids.dtype}")
+    doc_ids = doc_ids.to(input_ids.device)
+    if bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
+        raise ValueError("doc_ids must be non-decreasing along each sequence (documents packed one after another)")
+    batch, seq_len = doc_ids.shape
+    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    positions = torch.arange(seq_len, device=doc_ids.device).expand(batch, -1)
+    return torch.where(is_start, positions, 0).cummax(dim=1).values.to(torch.int32)
+
+
+def chunk_target_counts(targets: torch.Tensor, chunk_size: int) -> list[int]:
+    """Targets (labels other than -100) in each chunk of ``targets`` [B, N], read with one host sync."""
+    valid = (targets != IGNORE_INDEX).sum(dim=0)  # [N]
+    pad = -valid.shape[0] % chunk_size
+    return torch.nn.functional.pad(valid, (0, pad)).view(-1, chunk_size).sum(dim=1).tolist()
+
+
+def head_vocab(model: PreTrainedModel) -> int:
+    """Rows of the model's LM head: the ids a target may take."""
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def _describe(x) -> str:
+    return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__

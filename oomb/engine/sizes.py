@@ -1,0 +1,219 @@
+"""Sizes a training step's memory is made of, apart from activations (oomb/engine/activations.py).
+
+    ModelShape.from_config(config)     the decoder's sizes (a supported architecture, or a clear error)
+    store_spec / paged_store_bytes     the paged store: its spec (what the engine allocates) and its
+                                       bytes on the device and, offloaded, in host memory
+    page_list_bytes                    sparse page lists kept from stage 1 to stage 2
+    count_parameters                   parameters (meta device) and the LoRA adapters peft would add
+    optimizer_state_bytes              AdamW / bitsandbytes 8-bit states
+
+The memory planner (oomb/engine/plan.py) adds these up with the activations into one plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+
+import torch
+
+from oomb.attention import check_model_config
+from oomb.cache import StoreSpec
+
+OPTIMIZER_KINDS = ("adamw", "adamw8bit", "paged_adamw8bit")
+# bitsandbytes 8-bit optimizers: tensors of at least this many values get 8-bit states with
+# one float32 absmax per block of this many values; smaller tensors keep two float32 states.
+_BNB_MIN_8BIT_SIZE = 4096
+_BNB_BLOCK = 256
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16'."""
+    return str(dtype).removeprefix("torch.")
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder architecture that memory depends on."""
+
+    family: str
+    num_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    experts: int = 0  # routed experts (0 = dense MLP)
+    experts_per_token: int = 0
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        """The sizes of a transformers config; ValueError for a config oomb does not support."""
+        check_model_config(config)
+        heads = config.num_attention_heads
+        return cls(
+            family=config.model_type,
+            num_layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            vocab=config.vocab_size,
+            experts=getattr(config, "num_local_experts", 0) or 0,
+            experts_per_token=getattr(config, "num_experts_per_tok", 0) or 0,
+        )
+
+
+def store_spec(config, *, page_size: int, dtype: torch.dtype, grad_dtype: torch.dtype | None,
+               device: torch.device | str, tensor_parallel: int = 1, key_summary: str = "mean") -> StoreSpec:
+    """The paged store's spec for a model config (the same spec the engine builds); with tensor
+    parallelism, one rank's store: its kv_heads / tensor_parallel KV heads."""
+    shape = ModelShape.from_config(config)
+    if shape.kv_heads % tensor_parallel:
+        raise ValueError(f"tensor parallel degree {tensor_parallel} does not divide the {shape.kv_heads} KV heads")
+    return StoreSpec(
+        num_layers=shape.num_layers, num_kv_heads=shape.kv_heads // tensor_parallel, head_dim=shape.head_dim,
+        page_size=page_size, dtype=dtype, grad_dtype=grad_dtype or dtype, device=torch.device(device),
+        key_summary=key_summary,
+    )
+
+
+@dataclass(frozen=True)
+class StoreBytes:
+    """Bytes of the paged store of one step: on the device, in host memory, and (offloaded) how many
+    layers stay whole on the device."""
+
+    device: int
+    host: int = 0
+    resident_layers: int = 0
+
+
+def paged_store_bytes(spec: StoreSpec, *, batch_size: int, seq_len: int, chunk_size: int, offload: bool = False,
+                      offload_gpu_bytes: int = 0, page_budget: int | None = None, select_block: int = 128,
+                      per_head_selection: bool = False) -> StoreBytes:
+    """The paged store's bytes for ``batch_size`` sequences of ``seq_len`` tokens, as the engine allocates it.
+
+    Device-resident: every page's K, V, dK, dV and key summary, and the block table. ``offload``
+    (oomb.offload.OffloadedKVStore): the pages in host memory, and on the device the block tables
+    and two layer slots, plus the first layers that fit in ``offload_gpu_bytes``.
+    """
+    page_size = spec.page_size
+    pages_per_seq = -(-seq_len // page_size)
+    if not offload:
+        return StoreBytes(batch_size * pages_per_seq * spec.bytes_per_page() + batch_size * pages_per_seq * 4)
+    # Host: every page's K, V, dK, dV and mean key (pinned, exactly this size). Device: block
+    # tables and two layer slots, each holding one layer's mean keys and the pages one kernel
+    # call reads (all past pages when dense; the page lists' union when sparse: at most one
+    # budget per selection block and list) plus the chunk's, grown by at most 5/4 over what
+    # they held. offload_gpu_bytes keeps the first layers whole on the device instead.
+    page_layer_bytes = spec.bytes_per_token() * page_size // spec.num_layers
+    layer_pages = batch_size * pages_per_seq * page_layer_bytes  # one layer's K, V, dK, dV
+    layer_means = spec.layer_bytes(batch_size * pages_per_seq) - layer_pages  # and its mean keys
+    # as OffloadedKVStore.reserve
+    resident = min(spec.num_layers, offload_gpu_bytes // spec.layer_bytes(batch_size * pages_per_seq))
+    chunk_pages = -(-min(chunk_size, seq_len) // page_size)
+    slot_pages = pages_per_seq
+    if page_budget is not None:
+        lists = spec.num_kv_heads if per_head_selection else 1
+        chosen = -(-min(chunk_size, seq_len) // select_block) * page_budget * lists
+        slot_pages = min(pages_per_seq, chosen + chunk_pages)
+    offloaded = spec.num_layers - resident
+    # Mean keys: the kept layers' on the device, the others' on the host, one layer's per slot.
+    slots = (2 * batch_size * slot_pages * page_layer_bytes * 5 // 4 + 2 * layer_means) if offloaded else 0
+    # + the store's and two slots' tables
+    device = resident * (layer_pages + layer_means) + slots + 3 * batch_size * pages_per_seq * 4
+    return StoreBytes(device, offloaded * (layer_pages + layer_means), resident)
+
+
+def page_list_bytes(config, spec: StoreSpec, *, batch_size: int, seq_len: int, chunk_size: int, page_budget: int,
+                    select_block: int, per_head_selection: bool) -> int:
+    """Bytes of the sparse page lists a step keeps from stage 1 to stage 2.
+
+    int32 [B, H_sel, ceil(C / block), budget] per full-attention layer, for every chunk whose
+    past holds more than ``page_budget`` pages (fewer: attention is dense, no list).
+    """
+    h_sel = spec.num_kv_heads if per_head_selection else 1
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * spec.num_layers
+    full_layers = sum(t == "full_attention" for t in layer_types)
+    chunk = min(chunk_size, seq_len)
+    n_chunks = -(-seq_len // chunk)
+    # Chunk k has k * chunk // page_size past pages: lists exist from k = ceil((budget + 1) * page / chunk).
+    listed = max(0, n_chunks - -(-(page_budget + 1) * spec.page_size // chunk))
+    return 4 * batch_size * h_sel * -(-chunk // select_block) * page_budget * full_layers * listed
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameter numbers of a model (counted on the meta device, no memory used)."""
+
+    total: int  # every parameter (tied embeddings once)
+    tensors: tuple[int, ...]  # numel of each parameter tensor
+    lora: tuple[int, ...] = ()  # numel of each LoRA adapter tensor (A and B per targeted linear)
+    split: tuple[bool, ...] = ()  # per tensor: split over tensor parallel ranks (oomb.engine.tensor_parallel)
+
+    def per_rank(self, tensor_parallel: int) -> tuple[int, ...]:
+        """numel of each parameter tensor on one of ``tensor_parallel`` ranks."""
+        return tuple(n // tensor_parallel if split else n for n, split in zip(self.tensors, self.split, strict=True))
+
+
+# Parameters apply_tensor_parallel splits (row- or column-wise; a row-parallel bias stays replicated).
+_SPLIT = re.compile(r"self_attn\.([qkv]_proj\.(weight|bias)|o_proj\.weight|sinks)$|mlp\.(gate|up|down)_proj\.weight$")
+
+
+@functools.lru_cache(maxsize=16)
+def _count_parameters(config_json: str, model_type: str, lora_r: int, lora_targets: tuple[str, ...]) -> ParameterCounts:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = json.loads(config_json)
+    fields.pop("model_type", None)
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError, KeyError, ImportError, RuntimeError) as e:
+        raise ValueError(f"cannot build a {model_type!r} model from its config to count its parameters: {e}") from e
+    named = list(model.named_parameters())
+    tensors = tuple(p.numel() for _, p in named)
+    split = tuple(bool(_SPLIT.search(name)) for name, _ in named)
+    lora: list[int] = []
+    if lora_r > 0:
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets:
+                lora += [lora_r * module.in_features, module.out_features * lora_r]
+    return ParameterCounts(total=sum(tensors), tensors=tensors, lora=tuple(lora), split=split)
+
+
+def count_parameters(config, lora_r: int = 0, lora_targets: tuple[str, ...] = ()) -> ParameterCounts:
+    """Parameters of ``config``'s causal LM and of the LoRA adapters peft would add."""
+    return _count_parameters(config.to_json_string(use_diff=False), config.model_type, lora_r, tuple(lora_targets))
+
+
+def optimizer_state_bytes(kind: str, numels: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of the optimizer's states for trainable tensors of these sizes (see oomb/train/optim.py).
+
+    ``dtype``: of the tensors the optimizer steps (float32 for fp32 master weights).
+    adamw: torch AdamW keeps exp_avg and exp_avg_sq in that dtype. adamw8bit and
+    paged_adamw8bit: bitsandbytes 8-bit blockwise states (1 byte each + a float32 absmax per
+    256 values) for tensors of 4096 values or more, two float32 states below that, and two
+    256-entry float32 quantization maps.
+    """
+    if kind == "adamw":
+        return 2 * itemsize(dtype) * sum(numels)
+    if kind in ("adamw8bit", "paged_adamw8bit"):
+        total = 0
+        for n in numels:
+            total += 2 * n + 2 * 4 * -(-n // _BNB_BLOCK) if n >= _BNB_MIN_8BIT_SIZE else 8 * n
+        if any(n >= _BNB_MIN_8BIT_SIZE for n in numels):
+            total += 2 * 256 * 4  # the two 256-entry float32 quantization maps, shared by all tensors
+        return total
+    raise ValueError(f"unknown optimizer {kind!r}: choose one of {', '.join(OPTIMIZER_KINDS)}")
+
