@@ -8,5 +8,5 @@ Importing oomb registers the "oomb" attention implementation with transformers.
 
 from oomb.engine import chunked_backward, release_memory
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["__version__", "chunked_backward", "release_memory"]

@@ -13,6 +13,7 @@ from rich.markup import escape
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="oomb", description="Long-context training on one GPU.")
+    parser.add_argument("--version", action="version", version=f"oomb {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train_p = sub.add_parser(
         "train",
@@ -49,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return _plan(args, console)
     return _eval(args, sys.argv[1:] if argv is None else argv, console)
+
+
+def _version() -> str:
+    from oomb import __version__
+
+    return __version__
 
 
 def _train(args, console: Console) -> int:

@@ -116,3 +116,11 @@ def test_layer_checkpointing_gives_the_same_run(tmp_path):
     la = [json.loads(x)["loss"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     lb = [json.loads(x)["loss"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert la == pytest.approx(lb, rel=1e-6)
+
+
+def test_version_is_the_package_version(capsys):
+    import oomb
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"oomb {oomb.__version__}"
