@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from oomb.attention.context import StepContext
-from oomb.kernels.reference import _first_visible_page
+from oomb.cache.layout import first_visible_page
 from oomb.sparse import select_pages
 
 
@@ -55,7 +55,7 @@ def past_pages(step: StepContext, layer_idx: int) -> tuple[bool, torch.Tensor | 
     window = step.layer_windows[layer_idx]
     if window is not None:
         page_size = store.spec.page_size
-        first = _first_visible_page(store.num_tokens, store.num_tokens - q0, page_size, window)
+        first = first_visible_page(store.num_tokens, store.num_tokens - q0, page_size, window)
         pages = torch.arange(first, q0 // page_size, device=store.page_table.device)
     elif step.selection is None:
         pages = None
