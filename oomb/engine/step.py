@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from oomb.attention import STEP_KWARG, StepContext, check_attention_support, oomb_attention
-from oomb.cache import PagedKVStore
+from oomb.cache import KVStore, PagedKVStore
 from oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy_sum
 from oomb.engine.plan import store_spec
 from oomb.engine.tensor_parallel import tensor_parallel_group
@@ -27,7 +27,7 @@ from oomb.offload import OffloadedKVStore
 from oomb.sparse import PageSelection, store_key_summary
 
 # One store per model, reused across steps so the pools are allocated once.
-_STORES: weakref.WeakKeyDictionary[torch.nn.Module, PagedKVStore | OffloadedKVStore] = weakref.WeakKeyDictionary()
+_STORES: weakref.WeakKeyDictionary[torch.nn.Module, KVStore] = weakref.WeakKeyDictionary()
 
 
 def chunked_backward(
@@ -234,7 +234,7 @@ def release_memory(model: torch.nn.Module) -> None:
         store.release()  # frees the pools even if something else still references the store
 
 
-def store_for_model(model: torch.nn.Module) -> PagedKVStore | None:
+def store_for_model(model: torch.nn.Module) -> KVStore | None:
     """The store oomb keeps for ``model`` between steps, if any (for memory accounting)."""
     return _STORES.get(_unwrap_peft(model))
 
@@ -244,7 +244,7 @@ def _store_for(
     offload: bool = False,
     offload_gpu_bytes: int = 0,
     selection: PageSelection | None = None,
-) -> PagedKVStore | OffloadedKVStore:
+) -> KVStore:
     group = tensor_parallel_group(model)
     split = 1 if group is None else torch.distributed.get_world_size(group)  # each rank stores its KV heads
     # The planner's spec, so what is planned is what is allocated.
