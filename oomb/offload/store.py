@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
 
 import torch
 
@@ -62,31 +61,14 @@ from oomb.cache import ChunkRecord, LayerPools, PastPages, StoreSpec
 from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
 from oomb.cache.store import ChunkLedger, page_key_summary
 from oomb.offload.copy import copy_pages, pinned_empty
+from oomb.offload.slots import KINDS, DeviceSlot
 
-_KINDS = ("k", "v", "dk", "dv")
 SYNC_ENV = "OOMB_OFFLOAD_SYNC"
 
 
 def sync_from_env() -> bool:
     """Whether ``OOMB_OFFLOAD_SYNC`` asks for the fully synchronous (debugging) mode."""
     return os.environ.get(SYNC_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-@dataclass
-class _Slot:
-    """One layer's working set on the device."""
-
-    pools: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> [capacity, H_kv, P, D]
-    table: torch.Tensor | None = None  # [B, max_pages] int32
-    key: tuple | None = None  # what the slot holds: (layer, chunk start, past pages' serial, grads)
-    past: PastPages | None = None  # its past pages (None = 0..m-1)
-    num_past: int = 0
-    rows: int = 0  # M: pages per sequence in the slot (past + chunk)
-    ready: object = None  # CUDA event: its pages have arrived
-    free: object = None  # CUDA event: the kernels reading it are done
-    mean: torch.Tensor | None = None  # [B, max_pages, H_kv, D]: one layer's mean keys
-    mean_key: tuple | None = None  # (layer, chunk start) whose past the mean keys hold
-    mean_ready: object = None  # CUDA event: they have arrived
 
 
 class OffloadedKVStore(ChunkLedger):
@@ -113,7 +95,7 @@ class OffloadedKVStore(ChunkLedger):
         # not measured yet: docs/offload.md.)
         self._copy_stream = torch.cuda.Stream(spec.device, priority=-1) if self._cuda else None
         self._host: dict[str, torch.Tensor] = {}
-        self._slots = [_Slot() for _ in range(num_slots)]
+        self._slots = [DeviceSlot() for _ in range(num_slots)]
         # Chosen pages move through the page-copy kernel (mapped host memory) on CUDA; without CUDA
         # through torch indexing. Tests set this True on CPU to run the kernel in Triton's interpreter.
         self.copy_kernels = self._cuda
@@ -166,7 +148,7 @@ class OffloadedKVStore(ChunkLedger):
             for slot in self._slots:
                 slot.mean = None
             page = (batch_size, max_pages, s.num_kv_heads, s.page_size, s.head_dim)
-            for kind in (*_KINDS, "mean"):
+            for kind in (*KINDS, "mean"):
                 dtype = s.grad_dtype if kind in ("dk", "dv") else s.dtype
                 shape = page if kind != "mean" else (batch_size, max_pages, s.num_kv_heads, s.summary_dim)
                 if resident:
@@ -191,7 +173,7 @@ class OffloadedKVStore(ChunkLedger):
         self.clear()
         self._synchronize()
         self._host, self._dev = {}, {}
-        self._slots = [_Slot() for _ in range(self.num_slots)]
+        self._slots = [DeviceSlot() for _ in range(self.num_slots)]
         self.resident_layers = 0
         self._max_pages = 0
         self.batch_size = 0
@@ -272,7 +254,7 @@ class OffloadedKVStore(ChunkLedger):
         slot.mean_key = key
         self._sync()
 
-    def _slot_of(self, layer_idx: int) -> _Slot:
+    def _slot_of(self, layer_idx: int) -> DeviceSlot:
         return self._slots[layer_idx % self.num_slots]
 
     def fetch(self, layer_idx: int, past_pages: PastPages | None, *, grads: bool) -> tuple[LayerPools, torch.Tensor]:
@@ -318,7 +300,7 @@ class OffloadedKVStore(ChunkLedger):
             slot.free.record(compute)
         with self._on_copy_stream(wait=slot.free):
             view = {kind: slot.pools[kind][: self.batch_size * slot.rows].view(
-                self.batch_size, slot.rows, *slot.pools[kind].shape[1:]) for kind in _KINDS}
+                self.batch_size, slot.rows, *slot.pools[kind].shape[1:]) for kind in KINDS}
             page = self._page_nbytes()
             if not grads:
                 c0, n = record.first_page, record.num_pages
@@ -384,17 +366,10 @@ class OffloadedKVStore(ChunkLedger):
         return out[0], out[1]
 
     # ------------------------------------------------------------------ internals
-    def _ensure_mean(self, slot: _Slot) -> None:
-        """Give the slot a mean-key buffer of the reserved shape (made on first use, like its pools)."""
+    def _ensure_mean(self, slot: DeviceSlot) -> None:
+        """Give the slot a mean-key buffer of the reserved shape."""
         s = self.spec
-        shape = (self.batch_size, self._max_pages, s.num_kv_heads, s.summary_dim)
-        if slot.mean is None or tuple(slot.mean.shape) != shape:
-            self._synchronize()
-            slot.mean = torch.zeros(shape, dtype=s.dtype, device=s.device)
-            slot.mean_key = None
-            if self._cuda:  # copies into it wait slot.free: order them after this fill (as _ensure_capacity)
-                slot.free = torch.cuda.Event()
-                slot.free.record(torch.cuda.current_stream(s.device))
+        slot.ensure_mean(s, (self.batch_size, self._max_pages, s.num_kv_heads, s.summary_dim), self._synchronize)
 
     def _page_nbytes(self) -> int:
         """Bytes of one page of one kind (K, V, dK or dV) of one layer (gradients in their own dtype
@@ -408,7 +383,7 @@ class OffloadedKVStore(ChunkLedger):
 
     def _dev_pools(self, layer_idx: int) -> dict[str, torch.Tensor]:
         s = self.spec
-        return {kind: self._dev[kind][layer_idx].view(-1, s.num_kv_heads, s.page_size, s.head_dim) for kind in _KINDS}
+        return {kind: self._dev[kind][layer_idx].view(-1, s.num_kv_heads, s.page_size, s.head_dim) for kind in KINDS}
 
     def _chunk_rows(self, layer_idx: int, kind: str, record: ChunkRecord, what: str) -> tuple[torch.Tensor, int]:
         """([B, rows, H_kv, P, D] view holding the layer's newest chunk, index of its first page there)."""
@@ -432,14 +407,14 @@ class OffloadedKVStore(ChunkLedger):
                                  f"{self.page_table.device}: make the list on the store's device")
         return (layer_idx, self.last_chunk().start, None if past_pages is None else past_pages.serial, grads)
 
-    def _fill(self, slot: _Slot, layer_idx: int, past_pages: PastPages | None, grads: bool, key) -> None:
+    def _fill(self, slot: DeviceSlot, layer_idx: int, past_pages: PastPages | None, grads: bool, key) -> None:
         s = self.spec
         record = self.last_chunk()
         b = self.batch_size
         num_past = record.first_page if past_pages is None else past_pages.pages.numel()
         rows = num_past + record.num_pages
         self._sync()  # debugging mode: every queued kernel and copy ran before the host touches anything
-        self._ensure_capacity(slot, b * rows)
+        slot.ensure_capacity(s, b * rows, self._synchronize)
         # The slot's table: page p of row b -> b * rows + its index in the slot. Built on the device:
         # a host-built table would be a pageable copy, which waits for the queued kernels.
         dev = s.device
@@ -453,7 +428,7 @@ class OffloadedKVStore(ChunkLedger):
         slot.past = past_pages
         slot.key, slot.num_past, slot.rows = key, num_past, rows
 
-        kinds = _KINDS if grads else ("k", "v")
+        kinds = KINDS if grads else ("k", "v")
         self.moved_bytes["to_device"] += len(kinds) * b * num_past * self._page_nbytes()
         if grads:
             self.moved_bytes["to_device"] += len(kinds) * b * record.num_pages * self._page_nbytes()
@@ -477,27 +452,6 @@ class OffloadedKVStore(ChunkLedger):
                 if grads:
                     self._grad_copies = slot.ready
         self._sync()
-
-    def _ensure_capacity(self, slot: _Slot, pages: int) -> None:
-        s = self.spec
-        have = slot.pools["k"].shape[0] if slot.pools else 0
-        if pages > have:
-            self._synchronize()  # the old slot may still be read or written
-            if self._cuda:
-                torch.cuda.current_stream(s.device).synchronize()
-            new = max(pages, have * 5 // 4)
-            slot.pools = {}
-            for kind in _KINDS:
-                dtype = s.dtype if kind in ("k", "v") else s.grad_dtype
-                slot.pools[kind] = torch.zeros((new, s.num_kv_heads, s.page_size, s.head_dim), dtype=dtype,
-                                               device=s.device)
-            if self._cuda:
-                # The zero fill above is queued on the compute stream, but the copies that fill
-                # the new pools run on the copy stream after waiting only ``slot.free``, an event
-                # of the old pools (already passed): without this event the fill could land after
-                # (on top of) the copied pages. _fill's copies wait ``slot.free``: make it this.
-                slot.free = torch.cuda.Event()
-                slot.free.record(torch.cuda.current_stream(s.device))
 
     def _sync(self) -> None:
         """Debugging mode (``synchronous``): wait for all work of the device, every stream."""
