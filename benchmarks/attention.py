@@ -69,7 +69,8 @@ def _paged_inputs(kv_len: int, page_size: int, device, *, h: int = H, h_kv: int 
 
 
 def _ours(q, k_pool, v_pool, page_table, kv_len) -> dict:
-    from oomb.kernels.triton_attention import paged_attention_backward, paged_attention_forward
+    from oomb.kernels.backward import paged_attention_backward
+    from oomb.kernels.forward import paged_attention_forward
 
     scale = D**-0.5
     dk_pool, dv_pool = torch.zeros_like(k_pool), torch.zeros_like(v_pool)

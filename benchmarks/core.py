@@ -38,7 +38,7 @@ from benchmarks.tune_attention import CANDIDATES
 from oomb.engine import linear_cross_entropy_sum, store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import use_fused_ops
-from oomb.kernels import triton_attention as T
+from oomb.kernels import tiles as kernel_tiles
 from oomb.sparse import DEFAULT_SCORE, SCORES, PageSelection
 from oomb.train.presets import build_model
 
@@ -139,8 +139,8 @@ def run(args) -> dict:
     fused = use_fused_ops(model, args.fused_ops)  # oomb's rows; transformers' rows get the plain modules back
     tiles = dict(CANDIDATES)[args.tiles]
     if tiles:  # a tune_attention candidate instead of the default tiles, for oomb's rows
-        default_tiles = T.choose_tiles
-        T.choose_tiles = lambda *a: dataclasses.replace(default_tiles(*a), **tiles)  # noqa: E731
+        default_tiles = kernel_tiles.choose_tiles
+        kernel_tiles.choose_tiles = lambda *a: dataclasses.replace(default_tiles(*a), **tiles)  # noqa: E731
     cfg = model.config
     params = [p for p in model.parameters()]
     param_bytes = sum(p.numel() * p.element_size() for p in params)

@@ -73,7 +73,7 @@ def _tiles_info(device: str):
     if device != "cuda":
         return None
     try:
-        from oomb.kernels import triton_attention as ta
+        from oomb.kernels import tiles as ta
         return {"tiles_d64_p128_bf16": repr(ta.choose_tiles(64, 128, torch.bfloat16)),
                 "has_dkdv_head_major": "dkdv_head_major" in {f.name for f in dataclasses.fields(ta.Tiles)}}
     except Exception as e:
@@ -84,7 +84,7 @@ class _CommittedTiles:
     """Context: the Triton launchers get tiles without the uncommitted head-major dK/dV tuning."""
 
     def __enter__(self):
-        from oomb.kernels import triton_attention as ta
+        from oomb.kernels import tiles as ta
         self.ta, self.orig = ta, ta.choose_tiles
 
         def choose(*args, **kwargs):

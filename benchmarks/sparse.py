@@ -34,7 +34,8 @@ from oomb.sparse import PageSelection, select_pages
 
 
 def _kernel_rows(kv_len: int, args) -> list[dict]:
-    from oomb.kernels.triton_attention import paged_attention_backward, paged_attention_forward
+    from oomb.kernels.backward import paged_attention_backward
+    from oomb.kernels.forward import paged_attention_forward
 
     page = args.page
     q, _, _, k_pool, v_pool, page_table = _paged_inputs(kv_len, page, torch.device("cuda"))
@@ -91,7 +92,9 @@ def _split_and_sweep(kv_len: int, args) -> list[dict]:
     """Per-kernel times of sparse and dense fwd+bwd, then sparse fwd+bwd under tile variants."""
     import dataclasses
 
-    from oomb.kernels import triton_attention as T
+    from oomb.kernels import tiles as kernel_tiles
+    from oomb.kernels.backward import paged_attention_backward
+    from oomb.kernels.forward import paged_attention_forward
 
     page = args.page
     q, _, _, k_pool, v_pool, page_table = _paged_inputs(kv_len, page, torch.device("cuda"))
@@ -105,13 +108,13 @@ def _split_and_sweep(kv_len: int, args) -> list[dict]:
     rows = []
     for mode, kw in (("dense", {}), ("sparse", {"page_select": sel, "select_block": args.block})):
         def fwd_bwd(kw=kw):
-            out, lse = T.paged_attention_forward(q, k_pool, v_pool, page_table, kv_len, scale=D**-0.5, **kw)
-            T.paged_attention_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len,
-                                       scale=D**-0.5, **kw)
+            out, lse = paged_attention_forward(q, k_pool, v_pool, page_table, kv_len, scale=D**-0.5, **kw)
+            paged_attention_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len,
+                                     scale=D**-0.5, **kw)
 
         rows.append({"kind": "kernel_split", "mode": mode, "kv_len": kv_len, "ms_per_call": _kernel_times(fwd_bwd)})
         print(json.dumps(rows[-1]), flush=True)
-    base = T.choose_tiles(D, page, torch.bfloat16)
+    base = kernel_tiles.choose_tiles(D, page, torch.bfloat16)
     variants = {
         "default": base,
         "dkdv_n64": dataclasses.replace(base, dkdv_n=64),
@@ -121,16 +124,16 @@ def _split_and_sweep(kv_len: int, args) -> list[dict]:
         "bwd_warps4": dataclasses.replace(base, bwd_warps=4),
         "bwd_stages2": dataclasses.replace(base, bwd_stages=2),
     }
-    original = T.choose_tiles
+    original = kernel_tiles.choose_tiles
     kw = {"page_select": sel, "select_block": args.block}
     try:
         for name, tiles in variants.items():
-            T.choose_tiles = lambda *a, tiles=tiles: tiles  # noqa: E731
+            kernel_tiles.choose_tiles = lambda *a, tiles=tiles: tiles  # noqa: E731
 
             def fwd_bwd():
-                out, lse = T.paged_attention_forward(q, k_pool, v_pool, page_table, kv_len, scale=D**-0.5, **kw)
-                T.paged_attention_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table,
-                                           kv_len, scale=D**-0.5, **kw)
+                out, lse = paged_attention_forward(q, k_pool, v_pool, page_table, kv_len, scale=D**-0.5, **kw)
+                paged_attention_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table,
+                                         kv_len, scale=D**-0.5, **kw)
             try:
                 rows.append({"kind": "sweep", "variant": name, "kv_len": kv_len, "tiles": dataclasses.asdict(tiles),
                              "fwd_bwd_s": _bench(fwd_bwd)})
@@ -138,7 +141,7 @@ def _split_and_sweep(kv_len: int, args) -> list[dict]:
                 rows.append({"kind": "sweep", "variant": name, "kv_len": kv_len, "error": str(e)[:200]})
             print(json.dumps(rows[-1]), flush=True)
     finally:
-        T.choose_tiles = original
+        kernel_tiles.choose_tiles = original
     return rows
 
 

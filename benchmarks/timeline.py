@@ -22,7 +22,7 @@ _KERNEL = "kernel"
 _COPIES = ("gpu_memcpy", "gpu_memset")
 _HOST_CALLS = ("cuda_runtime", "cuda_driver")  # the host's CUDA API calls (with ProfilerActivity.CPU)
 # Kernel name -> group, first match wins (lower-cased substrings). Our Triton kernels keep their
-# Python names (oomb/kernels/triton_attention.py, oomb/offload/copy.py); cuBLAS/CUTLASS matmuls
+# Python names (oomb/kernels/forward.py, dq.py, dkdv.py, ..., oomb/offload/copy.py); cuBLAS/CUTLASS matmuls
 # are named nvjet_*, sm90_xmma_*, cutlass*, *gemm*.
 KERNEL_GROUPS = (
     ("attention forward", ("_fwd_kernel",)),

@@ -3,7 +3,7 @@
     python -m benchmarks.tune_attention --kv-len 65536 --out out/tune.json
 
 Qwen2.5-7B heads (28 query, 4 KV, d=128), a 4096-token chunk, page 128, bf16 pools and
-gradient pools. Each candidate replaces ``triton_attention.choose_tiles`` and is timed
+gradient pools. Each candidate replaces ``oomb.kernels.tiles.choose_tiles`` and is timed
 with triton.testing.do_bench (median, after a compiling call). Every candidate's output
 is compared with the default's, so a fast but wrong setting shows up.
 """
@@ -20,7 +20,9 @@ import torch
 
 from benchmarks.attention import H_KV, C, H, _paged_inputs, attention_flops
 from benchmarks.common import int_list, run_benchmark
-from oomb.kernels import triton_attention as T
+from oomb.kernels import tiles as kernel_tiles
+from oomb.kernels.backward import paged_attention_backward
+from oomb.kernels.forward import paged_attention_forward
 
 # (name, overrides of the default Tiles). The default is measured first.
 CANDIDATES = [
@@ -65,22 +67,22 @@ def run(args) -> dict:
         sel = select_pages(q, k_pool.float().mean(dim=2), page_table, n_past, args.page_size, policy)
         kw = {"page_select": sel, "select_block": 128}
         flops = attention_flops(C, min(args.kv_len, args.budget * args.page_size + C)) * h / H
-    base = T.choose_tiles(q.shape[-1], args.page_size, q.dtype)
-    original = T.choose_tiles
+    base = kernel_tiles.choose_tiles(q.shape[-1], args.page_size, q.dtype)
+    original = kernel_tiles.choose_tiles
     rows, ref = [], None
     wanted = [c for c in CANDIDATES if args.candidates is None or c[0] in args.candidates]
     for name, override in wanted:
         tiles = dataclasses.replace(base, **override)
-        T.choose_tiles = lambda *a, tiles=tiles: tiles  # noqa: E731
+        kernel_tiles.choose_tiles = lambda *a, tiles=tiles: tiles  # noqa: E731
         try:
             def fwd():
-                return T.paged_attention_forward(q, k_pool, v_pool, page_table, args.kv_len, scale=scale, **kw)
+                return paged_attention_forward(q, k_pool, v_pool, page_table, args.kv_len, scale=scale, **kw)
 
             out, lse = fwd()
 
             def bwd(out=out, lse=lse):
-                return T.paged_attention_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool,
-                                                  page_table, args.kv_len, scale=scale, **kw)
+                return paged_attention_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool,
+                                                page_table, args.kv_len, scale=scale, **kw)
 
             dk_pool.zero_()
             dv_pool.zero_()
@@ -99,7 +101,7 @@ def run(args) -> dict:
             row = {"name": name, "tiles": dataclasses.asdict(tiles), "error": f"{type(e).__name__}: {e}"[:300]}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    T.choose_tiles = original
+    kernel_tiles.choose_tiles = original
     return {"bench": "tune_attention", "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "kv_len": args.kv_len, "q_len": C, "heads": [h, h_kv],
             "budget_pages": args.budget, "page_size": args.page_size,

@@ -13,9 +13,8 @@ from typing import Literal
 import torch
 import torch.distributed
 
-from oomb.cache import PagedKVStore
+from oomb.cache import KVStore, PageLists
 from oomb.kernels import AttentionBackend
-from oomb.offload import OffloadedKVStore
 from oomb.sparse import PageSelection
 
 STEP_KWARG = "oomb_step"
@@ -25,7 +24,7 @@ Stage = Literal["fill", "recompute"]
 
 @dataclass
 class StepContext:
-    store: PagedKVStore | OffloadedKVStore
+    store: KVStore
     backend: AttentionBackend
     stage: Stage = "fill"
     # Layer indices whose attention ran during the current chunk's forward; the engine
@@ -34,15 +33,11 @@ class StepContext:
     # Packed documents: [B, N] int32 position of the first token of each token's document
     # (tokens of different documents never attend to each other); None = one document per row.
     doc_start: torch.Tensor | None = None
-    # Page-sparse attention policy (None = dense), and the page lists chosen so far, keyed by
-    # (layer index, first token of the chunk): chosen in stage 1, reused in stage 2.
+    # Page-sparse attention policy (None = dense).
     selection: PageSelection | None = None
-    page_lists: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
-    # The past pages a layer's kernels read for a chunk (same keys; None = all of them): what an
-    # offloaded store must bring to the device. Known once the layer ran on the chunk.
-    past_pages: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
-    # Each layer's sliding window (None = full attention), learned as the layers run.
-    layer_windows: dict[int, int | None] = field(default_factory=dict)
+    # The step's page lists per (layer, chunk start): chosen in stage 1, reused in stage 2, the past
+    # pages each layer reads (what an offloaded store brings to the device), dropped after the chunk.
+    page_lists: PageLists = field(init=False)
     # Attention outputs kept from stage 1 for stage 2 (same keys -> (out, lse)), when on: stage 2's
     # forward then reuses them instead of attending again (the pages and queries are the same).
     cache_attention: bool = False
@@ -51,8 +46,12 @@ class StepContext:
     # selection combines the scores of every rank's heads so all ranks attend the same pages.
     tp_group: torch.distributed.ProcessGroup | None = None
 
+    def __post_init__(self) -> None:
+        self.page_lists = PageLists(sparse=self.selection is not None)
+
     def drop_page_lists(self, chunk_start: int) -> None:
-        """Forget the page lists of the chunk that starts at ``chunk_start`` (after its backward)."""
-        for table in (self.page_lists, self.past_pages, self.attention_outputs):
-            for key in [key for key in table if key[1] == chunk_start]:
-                del table[key]
+        """Forget what was kept for the chunk that starts at ``chunk_start`` (after its backward): its page
+        lists and any attention outputs cached for it."""
+        self.page_lists.drop(chunk_start)
+        for key in [key for key in self.attention_outputs if key[1] == chunk_start]:
+            del self.attention_outputs[key]

@@ -12,16 +12,16 @@ from __future__ import annotations
 import torch
 
 from oomb.attention.context import StepContext
-from oomb.kernels.reference import _first_visible_page
 from oomb.sparse import select_pages
 
 
 def visibility(step: StepContext, layer_idx: int, q: torch.Tensor, sliding_window: int | None) -> dict:
     """Keyword arguments for the kernels: the chunk's document starts and its page lists.
 
-    A layer's page list for a chunk is chosen the first time the chunk runs (stage 1, or
-    stage 2 for the last chunk) and reused afterwards, so every pass attends the same pages.
-    Sliding-window layers stay dense: they read only the pages inside their window anyway.
+    A layer's page lists for a chunk are chosen the first time the chunk runs (stage 1, or
+    stage 2 for the last chunk) and reused afterwards (``step.page_lists``), so every pass
+    attends the same pages. Sliding-window layers stay dense: they read only the pages inside
+    their window anyway.
     """
     store = step.store
     kv_len, c = store.num_tokens, q.shape[2]
@@ -30,64 +30,29 @@ def visibility(step: StepContext, layer_idx: int, q: torch.Tensor, sliding_windo
     kwargs = {"doc_start": doc_start}
     policy = step.selection
     if policy is not None and sliding_window is None:
-        key = (layer_idx, q0)
-        if key not in step.page_lists:
-            step.page_lists[key] = select_pages(
-                q, store.mean_keys(layer_idx), store.page_table, q0 // store.spec.page_size,
-                store.spec.page_size, policy, doc_start, group=step.tp_group,
-            )
-        page_select = step.page_lists[key]
+        def choose():
+            return select_pages(q, store.mean_keys(layer_idx), store.page_table, q0 // store.spec.page_size,
+                                store.spec.page_size, policy, doc_start, group=step.tp_group)
+
+        page_select = step.page_lists.chosen(layer_idx, q0, choose)
         if page_select is not None:
             kwargs.update(page_select=page_select, select_block=policy.block)
     return kwargs
-
-
-def past_pages(step: StepContext, layer_idx: int) -> tuple[bool, torch.Tensor | None]:
-    """(known, pages): the past pages (sequence page indices; None = all) the layer's kernels read
-    for the newest chunk. Unknown for a sparse layer whose selection is not made yet."""
-    store = step.store
-    q0 = store.last_chunk().start
-    key = (layer_idx, q0)
-    if key in step.past_pages:
-        return True, step.past_pages[key]
-    if layer_idx not in step.layer_windows:
-        return False, None
-    window = step.layer_windows[layer_idx]
-    if window is not None:
-        page_size = store.spec.page_size
-        first = _first_visible_page(store.num_tokens, store.num_tokens - q0, page_size, window)
-        pages = torch.arange(first, q0 // page_size, device=store.page_table.device)
-    elif step.selection is None:
-        pages = None
-    else:
-        return False, None  # chosen when the layer runs on this chunk
-    step.past_pages[key] = pages
-    return True, pages
-
-
-def _record_past_pages(step: StepContext, layer_idx: int, sliding_window: int | None, vis: dict) -> torch.Tensor | None:
-    step.layer_windows[layer_idx] = sliding_window
-    key = (layer_idx, step.store.last_chunk().start)
-    if key not in step.past_pages and vis.get("page_select") is not None and step.store.needs_page_list(layer_idx):
-        chosen = vis["page_select"]  # [B, H_sel, blocks, budget], each list ascending and distinct
-        # Every page some block or head reads. One list is its own union: no torch.unique, whose
-        # data-dependent size would make the host wait for the selection.
-        step.past_pages[key] = chosen.view(-1) if chosen.shape[:3] == (1, 1, 1) else torch.unique(chosen)
-    return past_pages(step, layer_idx)[1]
 
 
 def _attend(step: StepContext, layer_idx: int, q, k, v, sinks, scale, sliding_window):
     """Fetch the layer's working set, write the chunk's K/V, attend; returns (out, lse, vis)."""
     store = step.store
     vis = visibility(step, layer_idx, q, sliding_window)
-    pools, table = store.fetch(layer_idx, _record_past_pages(step, layer_idx, sliding_window, vis), grads=False)
+    past = step.page_lists.layer_ran(store, layer_idx, sliding_window, vis.get("page_select"))
+    pools, table = store.fetch(layer_idx, past, grads=False)
     store.write(layer_idx, k, v)
     out, lse = step.backend.forward(
         q, pools.k, pools.v, table, store.num_tokens,
         scale=scale, sliding_window=sliding_window, sinks=sinks, **vis,
     )
     store.writeback(layer_idx, grads=False)
-    known, pages = past_pages(step, layer_idx + 1)
+    known, pages = step.page_lists.past_pages(store, layer_idx + 1)
     if known:
         store.prefetch(layer_idx + 1, pages, grads=False)  # the next layer's pages, while this one computes
     else:  # a sparse layer chooses its pages when it runs: bring what it chooses them by
@@ -120,7 +85,7 @@ class PagedAttention(torch.autograd.Function):
         store = step.store
         if store.last_chunk() != ctx.record:
             raise RuntimeError("the paged store changed between this chunk's forward and backward")
-        pools, table = store.fetch(layer_idx, past_pages(step, layer_idx)[1], grads=True)
+        pools, table = store.fetch(layer_idx, step.page_lists.past_pages(store, layer_idx)[1], grads=True)
         dq, d_sinks = step.backend.backward(
             d_out.contiguous(), q, out, lse, pools.k, pools.v, pools.dk, pools.dv,
             table, ctx.kv_len,
@@ -128,7 +93,7 @@ class PagedAttention(torch.autograd.Function):
         )
         dk, dv = store.read_grad(layer_idx, ctx.record)
         store.writeback(layer_idx, grads=True)
-        known, pages = past_pages(step, layer_idx - 1)
+        known, pages = step.page_lists.past_pages(store, layer_idx - 1)
         if known and layer_idx > 0:
             store.prefetch(layer_idx - 1, pages, grads=True)  # backward runs the layers in reverse
         if d_sinks is not None:

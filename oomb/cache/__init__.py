@@ -1,6 +1,18 @@
-"""The paged K/V store (pools, block tables, free lists) and its page allocator."""
+"""The paged K/V store (pools, block tables, free lists), its page allocator, its interface and a step's page lists."""
 
 from oomb.cache.allocator import OutOfPagesError, PageAllocator
+from oomb.cache.interface import KVStore
+from oomb.cache.page_lists import PageLists, PastPages
 from oomb.cache.store import ChunkRecord, LayerPools, PagedKVStore, StoreSpec
 
-__all__ = ["ChunkRecord", "LayerPools", "OutOfPagesError", "PageAllocator", "PagedKVStore", "StoreSpec"]
+__all__ = [
+    "ChunkRecord",
+    "KVStore",
+    "LayerPools",
+    "OutOfPagesError",
+    "PageAllocator",
+    "PageLists",
+    "PagedKVStore",
+    "PastPages",
+    "StoreSpec",
+]

@@ -29,6 +29,7 @@ import torch
 
 from oomb.cache.allocator import OutOfPagesError, PageAllocator
 from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
+from oomb.cache.page_lists import PastPages
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,12 @@ class StoreSpec:
 
     def bytes_per_token(self) -> int:
         """K, V and their gradient pages, all layers (the memory that grows with the context)."""
-        per_head_token = self.head_dim * (2 * _itemsize(self.dtype) + 2 * _itemsize(self.grad_dtype))
+        per_head_token = self.head_dim * (2 * self.dtype.itemsize + 2 * self.grad_dtype.itemsize)
         return self.num_layers * self.num_kv_heads * per_head_token
 
     def bytes_per_page(self) -> int:
         """One page id across all layers: K, V, dK, dV and the key summary (in K's dtype)."""
-        mean_key = self.num_layers * self.num_kv_heads * self.summary_dim * _itemsize(self.dtype)
+        mean_key = self.num_layers * self.num_kv_heads * self.summary_dim * self.dtype.itemsize
         return self.bytes_per_token() * self.page_size + mean_key
 
     def layer_bytes(self, pages: int) -> int:
@@ -69,10 +70,6 @@ class StoreSpec:
 
 
 KEY_SUMMARIES = ("mean", "bounds")
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def page_key_summary(tiles: torch.Tensor, valid: torch.Tensor, kind: str) -> torch.Tensor:
@@ -110,6 +107,14 @@ class ChunkRecord:
     first_page: int  # index into the page table's columns
     num_pages: int
     page_ids: tuple[int, ...]  # B * num_pages ids, sequence-major
+
+    def valid_slots(self, page_size: int, device: torch.device) -> torch.Tensor:
+        """Number of real (non-padding) tokens in each page of the chunk, as float32 [num_pages]."""
+        valid = torch.full((self.num_pages,), float(page_size), device=device)
+        # fill_ passes the number as a kernel argument (an element assignment may go through a
+        # host-to-device copy instead; this runs once per layer and chunk).
+        valid[-1:].fill_(self.end - self.start - (self.num_pages - 1) * page_size)
+        return valid
 
 
 class ChunkLedger:
@@ -163,13 +168,10 @@ class ChunkLedger:
 
 
 class PagedKVStore(ChunkLedger):
-    """Preallocated K/V (+gradient) pools with a shared block table.
+    """Preallocated K/V (+gradient) pools with a shared block table, all on the device.
 
-    The API is the whole contract the engine and attention need:
-    ``reserve`` (before a step), ``append_chunk`` (allocate pages for the next chunk),
-    ``write`` (a layer's K/V of the newest chunk), ``layer`` (pools for kernels),
-    ``read``/``read_grad`` (a chunk's K/V or gradient back as dense tensors) and
-    ``free_last_chunk``.
+    Implements ``oomb.cache.KVStore`` (what the engine and attention call); beside it ``layer``
+    (a layer's pools) and ``read`` (a chunk's K/V as dense tensors) serve tests and tools.
     """
 
     def __init__(self, spec: StoreSpec) -> None:
@@ -312,7 +314,7 @@ class PagedKVStore(ChunkLedger):
 
     # The working-set protocol the attention function goes through. Everything lives on the
     # device here, so it is trivial; the offloaded store (oomb.offload) moves pages instead.
-    def fetch(self, layer_idx: int, past_pages: torch.Tensor | None, *, grads: bool) -> tuple[LayerPools, torch.Tensor]:
+    def fetch(self, layer_idx: int, past_pages: PastPages | None, *, grads: bool) -> tuple[LayerPools, torch.Tensor]:
         """Pools and block table through which a kernel reads ``past_pages`` (sequence page indices
         before the newest chunk; None = all of them) and the newest chunk of one layer."""
         return self._layers[layer_idx], self.page_table
@@ -323,7 +325,7 @@ class PagedKVStore(ChunkLedger):
         selection) is not built."""
         return False
 
-    def prefetch(self, layer_idx: int, past_pages: torch.Tensor | None, *, grads: bool) -> None:
+    def prefetch(self, layer_idx: int, past_pages: PastPages | None, *, grads: bool) -> None:
         """Start bringing what ``fetch`` will ask for next (nothing to do when all pages are here)."""
 
     def writeback(self, layer_idx: int, *, grads: bool) -> None:
@@ -353,7 +355,7 @@ class PagedKVStore(ChunkLedger):
         kp = tokens_to_tiles(k, s.page_size)
         pools.k[ids] = kp
         pools.v[ids] = tokens_to_tiles(v, s.page_size)
-        valid = _valid_per_page(record, s.page_size, k.device).repeat(self.batch_size)  # [B*n_pages]
+        valid = record.valid_slots(s.page_size, k.device).repeat(self.batch_size)  # [B*n_pages]
         pools.mean_k[ids] = page_key_summary(kp, valid, s.key_summary).to(s.dtype)
 
     def read(self, layer_idx: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,12 +377,3 @@ class PagedKVStore(ChunkLedger):
         dense = tiles_to_tokens(pool[ids])  # [B, H_kv, n * page_size, D]
         return dense[:, :, start - p0 * ps : end - p0 * ps]
 
-
-def _valid_per_page(record: ChunkRecord, page_size: int, device: torch.device) -> torch.Tensor:
-    """Number of real (non-padding) tokens in each page of a chunk, as float32 [num_pages]."""
-    n = record.end - record.start
-    valid = torch.full((record.num_pages,), float(page_size), device=device)
-    # fill_ passes the number as a kernel argument (an element assignment may go through a
-    # host-to-device copy instead; this runs once per layer and chunk).
-    valid[-1:].fill_(n - (record.num_pages - 1) * page_size)
-    return valid

@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from oomb.attention import StepContext, check_attention_support
-from oomb.cache import PagedKVStore
+from oomb.cache import KVStore, PagedKVStore
 from oomb.engine.loss import IGNORE_INDEX, LOSS_IMPLS
 from oomb.engine.sizes import store_spec
 from oomb.engine.tensor_parallel import tensor_parallel_group
@@ -34,7 +34,7 @@ from oomb.offload import OffloadedKVStore
 from oomb.sparse import PageSelection, store_key_summary
 
 # One store per model, reused across steps so the pools are allocated once.
-_STORES: weakref.WeakKeyDictionary[torch.nn.Module, PagedKVStore | OffloadedKVStore] = weakref.WeakKeyDictionary()
+_STORES: weakref.WeakKeyDictionary[torch.nn.Module, KVStore] = weakref.WeakKeyDictionary()
 
 
 def require_int(name: str, value, *, minimum: int) -> None:
@@ -144,7 +144,7 @@ class PreparedStep:
     targets: torch.Tensor  # [B, N] int64: position t's target, labels[t + 1]; -100 = none
     target_counts: list[int]  # targets per chunk
     bounds: list[tuple[int, int]]  # [start, end) of each chunk, in order
-    store: PagedKVStore | OffloadedKVStore  # the model's store, empty, reserved for [B, N]
+    store: KVStore  # the model's store, empty, reserved for [B, N]
     context: StepContext  # handed to every attention layer; stage "fill"
 
 
@@ -197,12 +197,12 @@ def release_memory(model: torch.nn.Module) -> None:
         store.release()  # frees the pools even if something else still references the store
 
 
-def store_for_model(model: torch.nn.Module) -> PagedKVStore | OffloadedKVStore | None:
+def store_for_model(model: torch.nn.Module) -> KVStore | None:
     """The store oomb keeps for ``model`` between steps, if any (for memory accounting)."""
     return _STORES.get(unwrap_peft(model))
 
 
-def _store_for(model: PreTrainedModel, device: torch.device, options: StepOptions) -> PagedKVStore | OffloadedKVStore:
+def _store_for(model: PreTrainedModel, device: torch.device, options: StepOptions) -> KVStore:
     """The model's store for these options: the kept one where its spec and kind match, else a new one."""
     group = tensor_parallel_group(model)
     split = 1 if group is None else torch.distributed.get_world_size(group)  # each rank stores its KV heads

@@ -1,7 +1,9 @@
 """Attention over the paged store: one signature, several backends.
 
 - ``torch``: the PyTorch path (kernels/reference.py). CPU and CUDA; the oracle in tests.
-- ``triton``: the Triton kernels (kernels/triton_attention.py). CUDA, or CPU under
+- ``triton``: the Triton kernels, one op per file: forward.py, backward.py (delta, then
+  dkdv.py or sparse_backward.py, then dq.py), with common.py (shared jit helpers), tiles.py
+  (tile choice) and launch.py (host-side argument helpers). CUDA, or CPU under
   ``TRITON_INTERPRET=1`` (tests only: slow).
 - ``auto``: triton on CUDA when it imports, torch elsewhere.
 """
@@ -28,10 +30,11 @@ BACKEND_NAMES = ("auto", "torch", "triton")
 
 @functools.cache
 def _triton_backend() -> AttentionBackend:
-    from oomb.kernels import triton_attention  # imports triton: only when asked for
+    # Imports triton: only when asked for.
+    from oomb.kernels.backward import paged_attention_backward
+    from oomb.kernels.forward import paged_attention_forward
 
-    return AttentionBackend("triton", triton_attention.paged_attention_forward,
-                            triton_attention.paged_attention_backward)
+    return AttentionBackend("triton", paged_attention_forward, paged_attention_backward)
 
 
 def _triton_importable() -> bool:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
+from oomb.cache.layout import first_visible_page, tiles_to_tokens, tokens_to_tiles
 
 # Score block budget: about 4 fp32 [B, H, C, block] temporaries live in the backward at once.
 # Larger on CUDA, where fewer, larger blocks keep the GPU busy between launches.
@@ -50,19 +50,6 @@ def _block_pages(q: torch.Tensor, page_size: int, block_tokens: int | None) -> i
         budget = _BLOCK_BYTES.get(q.device.type, _BLOCK_BYTES["cpu"])
         block_tokens = max(page_size, budget // (4 * b * h * c))
     return max(1, block_tokens // page_size)
-
-
-def _first_visible_page(
-    kv_len: int, q_len: int, page_size: int, sliding_window: int | None, first_doc_start: int = 0
-) -> int:
-    """Pages before this one hold no key that any query of the chunk can see.
-
-    ``first_doc_start``: the smallest document start of any query (0 without documents).
-    """
-    earliest_key = first_doc_start
-    if sliding_window is not None:
-        earliest_key = max(earliest_key, kv_len - q_len - sliding_window + 1)
-    return max(0, earliest_key) // page_size
 
 
 def _key_blocks(kv_len: int, q_len: int, page_size: int, first_page: int, always_mask: bool, step: int):
@@ -153,7 +140,7 @@ def _visibility(q, kv_heads, kv_len, page_size, sliding_window, doc_start, page_
         bitmap.scatter_(-1, page_select.to(q.device, torch.int64), True)
         qb_of_c = torch.arange(c, device=q.device) // select_block
         selected = bitmap[:, :, qb_of_c, :n_past].repeat(1, 1, g, 1)  # [B, H_sel, G*C, n_past]
-    first_page = _first_visible_page(kv_len, c, page_size, sliding_window, first_doc)
+    first_page = first_visible_page(kv_len, c, page_size, sliding_window, first_doc)
     return _Visibility(q_pos_rows, kv_len, sliding_window, doc_rows, selected, first_page)
 
 

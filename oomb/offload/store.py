@@ -37,7 +37,8 @@ ordered with events:
 A page list made on the compute stream (a sparse layer's selection in stage 1, a window's
 range) is read by the copy kernel on the copy stream: the copy stream first waits for the
 compute stream's point where the list was handed over, and the list's memory is kept from reuse
-until the copies that read it ran (``_hand_list_to_copy_stream``).
+until the copies that read it ran (``PastPages.hand_to_stream``, oomb/cache/page_lists.py). A
+slot remembers which list it holds by the list's serial, never by its address.
 
 Without CUDA (tests) every copy is synchronous and the same code runs. Gradients are
 bit-identical to the device-resident store: the kernels see the same values in the
@@ -53,17 +54,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import weakref
-from dataclasses import dataclass, field
 
 import torch
 
-from oomb.cache import ChunkRecord, LayerPools, StoreSpec
+from oomb.cache import ChunkRecord, LayerPools, PastPages, StoreSpec
 from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
-from oomb.cache.store import ChunkLedger, _itemsize, _valid_per_page, page_key_summary
+from oomb.cache.store import ChunkLedger, page_key_summary
 from oomb.offload.copy import copy_pages, pinned_empty
+from oomb.offload.slots import KINDS, DeviceSlot
 
-_KINDS = ("k", "v", "dk", "dv")
 SYNC_ENV = "OOMB_OFFLOAD_SYNC"
 
 
@@ -72,25 +71,8 @@ def sync_from_env() -> bool:
     return os.environ.get(SYNC_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-@dataclass
-class _Slot:
-    """One layer's working set on the device."""
-
-    pools: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> [capacity, H_kv, P, D]
-    table: torch.Tensor | None = None  # [B, max_pages] int32
-    key: tuple | None = None  # what the slot holds: (layer, chunk start, past pages id, grads)
-    past: torch.Tensor | None = None  # [m] sequence page indices of its past pages, on the device (None = 0..m-1)
-    num_past: int = 0
-    rows: int = 0  # M: pages per sequence in the slot (past + chunk)
-    ready: object = None  # CUDA event: its pages have arrived
-    free: object = None  # CUDA event: the kernels reading it are done
-    mean: torch.Tensor | None = None  # [B, max_pages, H_kv, D]: one layer's mean keys
-    mean_key: tuple | None = None  # (layer, chunk start) whose past the mean keys hold
-    mean_ready: object = None  # CUDA event: they have arrived
-
-
 class OffloadedKVStore(ChunkLedger):
-    """Drop-in for ``PagedKVStore`` whose pages live in host memory (see the module docstring)."""
+    """A ``KVStore`` (as ``PagedKVStore``) whose pages live in host memory (see the module docstring)."""
 
     def __init__(self, spec: StoreSpec, *, num_slots: int = 2, gpu_bytes: int = 0) -> None:
         if num_slots < 2:
@@ -113,16 +95,13 @@ class OffloadedKVStore(ChunkLedger):
         # not measured yet: docs/offload.md.)
         self._copy_stream = torch.cuda.Stream(spec.device, priority=-1) if self._cuda else None
         self._host: dict[str, torch.Tensor] = {}
-        self._slots = [_Slot() for _ in range(num_slots)]
+        self._slots = [DeviceSlot() for _ in range(num_slots)]
         # Chosen pages move through the page-copy kernel (mapped host memory) on CUDA; without CUDA
         # through torch indexing. Tests set this True on CPU to run the kernel in Triton's interpreter.
         self.copy_kernels = self._cuda
         # CUDA event of the last copy batch that read or wrote the host gradient pools (dk, dv):
         # the host thread zeroes their pages in append_chunk and must not race such a copy.
         self._grad_copies: object = None
-        # Page lists the copy stream is already ordered after, by id (entries go with the lists;
-        # see _hand_list_to_copy_stream).
-        self._ordered_lists: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self.synchronous = sync_from_env()  # debugging: no overlap at all (module docstring)
         self._max_pages = 0
         self.batch_size = 0
@@ -169,7 +148,7 @@ class OffloadedKVStore(ChunkLedger):
             for slot in self._slots:
                 slot.mean = None
             page = (batch_size, max_pages, s.num_kv_heads, s.page_size, s.head_dim)
-            for kind in (*_KINDS, "mean"):
+            for kind in (*KINDS, "mean"):
                 dtype = s.grad_dtype if kind in ("dk", "dv") else s.dtype
                 shape = page if kind != "mean" else (batch_size, max_pages, s.num_kv_heads, s.summary_dim)
                 if resident:
@@ -186,7 +165,6 @@ class OffloadedKVStore(ChunkLedger):
         self.page_table = rows + torch.arange(self._max_pages, device=s.device, dtype=torch.int32)
         self.num_tokens = 0
         self.moved_bytes = {"to_device": 0, "to_host": 0}
-        self._ordered_lists.clear()
         for slot in self._slots:
             slot.key = slot.mean_key = None
 
@@ -195,7 +173,7 @@ class OffloadedKVStore(ChunkLedger):
         self.clear()
         self._synchronize()
         self._host, self._dev = {}, {}
-        self._slots = [_Slot() for _ in range(self.num_slots)]
+        self._slots = [DeviceSlot() for _ in range(self.num_slots)]
         self.resident_layers = 0
         self._max_pages = 0
         self.batch_size = 0
@@ -276,10 +254,10 @@ class OffloadedKVStore(ChunkLedger):
         slot.mean_key = key
         self._sync()
 
-    def _slot_of(self, layer_idx: int) -> _Slot:
+    def _slot_of(self, layer_idx: int) -> DeviceSlot:
         return self._slots[layer_idx % self.num_slots]
 
-    def fetch(self, layer_idx: int, past_pages: torch.Tensor | None, *, grads: bool) -> tuple[LayerPools, torch.Tensor]:
+    def fetch(self, layer_idx: int, past_pages: PastPages | None, *, grads: bool) -> tuple[LayerPools, torch.Tensor]:
         """The slot holding ``past_pages`` (None = all) and the newest chunk of one layer, ready for kernels.
 
         ``grads``: also their gradient pages, and the chunk's own K/V from the host (backward);
@@ -300,7 +278,7 @@ class OffloadedKVStore(ChunkLedger):
                            mean_k=slot.mean.flatten(0, 1))  # the layer's only after mean_keys()
         return pools, slot.table
 
-    def prefetch(self, layer_idx: int, past_pages: torch.Tensor | None, *, grads: bool) -> None:
+    def prefetch(self, layer_idx: int, past_pages: PastPages | None, *, grads: bool) -> None:
         """Start the copies ``fetch`` will need for this layer (into its slot), without waiting."""
         if self.resident_layers <= layer_idx < self.spec.num_layers:
             slot = self._slot_of(layer_idx)
@@ -322,7 +300,7 @@ class OffloadedKVStore(ChunkLedger):
             slot.free.record(compute)
         with self._on_copy_stream(wait=slot.free):
             view = {kind: slot.pools[kind][: self.batch_size * slot.rows].view(
-                self.batch_size, slot.rows, *slot.pools[kind].shape[1:]) for kind in _KINDS}
+                self.batch_size, slot.rows, *slot.pools[kind].shape[1:]) for kind in KINDS}
             page = self._page_nbytes()
             if not grads:
                 c0, n = record.first_page, record.num_pages
@@ -333,15 +311,15 @@ class OffloadedKVStore(ChunkLedger):
                 self._home("mean", layer_idx)[:, c0 : c0 + n].copy_(slot.mean[:, c0 : c0 + n],
                                                                      non_blocking=self._cuda)
             elif slot.num_past:
-                if slot.past is not None:
-                    self._hand_list_to_copy_stream(slot.past)
+                if slot.past is not None and self._cuda:
+                    slot.past.hand_to_stream(self._copy_stream)
                 self.moved_bytes["to_host"] += 2 * self.batch_size * slot.num_past * page
                 for kind in ("dk", "dv"):
                     src = view[kind][:, : slot.num_past]
                     if slot.past is None:  # pages 0 .. m-1: one contiguous copy per row
                         self._home(kind, layer_idx)[:, : slot.num_past].copy_(src, non_blocking=self._cuda)
                     else:  # the chosen pages, scattered into the mapped host pool by the copy kernel
-                        copy_pages(src, self._home(kind, layer_idx), dst_index=slot.past,
+                        copy_pages(src, self._home(kind, layer_idx), dst_index=slot.past.pages,
                                    use_kernel=self.copy_kernels)
             if self._cuda and grads:
                 done = torch.cuda.Event()
@@ -358,7 +336,7 @@ class OffloadedKVStore(ChunkLedger):
         for kind, tiles in (("k", kt), ("v", vt)):
             view, first = self._chunk_rows(layer_idx, kind, record, "write()")
             view[:, first : first + n] = tiles.view(self.batch_size, n, *tiles.shape[1:])
-        valid = _valid_per_page(record, s.page_size, k.device)
+        valid = record.valid_slots(s.page_size, k.device)
         mean = page_key_summary(kt, valid.repeat(self.batch_size), s.key_summary)  # as the device store keeps it
         if self._resident(layer_idx):
             means = self._dev["mean"][layer_idx]
@@ -388,23 +366,16 @@ class OffloadedKVStore(ChunkLedger):
         return out[0], out[1]
 
     # ------------------------------------------------------------------ internals
-    def _ensure_mean(self, slot: _Slot) -> None:
-        """Give the slot a mean-key buffer of the reserved shape (made on first use, like its pools)."""
+    def _ensure_mean(self, slot: DeviceSlot) -> None:
+        """Give the slot a mean-key buffer of the reserved shape."""
         s = self.spec
-        shape = (self.batch_size, self._max_pages, s.num_kv_heads, s.summary_dim)
-        if slot.mean is None or tuple(slot.mean.shape) != shape:
-            self._synchronize()
-            slot.mean = torch.zeros(shape, dtype=s.dtype, device=s.device)
-            slot.mean_key = None
-            if self._cuda:  # copies into it wait slot.free: order them after this fill (as _ensure_capacity)
-                slot.free = torch.cuda.Event()
-                slot.free.record(torch.cuda.current_stream(s.device))
+        slot.ensure_mean(s, (self.batch_size, self._max_pages, s.num_kv_heads, s.summary_dim), self._synchronize)
 
     def _page_nbytes(self) -> int:
         """Bytes of one page of one kind (K, V, dK or dV) of one layer (gradients in their own dtype
         may differ: counted at the K/V size, which they are by default)."""
         s = self.spec
-        return s.num_kv_heads * s.page_size * s.head_dim * _itemsize(s.dtype)
+        return s.num_kv_heads * s.page_size * s.head_dim * s.dtype.itemsize
 
     def _home(self, kind: str, layer_idx: int) -> torch.Tensor:
         """[B, max_pages, H_kv, P, D]: where a non-resident layer's pages live (host)."""
@@ -412,7 +383,7 @@ class OffloadedKVStore(ChunkLedger):
 
     def _dev_pools(self, layer_idx: int) -> dict[str, torch.Tensor]:
         s = self.spec
-        return {kind: self._dev[kind][layer_idx].view(-1, s.num_kv_heads, s.page_size, s.head_dim) for kind in _KINDS}
+        return {kind: self._dev[kind][layer_idx].view(-1, s.num_kv_heads, s.page_size, s.head_dim) for kind in KINDS}
 
     def _chunk_rows(self, layer_idx: int, kind: str, record: ChunkRecord, what: str) -> tuple[torch.Tensor, int]:
         """([B, rows, H_kv, P, D] view holding the layer's newest chunk, index of its first page there)."""
@@ -424,37 +395,45 @@ class OffloadedKVStore(ChunkLedger):
         pool = slot.pools[kind]
         return pool[: self.batch_size * slot.rows].view(self.batch_size, slot.rows, *pool.shape[1:]), slot.num_past
 
-    def _key(self, layer_idx, past_pages, grads):
-        past_id = None if past_pages is None else (past_pages.data_ptr(), past_pages.numel())
-        return (layer_idx, self.last_chunk().start, past_id, grads)
+    def _key(self, layer_idx: int, past_pages: PastPages | None, grads: bool) -> tuple:
+        """What a slot filled for these arguments holds. A list is known by its serial, not its address:
+        freed memory is reused, and a new list at an old one's address would find the old pages."""
+        if past_pages is not None:
+            if not isinstance(past_pages, PastPages):
+                raise TypeError(f"past_pages must be an oomb.cache.PastPages (PastPages(pages_tensor)) or None, "
+                                f"got {type(past_pages).__name__}")
+            if past_pages.pages.device != self.page_table.device:
+                raise ValueError(f"the past pages are on {past_pages.pages.device}, the store on "
+                                 f"{self.page_table.device}: make the list on the store's device")
+        return (layer_idx, self.last_chunk().start, None if past_pages is None else past_pages.serial, grads)
 
-    def _fill(self, slot: _Slot, layer_idx: int, past_pages: torch.Tensor | None, grads: bool, key) -> None:
+    def _fill(self, slot: DeviceSlot, layer_idx: int, past_pages: PastPages | None, grads: bool, key) -> None:
         s = self.spec
         record = self.last_chunk()
         b = self.batch_size
-        num_past = record.first_page if past_pages is None else past_pages.numel()
+        num_past = record.first_page if past_pages is None else past_pages.pages.numel()
         rows = num_past + record.num_pages
         self._sync()  # debugging mode: every queued kernel and copy ran before the host touches anything
-        self._ensure_capacity(slot, b * rows)
+        slot.ensure_capacity(s, b * rows, self._synchronize)
         # The slot's table: page p of row b -> b * rows + its index in the slot. Built on the device:
         # a host-built table would be a pageable copy, which waits for the queued kernels.
         dev = s.device
         table = torch.zeros((b, self._max_pages), dtype=torch.int32, device=dev)
         base = (torch.arange(b, dtype=torch.int32, device=dev) * rows).view(-1, 1)
-        past_idx = torch.arange(num_past, device=dev) if past_pages is None else past_pages.to(dev, torch.long)
+        past_idx = torch.arange(num_past, device=dev) if past_pages is None else past_pages.pages.long()
         table[:, past_idx] = base + torch.arange(num_past, dtype=torch.int32, device=dev)
         table[:, record.first_page : record.first_page + record.num_pages] = (
             base + num_past + torch.arange(record.num_pages, dtype=torch.int32, device=dev))
         slot.table = table
-        slot.past = None if past_pages is None else past_pages.to(dev)
+        slot.past = past_pages
         slot.key, slot.num_past, slot.rows = key, num_past, rows
 
-        kinds = _KINDS if grads else ("k", "v")
+        kinds = KINDS if grads else ("k", "v")
         self.moved_bytes["to_device"] += len(kinds) * b * num_past * self._page_nbytes()
         if grads:
             self.moved_bytes["to_device"] += len(kinds) * b * record.num_pages * self._page_nbytes()
-        if slot.past is not None:
-            self._hand_list_to_copy_stream(slot.past)
+        if slot.past is not None and self._cuda:
+            slot.past.hand_to_stream(self._copy_stream)  # before the copies below read it
         with self._on_copy_stream(wait=slot.free):
             for kind in kinds:
                 view = slot.pools[kind][: b * rows].view(b, rows, *slot.pools[kind].shape[1:])
@@ -463,7 +442,7 @@ class OffloadedKVStore(ChunkLedger):
                     if slot.past is None:
                         view[:, :num_past].copy_(host[:, :num_past], non_blocking=self._cuda)
                     else:  # the chosen pages, read from the mapped host pool by the copy kernel
-                        copy_pages(host, view, src_index=slot.past, use_kernel=self.copy_kernels)
+                        copy_pages(host, view, src_index=slot.past.pages, use_kernel=self.copy_kernels)
                 if grads:  # the chunk's own pages too (K/V were written home by the forward)
                     c0, n = record.first_page, record.num_pages
                     view[:, num_past:].copy_(host[:, c0 : c0 + n], non_blocking=self._cuda)
@@ -473,52 +452,6 @@ class OffloadedKVStore(ChunkLedger):
                 if grads:
                     self._grad_copies = slot.ready
         self._sync()
-
-    def _ensure_capacity(self, slot: _Slot, pages: int) -> None:
-        s = self.spec
-        have = slot.pools["k"].shape[0] if slot.pools else 0
-        if pages > have:
-            self._synchronize()  # the old slot may still be read or written
-            if self._cuda:
-                torch.cuda.current_stream(s.device).synchronize()
-            new = max(pages, have * 5 // 4)
-            slot.pools = {}
-            for kind in _KINDS:
-                dtype = s.dtype if kind in ("k", "v") else s.grad_dtype
-                slot.pools[kind] = torch.zeros((new, s.num_kv_heads, s.page_size, s.head_dim), dtype=dtype,
-                                               device=s.device)
-            if self._cuda:
-                # The zero fill above is queued on the compute stream, but the copies that fill
-                # the new pools run on the copy stream after waiting only ``slot.free``, an event
-                # of the old pools (already passed): without this event the fill could land after
-                # (on top of) the copied pages. _fill's copies wait ``slot.free``: make it this.
-                slot.free = torch.cuda.Event()
-                slot.free.record(torch.cuda.current_stream(s.device))
-
-    def _hand_list_to_copy_stream(self, pages: torch.Tensor) -> None:
-        """Make the page list ``pages`` (made on the compute stream) safe for the copies queued next on
-        the copy stream, which read it.
-
-        Order: the copy stream otherwise waits only for the slot's previous kernels, so a list made
-        since (a sparse layer's selection in stage 1, a window's range) could be read before it is
-        written, and the wrong pages copied (or an address outside the pools). Waiting for the
-        compute stream's current point is exact for a list made just now, and costs nothing in
-        ``fetch``, whose kernels wait for the copy anyway. Each list is waited for once: stage 2
-        reuses stage 1's lists, which the copy stream is ordered after since.
-
-        Lifetime: when the last reference goes (the step drops a chunk's lists after its backward,
-        the slot takes the next list), the list's memory must not go to new compute-stream tensors
-        before those copies ran, or they would read someone else's numbers as page indices.
-        """
-        if not self._cuda:
-            return
-        pages.record_stream(self._copy_stream)
-        if self._ordered_lists.get(id(pages)) is pages:
-            return
-        made = torch.cuda.Event()
-        made.record(torch.cuda.current_stream(self.spec.device))
-        self._copy_stream.wait_event(made)
-        self._ordered_lists[id(pages)] = pages
 
     def _sync(self) -> None:
         """Debugging mode (``synchronous``): wait for all work of the device, every stream."""

@@ -16,8 +16,9 @@ diluted in its mean key, not in its bound. It needs the store's ``key_summary="b
 they count towards the budget. The result feeds the kernels' ``page_select``:
 [B, H_sel, ceil(C / block), page_budget] int32, ascending page indices.
 
-The engine computes a chunk's selection once, in stage 1, and reuses it in stage 2,
-so the recomputed forward and the backward see exactly the pages stage 1 saw.
+A chunk's selection is made once, in stage 1, and reused in stage 2 (``oomb.cache.PageLists``
+keeps a step's page lists), so the recomputed forward and the backward see exactly the pages
+stage 1 saw.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def test_offload_bit_identical_on_gpu(sparse):
     """Copies on their own stream with events (sparse pages through the mapped-memory copy kernel), and
     layers kept on the GPU by offload_gpu_bytes: the same gradients, bit for bit, as pages on the GPU.
     One page list per chunk is the case where no torch.unique makes the host wait for the selection
-    (the copy stream must wait for it: oomb/offload/store.py, _hand_list_to_copy_stream)."""
+    (the copy stream must wait for it: oomb/cache/page_lists.py, PastPages.hand_to_stream)."""
     from oomb.engine import store_for_model
 
     ids = torch.randint(0, 4096, (1, 16384 + 77), device="cuda")

@@ -1,4 +1,5 @@
-"""The Triton paged attention against the PyTorch reference (kernels/reference.py).
+"""The Triton paged attention (kernels/forward.py, backward.py) against the PyTorch reference
+(kernels/reference.py).
 
 Without CUDA the kernels run in the Triton interpreter on CPU, in fp32 (the interpreter's
 bf16 arithmetic is wrong, see FACTS.md), at tiny shapes. With CUDA the same cases run
@@ -23,8 +24,11 @@ triton = pytest.importorskip("triton")
 from helpers import assert_close_rel, rel_err  # noqa: E402
 from paged_inputs import make_problem  # noqa: E402
 
+from oomb.cache.layout import first_visible_page  # noqa: E402
+from oomb.kernels import backward, forward, launch, sparse_backward  # noqa: E402
+from oomb.kernels import dq as dq_kernel  # noqa: E402
 from oomb.kernels import reference as R  # noqa: E402
-from oomb.kernels import triton_attention as T  # noqa: E402
+from oomb.kernels import tiles as kernel_tiles  # noqa: E402
 
 # Without CUDA the kernels only run if triton itself was imported under the interpreter.
 _INTERPRETER_MISSING = not _CUDA and type(triton.language.zeros).__name__ != "InterpretedFunction"
@@ -33,7 +37,7 @@ DEVICE = "cuda" if _CUDA else "cpu"
 TOL = {"fp32": 1e-5, "bf16_grad_pool": 1e-2, "gpu_bf16": 1e-2, "gpu_lse": 1e-3}
 
 # Tile variants (interpreter-sized) that exercise each way of addressing a key block.
-SMALL = T.Tiles(16, 16, 1, 1, 16, 16, 16, 16, 1, 1, delta_c=16, dkdv_head_major=True)
+SMALL = kernel_tiles.Tiles(16, 16, 1, 1, 16, 16, 16, 16, 1, 1, delta_c=16, dkdv_head_major=True)
 TILES = {
     "default": None,
     "wide": dataclasses.replace(SMALL, fwd_m=32, fwd_n=32, dkdv_m=32, dkdv_n=32, dq_m=32, dq_n=32),
@@ -65,7 +69,7 @@ CASES = [
 
 def _use_tiles(monkeypatch, name):
     if TILES[name] is not None:
-        monkeypatch.setattr(T, "choose_tiles", lambda head_dim, page_size, dtype: TILES[name])
+        monkeypatch.setattr(kernel_tiles, "choose_tiles", lambda head_dim, page_size, dtype: TILES[name])
 
 
 class _NoLaunch:
@@ -80,7 +84,7 @@ def _use_fused_tiles(monkeypatch, name, sparse=False):
     assert TILES[name].dq_fused
     _use_tiles(monkeypatch, name)
     if not sparse:
-        monkeypatch.setattr(T, "_bwd_dq_kernel", _NoLaunch())
+        monkeypatch.setattr(dq_kernel, "_bwd_dq_kernel", _NoLaunch())
 
 
 @pytest.fixture(autouse=True)
@@ -97,7 +101,7 @@ def _poison_outputs(monkeypatch):
     def nan_empty(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(T, "_empty", nan_empty)
+    monkeypatch.setattr(launch, "empty_buffer", nan_empty)
 
 
 def _never_read(pb, page, window):
@@ -105,7 +109,7 @@ def _never_read(pb, page, window):
     ragged tail). The kernels get NaN there; the reference gets the clean pools."""
     kv_len, c = pb.kv_len, pb.q.shape[2]
     hidden = torch.ones(pb.k_pool.shape[0], page, dtype=torch.bool, device=pb.k_pool.device)
-    first = R._first_visible_page(kv_len, c, page, window)
+    first = first_visible_page(kv_len, c, page, window)
     for bi in range(pb.page_table.shape[0]):
         for p in range(first, -(-kv_len // page)):
             hidden[pb.page_table[bi, p], : min(page, kv_len - p * page)] = False
@@ -135,7 +139,7 @@ def test_forward_matches_reference(monkeypatch, b, h, h_kv, c, kv_len, d, page, 
     _use_tiles(monkeypatch, tiles)
     pb, _, k_pool, v_pool = _problem(b, h, h_kv, c, kv_len, d, page, window, sinks)
     kw = dict(scale=d**-0.5, sliding_window=window, sinks=pb.sinks)
-    out, lse = T.paged_attention_forward(pb.q, k_pool, v_pool, pb.page_table, kv_len, **kw)
+    out, lse = forward.paged_attention_forward(pb.q, k_pool, v_pool, pb.page_table, kv_len, **kw)
     ref_out, ref_lse = R.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
     assert out.dtype == pb.q.dtype and lse.dtype == torch.float32
     assert_close_rel(out, ref_out, TOL["fp32"], "out")
@@ -151,8 +155,8 @@ def _check_backward(b, h, h_kv, c, kv_len, d, page, window, sinks):
     dk0, dv0 = torch.randn_like(pb.k_pool), torch.randn_like(pb.v_pool)
     dk, dv, ref_dk, ref_dv = dk0.clone(), dv0.clone(), dk0.clone(), dv0.clone()
 
-    dq, d_sinks = T.paged_attention_backward(d_out, pb.q, out, lse, k_pool, v_pool, dk, dv, pb.page_table,
-                                             kv_len, **kw)
+    dq, d_sinks = backward.paged_attention_backward(d_out, pb.q, out, lse, k_pool, v_pool, dk, dv, pb.page_table,
+                                                    kv_len, **kw)
     ref_dq, ref_d_sinks = R.paged_attention_backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, ref_dk, ref_dv,
                                                      pb.page_table, kv_len, **kw)
     assert dq.dtype == pb.q.dtype
@@ -206,7 +210,8 @@ def test_fp16_inputs_as_close_to_fp32_as_torch_fp16():
     d_out = torch.randn_like(pb.q)
     exact = run(R.paged_attention_forward, R.paged_attention_backward, pb.q, pb.k_pool, pb.v_pool, d_out)
     torch16 = run(R.paged_attention_forward, R.paged_attention_backward, q16, k16, v16, d_out)
-    ours = run(T.paged_attention_forward, T.paged_attention_backward, q16, k_pool.half(), v_pool.half(), d_out)
+    ours = run(forward.paged_attention_forward, backward.paged_attention_backward, q16, k_pool.half(), v_pool.half(),
+               d_out)
     for name, ref in exact.items():
         assert_close_rel(ours[name], ref, 2 * rel_err(torch16[name], ref) + 1e-6, f"fp16 {name}")
 
@@ -221,7 +226,7 @@ def test_bf16_gradient_pools_accumulate_in_fp32():
     dk0 = (0.1 * torch.randn_like(pb.k_pool)).bfloat16()
     dv0 = (0.1 * torch.randn_like(pb.v_pool)).bfloat16()
     dk, dv = dk0.clone(), dv0.clone()
-    T.paged_attention_backward(d_out, pb.q, out, lse, k_pool, v_pool, dk, dv, pb.page_table, 53, **kw)
+    backward.paged_attention_backward(d_out, pb.q, out, lse, k_pool, v_pool, dk, dv, pb.page_table, 53, **kw)
     assert dk.dtype == torch.bfloat16
     assert_close_rel(dk.float() - dk0.float(), ref_dk, TOL["bf16_grad_pool"], "bf16 dk added")
     assert_close_rel(dv.float() - dv0.float(), ref_dv, TOL["bf16_grad_pool"], "bf16 dv added")
@@ -232,11 +237,11 @@ def test_bf16_gradient_pools_accumulate_in_fp32():
 def test_rejects_bad_inputs():
     pb = make_problem(1, 4, 2, 8, 32, 16, 16, device=DEVICE)
     with pytest.raises(ValueError, match="columns"):
-        T.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table[:, :1], 32, scale=0.25)
+        forward.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table[:, :1], 32, scale=0.25)
     with pytest.raises(ValueError, match="newest"):
-        T.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, 4, scale=0.25)
+        forward.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, 4, scale=0.25)
     with pytest.raises(ValueError, match="int32"):
-        T.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table.long(), 32, scale=0.25)
+        forward.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table.long(), 32, scale=0.25)
 
 
 # --------------------------------------------------------------------------------------
@@ -296,8 +301,8 @@ def _check_mask_backward(pb, kw, hidden, k_pool, v_pool, ref_out, ref_lse):
     d_out = torch.randn_like(ref_out)
     dk0, dv0 = torch.randn_like(pb.k_pool), torch.randn_like(pb.v_pool)
     dk, dv, ref_dk, ref_dv = dk0.clone(), dv0.clone(), dk0.clone(), dv0.clone()
-    dq, d_sinks = T.paged_attention_backward(d_out, pb.q, ref_out, ref_lse, k_pool, v_pool, dk, dv, pb.page_table,
-                                             kv_len, **kw)
+    dq, d_sinks = backward.paged_attention_backward(d_out, pb.q, ref_out, ref_lse, k_pool, v_pool, dk, dv,
+                                                    pb.page_table, kv_len, **kw)
     ref_dq, ref_d_sinks = R.paged_attention_backward(d_out, pb.q, ref_out, ref_lse, pb.k_pool, pb.v_pool, ref_dk,
                                                      ref_dv, pb.page_table, kv_len, **kw)
     assert_close_rel(dq, ref_dq, TOL["fp32"], "dq")
@@ -322,7 +327,7 @@ def test_documents_and_page_selection_match_reference(monkeypatch, b, h, h_kv, c
                                                       docs, select, tiles):
     _use_tiles(monkeypatch, tiles)
     pb, kw, hidden, k_pool, v_pool = _mask_inputs(b, h, h_kv, c, kv_len, d, page, window, sinks, docs, select)
-    out, lse = T.paged_attention_forward(pb.q, k_pool, v_pool, pb.page_table, kv_len, **kw)
+    out, lse = forward.paged_attention_forward(pb.q, k_pool, v_pool, pb.page_table, kv_len, **kw)
     ref_out, ref_lse = R.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
     assert_close_rel(out, ref_out, TOL["fp32"], "out")
     assert_close_rel(lse, ref_lse, TOL["fp32"], "lse")
@@ -352,7 +357,8 @@ def test_fused_dq_documents_and_page_selection_match_reference(monkeypatch, b, h
 def test_sparse_dkdv_work_list_orders_pages_by_attending_blocks():
     """The sparse dK/dV launch's work list: selected past pages, then the chunk's pages causally."""
     sel = torch.tensor([[[[0, 2]], [[2, 1]], [[2, 0]]]], dtype=torch.int32).transpose(1, 2)  # [1, 1, 3 blocks, 2]
-    hits = T._page_hits(sel, n_past=4, c=40, select_block=16, page_size=16)  # chunk pages: 3 (the last partial)
+    # Chunk pages: 3 (the last partial).
+    hits = sparse_backward.page_hits(sel, n_past=4, c=40, select_block=16, page_size=16)
     assert hits.shape == (1, 1, 7, 3)
     assert hits[0, 0, :4].tolist() == [[1, 0, 1], [0, 1, 0], [1, 1, 1], [0, 0, 0]]
     # Chunk page j holds keys 16j ..: query block qb (queries 16qb .. 16qb + 15) attends it when qb >= j.
@@ -365,9 +371,9 @@ def test_selection_of_every_past_page_equals_dense(monkeypatch):
     pb = make_problem(1, 4, 2, 32, 128, 16, 16, device=DEVICE)
     n_past = (128 - 32) // 16
     sel = random_page_select(1, 2, 32, 128, 16, 16, n_past, device=DEVICE)
-    dense = T.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, 128, scale=0.25)
-    sparse = T.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, 128, scale=0.25,
-                                       page_select=sel, select_block=16)
+    dense = forward.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, 128, scale=0.25)
+    sparse = forward.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, 128, scale=0.25,
+                                             page_select=sel, select_block=16)
     assert_close_rel(sparse[0], dense[0], TOL["fp32"], "out")
     assert_close_rel(sparse[1], dense[1], TOL["fp32"], "lse")
 
@@ -394,15 +400,15 @@ GPU_CASES = [
 @pytest.mark.parametrize("h,h_kv,d,page,window,sinks,overrides", GPU_CASES)
 def test_bf16_realistic_shapes_on_gpu(monkeypatch, h, h_kv, d, page, window, sinks, overrides):
     if overrides:
-        tiles = dataclasses.replace(T.choose_tiles(d, page, torch.bfloat16), **overrides)
-        monkeypatch.setattr(T, "choose_tiles", lambda *a: tiles)
+        tiles = dataclasses.replace(kernel_tiles.choose_tiles(d, page, torch.bfloat16), **overrides)
+        monkeypatch.setattr(kernel_tiles, "choose_tiles", lambda *a: tiles)
     c, kv_len = 4096, 16384
     pb = make_problem(1, h, h_kv, c, kv_len, d, page, dtype=torch.bfloat16, device="cuda", sinks=sinks)
     kw = dict(scale=d**-0.5, sliding_window=window)
     s32 = pb.sinks.float() if sinks else None
     q32, k32, v32 = pb.q.float(), pb.k_pool.float(), pb.v_pool.float()
 
-    out, lse = T.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, sinks=pb.sinks, **kw)
+    out, lse = forward.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, sinks=pb.sinks, **kw)
     ref_out, ref_lse = R.paged_attention_forward(q32, k32, v32, pb.page_table, kv_len, sinks=s32, **kw)
     assert out.dtype == torch.bfloat16
     assert_close_rel(out.float(), ref_out, TOL["gpu_bf16"], "out")
@@ -411,8 +417,8 @@ def test_bf16_realistic_shapes_on_gpu(monkeypatch, h, h_kv, d, page, window, sin
     d_out = torch.randn_like(pb.q)
     dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
     ref_dk, ref_dv = torch.zeros_like(k32), torch.zeros_like(v32)
-    dq, d_sinks = T.paged_attention_backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table,
-                                             kv_len, sinks=pb.sinks, **kw)
+    dq, d_sinks = backward.paged_attention_backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table,
+                                                    kv_len, sinks=pb.sinks, **kw)
     ref_dq, ref_d_sinks = R.paged_attention_backward(d_out.float(), q32, ref_out, ref_lse, k32, v32, ref_dk, ref_dv,
                                                      pb.page_table, kv_len, sinks=s32, **kw)
     assert_close_rel(dq.float(), ref_dq, TOL["gpu_bf16"], "dq")
@@ -423,8 +429,8 @@ def test_bf16_realistic_shapes_on_gpu(monkeypatch, h, h_kv, d, page, window, sin
 
     # bf16 gradient pools (the store's usual grad dtype) get the same sums, rounded once.
     dk16, dv16 = torch.zeros_like(pb.k_pool), torch.zeros_like(pb.v_pool)
-    T.paged_attention_backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk16, dv16, pb.page_table, kv_len,
-                               sinks=pb.sinks, **kw)
+    backward.paged_attention_backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk16, dv16, pb.page_table, kv_len,
+                                      sinks=pb.sinks, **kw)
     assert_close_rel(dk16.float(), ref_dk, TOL["gpu_bf16"], "bf16 dk pool")
     assert_close_rel(dv16.float(), ref_dv, TOL["gpu_bf16"], "bf16 dv pool")
 
@@ -454,15 +460,15 @@ def test_bf16_documents_and_page_selection_on_gpu(d, page, docs, select, sinks):
         kw["select_block"] = block
     s32 = pb.sinks.float() if sinks else None
     q32, k32, v32 = pb.q.float(), pb.k_pool.float(), pb.v_pool.float()
-    out, lse = T.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, sinks=pb.sinks, **kw)
+    out, lse = forward.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, sinks=pb.sinks, **kw)
     ref_out, ref_lse = R.paged_attention_forward(q32, k32, v32, pb.page_table, kv_len, sinks=s32, **kw)
     assert_close_rel(out.float(), ref_out, TOL["gpu_bf16"], "out")
     assert_close_rel(lse, ref_lse, TOL["gpu_lse"], "lse")
     d_out = torch.randn_like(pb.q)
     dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
     ref_dk, ref_dv = torch.zeros_like(k32), torch.zeros_like(v32)
-    dq, _ = T.paged_attention_backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len,
-                                       sinks=pb.sinks, **kw)
+    dq, _ = backward.paged_attention_backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table,
+                                              kv_len, sinks=pb.sinks, **kw)
     ref_dq, _ = R.paged_attention_backward(d_out.float(), q32, ref_out, ref_lse, k32, v32, ref_dk, ref_dv,
                                            pb.page_table, kv_len, sinks=s32, **kw)
     assert not torch.isnan(dq).any() and not torch.isnan(dk).any()

@@ -202,7 +202,7 @@ def test_gpu_allowance_needs_offload():
 def test_one_page_list_per_chunk_needs_no_union(monkeypatch):
     """Select block = chunk, one sequence, shared lists: the list is the union (no torch.unique, no host
     wait); offload stays bit-identical."""
-    import oomb.attention.function as function
+    import oomb.cache.page_lists as page_lists
 
     model = tiny_model("llama")
     ids = torch.randint(0, VOCAB, (1, 160))
@@ -212,7 +212,7 @@ def test_one_page_list_per_chunk_needs_no_union(monkeypatch):
     def no_unique(*a, **k):
         raise AssertionError("torch.unique called for a single page list")
 
-    monkeypatch.setattr(function.torch, "unique", no_unique)
+    monkeypatch.setattr(page_lists.torch, "unique", no_unique)
     loss, got = _step(model, ids, offload=True, **kw)
     assert torch.equal(loss, ref_loss)
     for name, g in ref.items():

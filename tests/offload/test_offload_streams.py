@@ -10,7 +10,7 @@ kernel while the host queues the rest.
 import pytest
 import torch
 
-from oomb.cache import StoreSpec
+from oomb.cache import PastPages, StoreSpec
 from oomb.offload import OffloadedKVStore
 
 pytestmark = pytest.mark.gpu
@@ -33,7 +33,7 @@ def _store_with_past() -> tuple[OffloadedKVStore, torch.Tensor]:
     store.append_chunk(4 * PAGE)
     # Compile the copy kernel's gather and scatter now: a first launch compiles for longer than the
     # sleep lasts, and a copy that starts late would pass whatever the order.
-    store.fetch(0, torch.arange(2, dtype=torch.int32, device="cuda"), grads=True)
+    store.fetch(0, PastPages(torch.arange(2, dtype=torch.int32, device="cuda")), grads=True)
     store.writeback(0, grads=True)  # scatters the zeros it fetched
     torch.cuda.synchronize()
     return store, keys[0].view(HEADS, PAST, PAGE, DIM).transpose(0, 1)  # [page, H, P, D]
@@ -48,7 +48,7 @@ def test_the_copy_waits_for_a_page_list_still_being_made():
     pages = torch.zeros_like(want)  # what a copy that ran ahead would read: page 0, eight times
     torch.cuda._sleep(SLEEP)  # the compute stream is busy when the list gets its values...
     pages.copy_(want)  # ...as a selection still queued behind other kernels
-    pools, table = store.fetch(0, pages, grads=False)
+    pools, table = store.fetch(0, PastPages(pages), grads=False)
     rows = table[0, want.long()].long()
     assert torch.equal(pools.k[rows], key_pages[want.long()])
 
@@ -56,7 +56,7 @@ def test_the_copy_waits_for_a_page_list_still_being_made():
 def test_a_page_list_outlives_the_copies_that_read_it():
     store, _ = _store_with_past()
     want = torch.tensor(CHOSEN, dtype=torch.int32, device="cuda")
-    pages = want.clone()
+    pages = PastPages(want.clone())
     pools, table = store.fetch(0, pages, grads=True)
     marks = torch.arange(1, len(CHOSEN) + 1, device="cuda", dtype=torch.bfloat16)
     pools.dk[table[0, want.long()].long()] = marks.view(-1, 1, 1, 1)  # this chunk's backward, as it were
@@ -67,10 +67,10 @@ def test_a_page_list_outlives_the_copies_that_read_it():
     # a fetch would make the compute stream wait for the copy stream, and hide the hazard); without care
     # the list's memory goes to the next small tensors while the scatter has not read it yet.
     del pages
-    store.prefetch(0, want[:2].clone(), grads=False)
+    store.prefetch(0, PastPages(want[:2].clone()), grads=False)
     junk = [torch.full_like(want, PAST - 1) for _ in range(8192)]  # 4 MiB of small blocks: every free one
     torch.cuda.synchronize()
-    pools, table = store.fetch(0, want, grads=True)  # the host's gradient pages of the chosen pages
+    pools, table = store.fetch(0, PastPages(want), grads=True)  # the host's gradient pages of the chosen pages
     got = pools.dk[table[0, want.long()].long()]
     assert torch.equal(got.float().amax(dim=(1, 2, 3)), marks.float()), "gradient pages scattered elsewhere"
     del junk

@@ -1,0 +1,127 @@
+"""A step's page lists, in one place: chosen once, reused, handed to the store, dropped.
+
+A sparse layer's page lists for a chunk (``page_select`` [B, H_sel, n_blocks, K]: the past
+pages each block of queries attends) and the past pages a layer's kernels read (what an
+offloaded store must bring to the device) live here, per (layer, chunk start)::
+
+    stage 1, chunk k, layer l    chosen(l, k, choose)   choose() runs: select_pages, kept
+                                 layer_ran(...)         the union of the lists -> PastPages, fetched
+                                 past_pages(l + 1)      known? the next layer's pages are prefetched
+    stage 2, chunk k, layer l    chosen(l, k, ...)      the same lists: recompute and backward attend
+                                 past_pages(l)          stage 1's pages, the same PastPages
+    after chunk k's backward     drop(k)
+
+Dense layers read every past page (``None``); sliding-window layers the pages of their
+window (a range made when first asked for). A layer's window is learned when it first runs.
+
+Each ``PastPages`` gets a serial when it is made: a store keys what its device slots hold by
+it, never by the tensor's address (freed memory is reused, so a new list could alias an old
+one). ``PastPages.hand_to_stream`` is how a store's copy stream receives a list made on the
+compute stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from oomb.cache.layout import first_visible_page
+
+if TYPE_CHECKING:
+    from oomb.cache.interface import KVStore
+
+_SERIALS = itertools.count()
+
+
+@dataclass(eq=False)
+class PastPages:
+    """The past pages one layer's kernels read for the newest chunk: what a store must have on the device."""
+
+    pages: torch.Tensor  # [m] sequence page indices before the chunk, ascending, distinct, on the store's device
+    serial: int = field(default_factory=lambda: next(_SERIALS), init=False)  # unique in the process
+    _ordered_after: set = field(default_factory=set, init=False, repr=False)  # streams that waited for its making
+
+    def hand_to_stream(self, stream: torch.cuda.Stream) -> None:
+        """Make the list (made on the current stream) safe for the work queued next on ``stream``, which reads it.
+
+        Order: ``stream`` otherwise waits only for what its owner orders it after, so a list made since (a
+        sparse layer's selection in stage 1, a window's range) could be read before it is written, and the
+        wrong pages copied (or an address outside the pools). Waiting for the current stream's current point
+        is exact for a list made just now. Each list is waited for once per stream: stage 2 reuses stage 1's
+        lists, which the stream is ordered after since.
+
+        Lifetime: when the last reference goes (``PageLists.drop`` after the chunk's backward, a store's slot
+        taking the next list), the list's memory must not go to new tensors of the current stream before the
+        work queued on ``stream`` ran, or it would read someone else's numbers as page indices.
+        """
+        self.pages.record_stream(stream)
+        if stream in self._ordered_after:
+            return
+        made = torch.cuda.Event()
+        made.record(torch.cuda.current_stream(self.pages.device))
+        stream.wait_event(made)
+        self._ordered_after.add(stream)
+
+
+class PageLists:
+    """A step's page lists and the past pages each layer reads, per (layer, chunk start) (module docstring)."""
+
+    def __init__(self, sparse: bool) -> None:
+        self.sparse = sparse  # a selection policy is on: a full-attention layer's pages are known once it ran
+        self._chosen: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._past: dict[tuple[int, int], PastPages | None] = {}
+        self._windows: dict[int, int | None] = {}  # each layer's sliding window (None = full attention)
+
+    def chosen(self, layer_idx: int, chunk_start: int,
+               choose: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        """The layer's page lists [B, H_sel, n_blocks, K] for the chunk (None: it attends densely). ``choose``
+        makes them the first time the chunk runs (stage 1, or stage 2 for the last chunk); every later pass
+        gets the same tensor, so the recomputed forward and the backward attend the pages stage 1 attended."""
+        key = (layer_idx, chunk_start)
+        if key not in self._chosen:
+            self._chosen[key] = choose()
+        return self._chosen[key]
+
+    def layer_ran(self, store: KVStore, layer_idx: int, sliding_window: int | None,
+                  page_select: torch.Tensor | None) -> PastPages | None:
+        """Record a layer running on the newest chunk (its window; the union of its page lists where the store
+        moves only listed pages) and return the past pages it reads (None = all)."""
+        self._windows[layer_idx] = sliding_window
+        key = (layer_idx, store.last_chunk().start)
+        if key not in self._past and page_select is not None and store.needs_page_list(layer_idx):
+            # Every page some block or head reads (each list is ascending and distinct). One list is its own
+            # union: no torch.unique, whose data-dependent size would make the host wait for the selection.
+            one_list = page_select.shape[:3] == (1, 1, 1)
+            self._past[key] = PastPages(page_select.view(-1) if one_list else torch.unique(page_select))
+        return self.past_pages(store, layer_idx)[1]
+
+    def past_pages(self, store: KVStore, layer_idx: int) -> tuple[bool, PastPages | None]:
+        """(known, pages): the past pages (None = all) the layer's kernels read for the newest chunk. Unknown
+        for a layer that has not run yet, and for a sparse layer whose selection is not made yet."""
+        q0 = store.last_chunk().start
+        key = (layer_idx, q0)
+        if key in self._past:
+            return True, self._past[key]
+        if layer_idx not in self._windows:
+            return False, None
+        window = self._windows[layer_idx]
+        if window is not None:
+            page_size = store.spec.page_size
+            first = first_visible_page(store.num_tokens, store.num_tokens - q0, page_size, window)
+            pages = PastPages(torch.arange(first, q0 // page_size, device=store.page_table.device))
+        elif not self.sparse:
+            pages = None
+        else:
+            return False, None  # chosen when the layer runs on this chunk
+        self._past[key] = pages
+        return True, pages
+
+    def drop(self, chunk_start: int) -> None:
+        """Forget the page lists of the chunk that starts at ``chunk_start`` (after its backward)."""
+        for table in (self._chosen, self._past):
+            for key in [key for key in table if key[1] == chunk_start]:
+                del table[key]

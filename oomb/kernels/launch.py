@@ -1,0 +1,128 @@
+"""Host-side argument helpers shared by the Triton attention launchers (checks, placeholders, grids).
+
+The launchers call ``empty_buffer`` through this module (``launch.empty_buffer(...)``), so a test
+can replace it in one place to poison every buffer a kernel must fill.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # older triton: pointer loads only
+    TensorDescriptor = None
+
+from oomb.cache.layout import first_visible_page
+from oomb.kernels.reference import check_visibility_args
+from oomb.kernels.tiles import Tiles, interpreting
+
+LOG2E = 1.4426950408889634
+
+
+def check_args(q, k_pool, v_pool, page_table, kv_len, sliding_window, sinks):
+    """Shapes, strides and ranges every launcher needs; returns (b, h, c, d, h_kv, page_size, n_pages)."""
+    b, h, c, d = q.shape
+    num_pages, h_kv, page_size, d_kv = k_pool.shape
+    if v_pool.shape != k_pool.shape or v_pool.stride() != k_pool.stride():
+        raise ValueError(f"v_pool {tuple(v_pool.shape)} must match k_pool {tuple(k_pool.shape)} in shape and strides")
+    if d_kv != d or h % h_kv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit pools {tuple(k_pool.shape)}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
+    if k_pool.stride(-1) != 1:
+        raise ValueError("pools must be contiguous in head_dim")
+    if not 0 < c <= kv_len:
+        raise ValueError(f"the chunk ({c} queries) must be the newest part of kv_len={kv_len}")
+    n_pages = -(-kv_len // page_size)
+    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] != b:
+        raise ValueError(f"page_table must be int32 [B, n]; got {page_table.dtype} {tuple(page_table.shape)}")
+    if page_table.shape[1] < n_pages:
+        raise ValueError(f"page_table has {page_table.shape[1]} columns, kv_len={kv_len} needs {n_pages}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if sinks is not None and sinks.shape != (h,):
+        raise ValueError(f"sinks must be [H]={h}, got {tuple(sinks.shape)}")
+    return b, h, c, d, h_kv, page_size, n_pages
+
+
+def window_args(kv_len, c, page_size, sliding_window):
+    """(lo_key, window): keys before lo_key are never visible; window clamped so int32 math cannot overflow."""
+    lo_key = first_visible_page(kv_len, c, page_size, sliding_window) * page_size
+    window = 0 if sliding_window is None else min(sliding_window, kv_len + 1)
+    return lo_key, window
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get true fp32 products (the reference's semantics); 16-bit inputs are exact in tf32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its rows are contiguous (the kernels take the other strides as arguments)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def empty_buffer(shape, dtype, device) -> torch.Tensor:
+    """Every buffer a kernel must fill (tests replace this to poison them with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def kv_descriptors(k_pool, v_pool, tiles: Tiles, block_n: int):
+    """TMA descriptors of the pools as [num_pages * H_kv * page_size, D], or the pools themselves
+    (placeholders the kernel never reads) when TMA does not apply."""
+    num_pages, h_kv, page_size, d = k_pool.shape
+    usable = (
+        tiles.tma
+        and TensorDescriptor is not None
+        and page_size % block_n == 0
+        and k_pool.is_contiguous()
+        and v_pool.is_contiguous()
+        and k_pool.data_ptr() % 16 == 0
+        and v_pool.data_ptr() % 16 == 0
+        and (interpreting() or (k_pool.is_cuda and torch.cuda.get_device_capability(k_pool.device)[0] >= 9))
+    )
+    if not usable:
+        return k_pool, v_pool, False
+    rows = num_pages * h_kv * page_size
+    k_desc = TensorDescriptor(k_pool, [rows, d], [d, 1], [block_n, d])
+    v_desc = TensorDescriptor(v_pool, [rows, d], [d, 1], [block_n, d])
+    return k_desc, v_desc, True
+
+
+def visibility_args(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block):
+    """Kernel arguments for documents and page selection (placeholders when absent)."""
+    b, h, c, _ = q.shape
+    check_visibility_args(q, h_kv, kv_len, page_size, doc_start, page_select, select_block)
+    docs = None if doc_start is None else doc_start.to(torch.int32).contiguous()
+    sel = None
+    if page_select is not None:
+        if sliding_window is not None:
+            raise ValueError("page selection does not combine with a sliding window: window layers read only the "
+                             "pages inside their window already")
+        if page_size < 16 or page_size & (page_size - 1):
+            raise ValueError(f"page-sparse attention needs a power-of-two page_size >= 16, got {page_size}")
+        sel = page_select.contiguous()
+    return docs, sel
+
+
+def sparse_grid_args(sel, c, g, block_m, select_block):
+    """(sel strides, select_block, tiles per block, K) for the row-major kernels; dense: zeros."""
+    if sel is None:
+        return (0, 0, 0), 0, 0, 0
+    tiles_per_block = triton.cdiv(min(select_block, c) * g, block_m)
+    s_h = sel.stride(1) if sel.shape[1] > 1 else 0  # one selection shared by every KV head
+    return (sel.stride(0), s_h, sel.stride(2)), select_block, tiles_per_block, sel.shape[3]
+
+
+def backward_strides(q, d_out, lse, k_pool, dk_pool, page_table) -> tuple[int, ...]:
+    """The stride arguments both dK/dV kernels take, in their order."""
+    return (
+        q.stride(0), q.stride(1), q.stride(2),
+        d_out.stride(0), d_out.stride(1), d_out.stride(2),
+        lse.stride(0), lse.stride(1),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        dk_pool.stride(0), dk_pool.stride(1), dk_pool.stride(2),
+        page_table.stride(0),
+    )

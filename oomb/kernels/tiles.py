@@ -1,0 +1,72 @@
+"""Tile sizes and launch settings of the Triton attention kernels, per problem class.
+
+The launchers ask ``choose_tiles`` through this module (``tiles.choose_tiles(...)``), so tests,
+benchmarks and tuning replace it in one place (``oomb.kernels.tiles.choose_tiles = ...``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and launch settings of the four kernels (M = rows of (position, head), N = keys)."""
+
+    fwd_m: int
+    fwd_n: int
+    fwd_warps: int
+    fwd_stages: int
+    dkdv_m: int  # rows per step of the dK/dV loop
+    dkdv_n: int  # keys owned by one dK/dV program
+    dq_m: int  # rows owned by one dQ program
+    dq_n: int  # keys per step of the dQ loop
+    bwd_warps: int
+    bwd_stages: int
+    delta_c: int = 64
+    tma: bool = False  # K/V tiles of the forward and dQ loops through TMA descriptors (Hopper+)
+    # dK/dV row tiles of one query head at a time (contiguous Q/dO rows) instead of rows that
+    # interleave the GQA group's heads position by position.
+    dkdv_head_major: bool = False
+    # Dense calls: dQ summed inside the dK/dV kernel (fp32 atomics, 5 matmuls per tile pair instead
+    # of 4 + 3) and no dQ kernel, so dq_m/dq_n go unused; page-selected calls ignore it. The atomics
+    # make dQ's summation order, so its last bits, vary from run to run. With d=128 on sm_90a the
+    # extra fp32 tile spills inside the row loops at dkdv_m=64, not at 32 (offline ptxas, not timed).
+    dq_fused: bool = False
+
+
+def interpreting() -> bool:
+    """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``: tests only)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def choose_tiles(head_dim: int, page_size: int, dtype: torch.dtype) -> Tiles:
+    """Tiles for one problem class; a module-level function so tests and tuning can replace it.
+
+    Any power-of-two key block >= 16 works with any page size (a block inside one page, or
+    whole pages with one page id per key); a block inside one page is the cheaper case and the
+    only one TMA serves. Register use was checked offline (ptxas for sm_90a, no GPU): these
+    settings do not spill inside loops; speed is not measured yet.
+    """
+    if interpreting():
+        # The interpreter costs ~ms per block iteration whatever the tile: small tiles, few programs.
+        return Tiles(16, 16, 1, 1, 16, 16, 16, 16, 1, 1, delta_c=16, dkdv_head_major=True)
+    if dtype == torch.float32:
+        # Exact fp32 products run on FMA units, not tensor cores: a correctness path with small tiles.
+        return Tiles(32, 32, 8, 2, 16, 32, 32, 32, 8, 2)
+    # Key blocks of the forward/dQ loops stay inside one page when pages are large enough (one page id
+    # per block, TMA); small or odd pages get 128-key blocks with a page id per key instead.
+    fwd_n = min(128, page_size) if page_size >= 64 and page_size & (page_size - 1) == 0 else 128
+    # dQ loop over 128-key blocks where a page holds them: bwd 296 vs 278 TFLOP/s with 64 (H200, kv 64K,
+    # page 128, results/h200/2026-12-02-tune-attention-64k.json); 64 elsewhere (not measured).
+    dq_n = 128 if page_size % 128 == 0 else 64
+    # d=128, bf16/fp16, measured on the H200 for a non-paged kernel (see FACTS.md): forward 128/128,
+    # 8 warps, 3 stages; backward 8 warps, 3 stages. d=64 uses the same (4 warps spill).
+    # dK/dV: one query head at a time in 64-row tiles: the kernel 22.3 -> 14.9 ms, forward+backward
+    # 323 -> 395 TFLOP/s (H200, kv 64K, page 128, 28/4 heads; 32-row head-major tiles 16.9 ms,
+    # interleaved 64-row tiles 24.0 ms; results/h200/2026-12-02-tune-attention-64k-run3.json).
+    return Tiles(128, fwd_n, 8, 3, 64, 128, 128, dq_n, 8, 3, tma=True, dkdv_head_major=True)
+
