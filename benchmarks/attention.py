@@ -31,7 +31,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import int_list, run_benchmark
+from benchmarks.common import do_bench_s, int_list, run_benchmark
 
 H, H_KV, D, C = 28, 4, 128, 4096
 
@@ -41,16 +41,7 @@ def attention_flops(q_len: int, kv_len: int) -> float:
     return 2.0 * 2.0 * q_len * H * D * (kv_len - q_len / 2)
 
 
-def _bench(fn, grad_to_none=None) -> float:
-    """Median seconds of fn (one call first, so compilation and autotuning stay out of the timing)."""
-    import triton.testing
-
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median") / 1e3
-
-
-def _paged_inputs(kv_len: int, page_size: int, device, *, h: int = H, h_kv: int = H_KV):
+def paged_inputs(kv_len: int, page_size: int, device, *, h: int = H, h_kv: int = H_KV):
     n_pages = -(-kv_len // page_size)
     g = torch.Generator(device="cpu").manual_seed(0)
     page_table = torch.randperm(n_pages, generator=g).to(torch.int32).view(1, n_pages).to(device)
@@ -85,7 +76,7 @@ def _ours(q, k_pool, v_pool, page_table, kv_len) -> dict:
                                  scale=scale)
 
     flops = attention_flops(C, kv_len)
-    t_fwd, t_all = _bench(fwd), _bench(fwd_bwd)
+    t_fwd, t_all = do_bench_s(fwd), do_bench_s(fwd_bwd)
     return {"system": "oomb-triton-paged", "mode": "paged", "fwd_s": t_fwd, "fwd_bwd_s": t_all,
             "fwd_tflops": flops / t_fwd / 1e12, "fwd_bwd_tflops": 3.5 * flops / t_all / 1e12,
             "out": fwd()[0]}
@@ -106,9 +97,9 @@ def _time_sdpa(backend, q, k, v, mask, full: bool) -> tuple[float, float, torch.
         fwd().backward(d_out)
 
     with torch.no_grad():
-        t_fwd = _bench(fwd)
+        t_fwd = do_bench_s(fwd)
         out = fwd()
-    return t_fwd, _bench(fwd_bwd, grad_to_none=[q, k, v]), out
+    return t_fwd, do_bench_s(fwd_bwd, grad_to_none=[q, k, v]), out
 
 
 def _sdpa(backend_name, q, k, v, kv_len) -> dict:
@@ -178,7 +169,7 @@ def run(args) -> dict:
     device = torch.device("cuda")
     results = []
     for kv_len in args.contexts:
-        q, k, v, k_pool, v_pool, page_table = _paged_inputs(kv_len, args.page_size, device)
+        q, k, v, k_pool, v_pool, page_table = paged_inputs(kv_len, args.page_size, device)
         rows = [_ours(q, k_pool, v_pool, page_table, kv_len)]
         for backend in ("cudnn", "flash"):
             rows.append(_sdpa(backend, q, k, v, kv_len))

@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from benchmarks.common import int_list
+from benchmarks.common import int_list, time_steps
 
 STACKS = {"fa4": "flash_attention_4", "sdpa": "sdpa"}
 
@@ -68,19 +68,6 @@ def build_stack(preset: str, stack: str):
         loss.backward()
 
     return model, step
-
-
-def time_steps(fn, repeats: int) -> list[float]:
-    """Seconds per call of ``fn``, each between CUDA events (the caller warmed up)."""
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return times
 
 
 def run(args) -> list[dict]:

@@ -48,3 +48,42 @@ def machine_description() -> str:
         return f"CPU only, {host}"
     props = torch.cuda.get_device_properties(0)
     return f"{torch.cuda.device_count()} x {props.name} ({props.total_memory / 2**30:.1f} GiB), {host}"
+
+
+def time_steps(fn, repeats: int) -> list[float]:
+    """Seconds per call of ``fn``, each between CUDA events (the caller warmed up)."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def kernel_times(fn, repeats: int = 5) -> dict[str, float]:
+    """Mean CUDA milliseconds per call of each kernel fn launches (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for evt in prof.key_averages():
+        if evt.device_time_total > 0:
+            totals[evt.key[:80]] = evt.device_time_total / 1e3 / repeats
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:20])
+
+
+def do_bench_s(fn, grad_to_none=None) -> float:
+    """Median seconds of fn (one call first, so compilation and autotuning stay out of the timing)."""
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median") / 1e3

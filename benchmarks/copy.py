@@ -22,8 +22,7 @@ import sys
 
 import torch
 
-from benchmarks.common import int_list, run_benchmark
-from benchmarks.core import _time_steps
+from benchmarks.common import int_list, run_benchmark, time_steps
 
 CONFIGS = {  # name: (programs, block elements, warps); "per-part": one program per work item
     "p16-b16k-w8": (16, 16384, 8),
@@ -36,7 +35,7 @@ CONFIGS = {  # name: (programs, block elements, warps); "per-part": one program 
 
 
 def _median_ms(fn, repeats: int) -> float:
-    return statistics.median(_time_steps(fn, repeats)) * 1e3
+    return statistics.median(time_steps(fn, repeats)) * 1e3
 
 
 def run(args) -> dict:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import oomb
-from benchmarks.common import int_list, run_benchmark
+from benchmarks.common import int_list, run_benchmark, time_steps
 from benchmarks.tune_attention import CANDIDATES
 from oomb.engine import linear_cross_entropy_sum, store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
@@ -54,18 +54,6 @@ def model_flops(config, seq_len: int) -> float:
     layer_params = hidden * d * (h + 2 * kv) + h * d * hidden + 3 * hidden * config.intermediate_size
     matmul_params = config.num_hidden_layers * layer_params + config.vocab_size * hidden
     return 6.0 * seq_len * matmul_params + config.num_hidden_layers * 6.0 * seq_len**2 * h * d
-
-
-def _time_steps(fn, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return times
 
 
 def _hf_step(model, ids):
@@ -190,7 +178,7 @@ def run(args) -> dict:
                 warmed = True
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            times = _time_steps(step, args.repeats)
+            times = time_steps(step, args.repeats)
             # No local name for the store: a live reference would keep its pools through the next length.
             record(system, n, times, extra={
                 "chunk_size": options["chunk_size"], "page_size": options["page_size"], "backend": args.backend,
@@ -216,7 +204,7 @@ def run(args) -> dict:
                 _hf_step(model, ids)  # warm-up at this length
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-                times = _time_steps(lambda ids=ids: _hf_step(model, ids), args.repeats)
+                times = time_steps(lambda ids=ids: _hf_step(model, ids), args.repeats)
                 record("transformers-sdpa-ckpt", n, times)
             except torch.OutOfMemoryError as e:
                 record("transformers-sdpa-ckpt", n, error=f"out of memory: {str(e).splitlines()[0]}")

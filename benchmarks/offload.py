@@ -57,8 +57,7 @@ from dataclasses import dataclass
 import torch
 
 import oomb
-from benchmarks.common import add_step_arguments, int_list, run_benchmark
-from benchmarks.core import _time_steps
+from benchmarks.common import add_step_arguments, int_list, run_benchmark, time_steps
 from oomb.engine import store_for_model
 from oomb.sparse import PageSelection
 
@@ -334,7 +333,7 @@ class Bench:
 
     def time_steps(self, fn, repeats: int) -> list[float]:
         if self.cuda:
-            return _time_steps(fn, repeats)
+            return time_steps(fn, repeats)
         times = []
         for _ in range(repeats):
             t = time.perf_counter()

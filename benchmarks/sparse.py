@@ -26,9 +26,8 @@ import sys
 import torch
 
 import oomb
-from benchmarks.attention import H_KV, C, D, H, _bench, _paged_inputs, attention_flops
-from benchmarks.common import add_step_arguments, int_list, run_benchmark
-from benchmarks.core import _time_steps
+from benchmarks.attention import H_KV, C, D, H, attention_flops, paged_inputs
+from benchmarks.common import add_step_arguments, do_bench_s, int_list, kernel_times, run_benchmark, time_steps
 from oomb.engine import store_for_model
 from oomb.sparse import PageSelection, select_pages
 
@@ -38,12 +37,12 @@ def _kernel_rows(kv_len: int, args) -> list[dict]:
     from oomb.kernels.forward import paged_attention_forward
 
     page = args.page
-    q, _, _, k_pool, v_pool, page_table = _paged_inputs(kv_len, page, torch.device("cuda"))
+    q, _, _, k_pool, v_pool, page_table = paged_inputs(kv_len, page, torch.device("cuda"))
     mean_k = k_pool.float().mean(dim=2)  # [pages, H_kv, D], as the store keeps it for score="mean"
     n_past = (kv_len - C) // page
     policy = PageSelection(page_budget=args.budget, block=args.block, score="mean")
     sel = select_pages(q, mean_k, page_table, n_past, page, policy)
-    t_select = _bench(lambda: select_pages(q, mean_k, page_table, n_past, page, policy))
+    t_select = do_bench_s(lambda: select_pages(q, mean_k, page_table, n_past, page, policy))
     dk_pool, dv_pool = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
     d_out = torch.randn_like(q)
     scale = D**-0.5
@@ -59,7 +58,7 @@ def _kernel_rows(kv_len: int, args) -> list[dict]:
 
         visible_kv = kv_len if sel is None or mode == "dense" else min(kv_len, args.budget * page + C)
         flops = attention_flops(C, visible_kv)  # keys each query actually attends
-        t_fwd, t_all = _bench(fwd), _bench(fwd_bwd)
+        t_fwd, t_all = do_bench_s(fwd), do_bench_s(fwd_bwd)
         rows.append({"kind": "kernel", "mode": mode, "kv_len": kv_len, "fwd_s": t_fwd, "fwd_bwd_s": t_all,
                      "fwd_bwd_tflops_of_work_done": 3.5 * flops / t_all / 1e12,
                      "select_s": t_select if mode == "sparse" else None,
@@ -71,23 +70,6 @@ def _kernel_rows(kv_len: int, args) -> list[dict]:
     return rows
 
 
-def _kernel_times(fn, repeats: int = 5) -> dict[str, float]:
-    """Mean CUDA milliseconds per call of each kernel fn launches (torch.profiler), largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            fn()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for evt in prof.key_averages():
-        if evt.device_time_total > 0:
-            totals[evt.key[:80]] = evt.device_time_total / 1e3 / repeats
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:20])
-
-
 def _split_and_sweep(kv_len: int, args) -> list[dict]:
     """Per-kernel times of sparse and dense fwd+bwd, then sparse fwd+bwd under tile variants."""
     import dataclasses
@@ -97,7 +79,7 @@ def _split_and_sweep(kv_len: int, args) -> list[dict]:
     from oomb.kernels.forward import paged_attention_forward
 
     page = args.page
-    q, _, _, k_pool, v_pool, page_table = _paged_inputs(kv_len, page, torch.device("cuda"))
+    q, _, _, k_pool, v_pool, page_table = paged_inputs(kv_len, page, torch.device("cuda"))
     mean_k = k_pool.float().mean(dim=2)
     n_past = (kv_len - C) // page
     # Mean keys only: which pages are chosen does not change the kernels' work, only which pages they read.
@@ -112,7 +94,7 @@ def _split_and_sweep(kv_len: int, args) -> list[dict]:
             paged_attention_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len,
                                      scale=D**-0.5, **kw)
 
-        rows.append({"kind": "kernel_split", "mode": mode, "kv_len": kv_len, "ms_per_call": _kernel_times(fwd_bwd)})
+        rows.append({"kind": "kernel_split", "mode": mode, "kv_len": kv_len, "ms_per_call": kernel_times(fwd_bwd)})
         print(json.dumps(rows[-1]), flush=True)
     base = kernel_tiles.choose_tiles(D, page, torch.bfloat16)
     variants = {
@@ -136,7 +118,7 @@ def _split_and_sweep(kv_len: int, args) -> list[dict]:
                                          kv_len, scale=D**-0.5, **kw)
             try:
                 rows.append({"kind": "sweep", "variant": name, "kv_len": kv_len, "tiles": dataclasses.asdict(tiles),
-                             "fwd_bwd_s": _bench(fwd_bwd)})
+                             "fwd_bwd_s": do_bench_s(fwd_bwd)})
             except Exception as e:  # a variant that does not compile (registers, shared memory) is skipped
                 rows.append({"kind": "sweep", "variant": name, "kv_len": kv_len, "error": str(e)[:200]})
             print(json.dumps(rows[-1]), flush=True)
@@ -148,7 +130,7 @@ def _split_and_sweep(kv_len: int, args) -> list[dict]:
 def _profile_step(model, n: int, args) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, n), device="cuda")
     policy = PageSelection(page_budget=args.budget, block=args.block)
-    times = _kernel_times(lambda: oomb.chunked_backward(model, ids, chunk_size=args.chunk, page_size=args.page,
+    times = kernel_times(lambda: oomb.chunked_backward(model, ids, chunk_size=args.chunk, page_size=args.page,
                                                         selection=policy), repeats=1)
     return {"kind": "step_profile", "mode": "sparse", "seq_len": n, "ms_per_step": times}
 
@@ -195,7 +177,7 @@ def run(args) -> dict:
                     warmed.add(mode)
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-                times = _time_steps(step, args.repeats)
+                times = time_steps(step, args.repeats)
                 med = statistics.median(times)
                 row.update(step_s=med, step_times_s=times, tokens_per_s=n / med,
                            peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30,

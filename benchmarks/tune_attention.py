@@ -18,8 +18,8 @@ import sys
 
 import torch
 
-from benchmarks.attention import H_KV, C, H, _paged_inputs, attention_flops
-from benchmarks.common import int_list, run_benchmark
+from benchmarks.attention import H_KV, C, H, attention_flops, paged_inputs
+from benchmarks.common import int_list, kernel_times, run_benchmark
 from oomb.kernels import tiles as kernel_tiles
 from oomb.kernels.backward import paged_attention_backward
 from oomb.kernels.forward import paged_attention_forward
@@ -50,12 +50,11 @@ CANDIDATES = [
 def run(args) -> dict:
     import triton.testing
 
-    from benchmarks.sparse import _kernel_times
     from oomb.sparse import PageSelection, select_pages
 
     dev = torch.device("cuda")
     h, h_kv = args.heads
-    q, _, _, k_pool, v_pool, page_table = _paged_inputs(args.kv_len, args.page_size, dev, h=h, h_kv=h_kv)
+    q, _, _, k_pool, v_pool, page_table = paged_inputs(args.kv_len, args.page_size, dev, h=h, h_kv=h_kv)
     d_out = torch.randn_like(q)
     dk_pool, dv_pool = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
     scale = q.shape[-1] ** -0.5
@@ -96,7 +95,7 @@ def run(args) -> dict:
             row = {"name": name, "tiles": dataclasses.asdict(tiles), "fwd_ms": t_f * 1e3, "bwd_ms": t_b * 1e3,
                    "fwd_tflops": flops / t_f / 1e12, "bwd_tflops": 2.5 * flops / t_b / 1e12,
                    "fwd_bwd_tflops": 3.5 * flops / (t_f + t_b) / 1e12, "max_rel_diff_vs_default": err,
-                   "bwd_kernels_ms": _kernel_times(bwd)}
+                   "bwd_kernels_ms": kernel_times(bwd)}
         except Exception as e:  # a setting that does not compile or fit is a result too
             row = {"name": name, "tiles": dataclasses.asdict(tiles), "error": f"{type(e).__name__}: {e}"[:300]}
         rows.append(row)

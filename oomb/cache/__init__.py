@@ -2,7 +2,8 @@
 
 from oomb.cache.allocator import OutOfPagesError, PageAllocator
 from oomb.cache.interface import KVStore
-from oomb.cache.page_lists import PageLists, PastPages
+from oomb.cache.page_lists import PageLists
+from oomb.cache.past_pages import PastPages
 from oomb.cache.store import ChunkRecord, LayerPools, PagedKVStore, StoreSpec
 
 __all__ = [

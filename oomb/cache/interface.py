@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from oomb.cache.page_lists import PastPages
+from oomb.cache.past_pages import PastPages
 from oomb.cache.store import ChunkRecord, LayerPools, StoreSpec
 
 

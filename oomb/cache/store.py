@@ -29,7 +29,7 @@ import torch
 
 from oomb.cache.allocator import OutOfPagesError, PageAllocator
 from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
-from oomb.cache.page_lists import PastPages
+from oomb.cache.past_pages import PastPages
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ class AttentionBackend:
     backward: Callable
 
 
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "get_backend"]
+
 BACKEND_NAMES = ("auto", "torch", "triton")
 
 

@@ -1,1 +1,7 @@
-"""The training application: config, data, model presets, the loop behind `oomb train`."""
+"""The training application: config, data, model presets, the loop behind `oomb train`, `oomb eval`.
+
+Its modules are imported where used (``oomb.train.trainer.train``, ``oomb.train.config.load_config``):
+importing oomb.train alone builds nothing.
+"""
+
+__all__: list[str] = []

@@ -57,12 +57,12 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
     return out_dir / CHECKPOINTS / f"step-{step:08d}"
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -70,7 +70,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -112,24 +112,24 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         tmp.write_text(text)
-        _fsync_file(tmp)
+        fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _publish_dir(tmp: Path, final: Path) -> None:
+def publish_dir(tmp: Path, final: Path) -> None:
     """Move a fully written folder into place (replacing an older one of the same name)."""
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     old = final.with_name(final.name + ".replaced.tmp")
     if final.exists():  # set aside by one rename; deleted once the new folder is in place
         if old.exists():
             shutil.rmtree(old)
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old.exists():
         shutil.rmtree(old)
 
@@ -166,14 +166,14 @@ def save_checkpoint(
         if data_state is not None:
             state["data"] = data_state
         (tmp / "state.json").write_text(json.dumps(state))
-        manifest = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in _FILES}
+        manifest = {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_of(tmp / name)} for name in _FILES}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         for name in (*_FILES, "manifest.json"):
-            _fsync_file(tmp / name)
+            fsync_file(tmp / name)
     except BaseException:  # disk full, no permission, ...: leave no half-written folder behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _publish_dir(tmp, final)  # the same step saved again (after a resume) is replaced whole
+    publish_dir(tmp, final)  # the same step saved again (after a resume) is replaced whole
     write_text_atomic(out_dir / CHECKPOINTS / LATEST, final.name)
     return final
 
@@ -262,7 +262,7 @@ def rotate_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
         os.replace(ckpt, trash)
         shutil.rmtree(trash)
     if doomed:
-        _fsync_dir(folder)
+        fsync_dir(folder)
     return doomed
 
 
@@ -289,7 +289,7 @@ def verify_checkpoint(ckpt: Path) -> None:
             raise CheckpointError(f"checkpoint {ckpt} is missing {name}")
         if f.stat().st_size != rec["bytes"]:
             raise CheckpointError(f"checkpoint {ckpt}: {name} has {f.stat().st_size} bytes, expected {rec['bytes']}")
-        if _sha256(f) != rec["sha256"]:
+        if sha256_of(f) != rec["sha256"]:
             raise CheckpointError(f"checkpoint {ckpt}: {name} does not match its checksum (altered or corrupted)")
     try:
         state = checkpoint_state(ckpt)
@@ -299,7 +299,7 @@ def verify_checkpoint(ckpt: Path) -> None:
         raise CheckpointError(f"checkpoint {ckpt}: state.json holds no step number")
     if state.get("finite") is not True and "model.safetensors" in manifest:  # written before the check existed
         bad = nonfinite_names(load_file(ckpt / "model.safetensors"))
-        bad += [f"optimizer state {n}" for n in nonfinite_names(_tensors(_load_plain(ckpt / "optimizer.pt")))]
+        bad += [f"optimizer state {n}" for n in nonfinite_names(_tensors(load_plain(ckpt / "optimizer.pt")))]
         if bad:
             raise CheckpointError(f"checkpoint {ckpt} holds non-finite values (NaN or inf) in {bad[:3]}")
 
@@ -347,7 +347,7 @@ def load_checkpoint(
     one with them loaded into an optimizer without masters continues from its (rounded) weights.
     """
     load_weights(ckpt, model, verify=verify)  # first: masters missing from the checkpoint start from these
-    opt = _load_plain(ckpt / "optimizer.pt")
+    opt = load_plain(ckpt / "optimizer.pt")
     if not isinstance(optimizer, MasterWeights):
         opt["optimizer"].pop(MASTER_WEIGHTS_KEY, None)
     try:
@@ -355,7 +355,7 @@ def load_checkpoint(
     except ValueError as e:
         raise CheckpointError(f"checkpoint {ckpt}: the optimizer state does not fit this run's optimizer: {e}") from e
     scheduler.load_state_dict(opt["scheduler"])
-    set_rng_state(_load_plain(ckpt / "rng.pt"))
+    set_rng_state(load_plain(ckpt / "rng.pt"))
     return checkpoint_state(ckpt)["step"]
 
 
@@ -378,7 +378,7 @@ def load_weights(ckpt: Path, model: torch.nn.Module, *, verify: bool = True) -> 
             params[name].copy_(tensor)
 
 
-def _load_plain(path: Path):
+def load_plain(path: Path):
     """torch.load with weights_only: tensors and plain containers only, never pickled code."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -418,5 +418,5 @@ def export_model(model, out_dir: Path, *, merge_lora: bool = True, tokenizer=Non
     except BaseException:  # a full disk, a kill: no half-written export.tmp is left
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _publish_dir(tmp, final)
+    publish_dir(tmp, final)
     return final

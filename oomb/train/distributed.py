@@ -53,15 +53,15 @@ from oomb.train.checkpoint import (
     CHECKPOINTS,
     LATEST,
     CheckpointError,
-    _fsync_dir,
-    _fsync_file,
-    _load_plain,
-    _publish_dir,
-    _sha256,
     checkpoint_dir,
     checkpoint_state,
+    fsync_dir,
+    fsync_file,
+    load_plain,
+    publish_dir,
     rng_state,
     set_rng_state,
+    sha256_of,
     write_text_atomic,
 )
 from oomb.train.config import Config, ConfigError, step_options
@@ -413,9 +413,9 @@ def save_checkpoint(ctx: DistributedContext, out_dir: Path, step: int, model, op
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp / "dcp")
         rng = tmp / f"rng-rank{ctx.rank}.pt"
         torch.save(rng_state(), rng)
-        _fsync_file(rng)
+        fsync_file(rng)
         for f in (tmp / "dcp").iterdir():
-            _fsync_file(f)
+            fsync_file(f)
         barrier(ctx)
         if ctx.is_main:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -425,12 +425,12 @@ def save_checkpoint(ctx: DistributedContext, out_dir: Path, step: int, model, op
                 state["data"] = data_state
             (tmp / "state.json").write_text(json.dumps(state))
             files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-            manifest = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in files}
+            manifest = {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_of(tmp / name)} for name in files}
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
             for name in ("scheduler.pt", "state.json", "manifest.json"):
-                _fsync_file(tmp / name)
-            _fsync_dir(tmp / "dcp")
-            _publish_dir(tmp, final)
+                fsync_file(tmp / name)
+            fsync_dir(tmp / "dcp")
+            publish_dir(tmp, final)
             write_text_atomic(out_dir / CHECKPOINTS / LATEST, final.name)
     except BaseException:
         if ctx.is_main:
@@ -469,8 +469,8 @@ def load_checkpoint(ctx: DistributedContext, ckpt: Path, model, optimizer, sched
     state = {"model": model_state, "optimizer": optim_state}
     load_dcp(state, ckpt / "dcp")  # no pickled code runs from the checkpoint (oomb.train.safe_dcp)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    scheduler.load_state_dict(_load_plain(ckpt / "scheduler.pt"))
-    set_rng_state(_load_plain(ckpt / f"rng-rank{ctx.rank}.pt"))
+    scheduler.load_state_dict(load_plain(ckpt / "scheduler.pt"))
+    set_rng_state(load_plain(ckpt / f"rng-rank{ctx.rank}.pt"))
     return checkpoint_state(ckpt)["step"]
 
 
@@ -493,6 +493,6 @@ def export_model(ctx: DistributedContext, model, out_dir: Path, *, tokenizer=Non
         except BaseException:  # a full disk, a kill: no half-written export.tmp is left
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _publish_dir(tmp, final)
+        publish_dir(tmp, final)
     barrier(ctx)
     return final

@@ -157,7 +157,7 @@ def _in_checkpoint(path) -> bool:
 
 
 if FAULT == "slow-save":
-    _fsync = checkpoint._fsync_file
+    _fsync = checkpoint.fsync_file
 
     def slow_fsync(path):
         if _in_checkpoint(path) and not MARKER.exists():
@@ -165,7 +165,7 @@ if FAULT == "slow-save":
             time.sleep(1.5)
         return _fsync(path)
 
-    checkpoint._fsync_file = slow_fsync
+    checkpoint.fsync_file = slow_fsync
 
 KIND, _, WHAT = FAULT.partition(":")
 DISK = os.environ.get("FAULT_DISK")
@@ -200,7 +200,7 @@ def at(point: str) -> None:
 
 if KIND in ("full", "readonly", "pause"):
     _save_file, _torch_save, _write_text = checkpoint.save_file, checkpoint.torch.save, pathlib.Path.write_text
-    _publish = checkpoint._publish_dir
+    _publish = checkpoint.publish_dir
     saving = [0]  # the step of the checkpoint being written (0: none)
 
     def in_step_checkpoint(path) -> bool:
@@ -234,7 +234,7 @@ if KIND in ("full", "readonly", "pause"):
             at("publish")
 
     checkpoint.save_file, checkpoint.torch.save, pathlib.Path.write_text = save_file, torch_save, write_text
-    checkpoint._publish_dir = publish_dir
+    checkpoint.publish_dir = publish_dir
 
     def before(owner, name: str, point: str, when=lambda *a, **k: True):
         original = getattr(owner, name)
