@@ -33,14 +33,14 @@ from pathlib import Path
 import torch
 
 import oomb
-from benchmarks.common import int_list, run_benchmark, time_steps
+from benchmarks.common import int_list, machine_description, run_benchmark, time_steps
 from benchmarks.tune_attention import CANDIDATES
 from oomb.engine import linear_cross_entropy_sum, store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import use_fused_ops
 from oomb.kernels import tiles as kernel_tiles
 from oomb.sparse import DEFAULT_SCORE, SCORES, PageSelection
-from oomb.train.presets import build_model
+from oomb.train.presets import build_model, preset_config
 
 
 def model_flops(config, seq_len: int) -> float:
@@ -78,6 +78,11 @@ def run_baselines(args) -> list[dict]:
                          for n in args.baseline_lengths]
                 continue
             rows += json.loads(Path(out.name).read_text())
+    config = preset_config(args.preset)
+    for r in rows:  # the rates oomb's rows carry, for the table and the record
+        if "step_s" in r:
+            r.update(tokens_per_s=r["seq_len"] / r["step_s"],
+                     model_tflops=model_flops(config, r["seq_len"]) / r["step_s"] / 1e12)
     return rows
 
 
@@ -218,6 +223,7 @@ def run(args) -> dict:
         "bench": "core",
         "command": "python -m benchmarks.core " + " ".join(sys.argv[1:]),
         "date": datetime.date.today().isoformat(),
+        "machine": machine_description(),
         "gpu": torch.cuda.get_device_name(),
         "host": platform.node(),
         "versions": {"torch": torch.__version__, "oomb": oomb.__version__,

@@ -47,8 +47,8 @@ job core-7b-no-fused-ops "$C --lengths '' --cache-lengths 65536 --fused-ops none
 # its own process) beside what `oomb train` picks by itself and oomb's fastest settings; FA4 needs its wheels.
 job core-7b-vs-transformers-64k "$C --lengths '' --baseline-lengths 65536 --auto-lengths 65536 --cache-lengths 65536 \
   --chunk 8192 --fused-ops auto --warm-each --repeats 2"
-job core-7b-vs-transformers-128k "$C --lengths '' --baseline-lengths 131072 --auto-lengths 131072 \
-  --cache-lengths 131072 --sparse-cache-lengths 131072 --chunk 8192 --fused-ops auto --warm-each --repeats 2"
+job core-7b-vs-transformers-128k "$C --lengths '' --baseline-lengths 131072 --cache-lengths 131072 \
+  --sparse-cache-lengths 131072 --chunk 8192 --fused-ops auto --warm-each --repeats 2"
 part core 'core-7b-chunk8192 core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops core-7b-vs-transformers-64k
   core-7b-vs-transformers-128k'
 

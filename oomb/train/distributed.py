@@ -380,12 +380,13 @@ def clip_gradients(params, max_norm: float, norm: torch.Tensor) -> None:
 # --- checkpoints and export -------------------------------------------------------------------
 
 
-def prepare_out_dir(ctx: DistributedContext, cfg: Config, prepare) -> Path:
-    """Rank 0 makes the run folder (``prepare``: the trainer's prepare_out_dir); every rank gets its path."""
+def prepare_out_dir(ctx: DistributedContext, cfg: Config, prepare) -> tuple[Path, bool]:
+    """Rank 0 makes the run folder (``prepare``: rundir.prepare_out_dir); every rank gets its path and
+    whether rank 0 created it."""
     barrier(ctx)  # every rank has checked the paths before rank 0 creates anything
-    box = [str(prepare(cfg)) if ctx.is_main else None]
+    box = [(str(out), created) for out, created in [prepare(cfg)]] if ctx.is_main else [None]
     dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
+    return Path(box[0][0]), box[0][1]
 
 
 def save_checkpoint(ctx: DistributedContext, out_dir: Path, step: int, model, optimizer, scheduler,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from launch import (
     assert_export_holds_the_trained_weights,
     assert_resumes_exactly,
@@ -54,6 +56,42 @@ def test_two_ranks_train_like_one_process_with_both_sequences(runs):
 
 def test_checkpoint_of_two_ranks_resumes_on_two_ranks(runs, tmp_path):
     assert_resumes_exactly(runs[0], tmp_path, STEPS, world_size=2, format="dcp-fsdp2")
+
+
+class _MakesAFolder:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.path),))
+
+
+@pytest.mark.parametrize("where", ["metadata", "scheduler"])
+def test_pickled_code_in_a_sharded_checkpoint_is_never_run(runs, tmp_path, where):
+    """DCP keeps its metadata as a pickle, the scheduler is a torch.save file: an attacker who rewrites them and
+    the manifest gets a refusal naming the file, and nothing runs (DCP's own bytes values: test_safe_dcp.py)."""
+    import hashlib
+    import pickle
+
+    copy = tmp_path / "two"
+    shutil.copytree(runs[0], copy)
+    ckpt = copy / "checkpoints" / "step-00000002"
+    marker = tmp_path / "pwned"
+    if where == "metadata":
+        (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(_MakesAFolder(marker)))
+    else:  # the scheduler's state (plain data) becomes a pickled call
+        torch.save({"evil": _MakesAFolder(marker)}, ckpt / "scheduler.pt")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for name in manifest:
+        data = (ckpt / name).read_bytes()
+        manifest[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    proc = torchrun("-m", "oomb.cli", "train", f"resume={ckpt}", check=False)
+    assert proc.returncode != 0 and not marker.exists()
+    said = " ".join(proc.stdout.split())
+    reason = ("is not plain checkpoint metadata (refused, nothing from it was run)" if where == "metadata"
+              else "holds objects other than tensors and plain data (refused, nothing from it was run)")
+    assert reason in said, (proc.stdout[-2000:], proc.stderr[-3000:])
 
 
 def test_export_loads_in_transformers_with_the_trained_weights(runs, tmp_path):
