@@ -37,7 +37,6 @@ job gradient-accuracy-bf16 'python3 -m pytest -q -s -m gpu -p no:cacheprovider t
 part gpu-tests 'gpu-tests gradient-accuracy-bf16'
 
 # core: one training step of Qwen2.5-7B against context length, and transformers' step beside it.
-job core-7b-chunk8192 "$C --lengths '' --cache-lengths 65536,131072 --chunk 8192 --fused-ops auto"
 job core-7b-chunk4096 "$C --lengths 32768,65536,131072 --cache-lengths 65536,131072 --sparse-lengths 131072 \
   --sparse-cache-lengths 131072 --hf-lengths 65536,131072 --fused-ops none --select-score mean"
 job core-7b-fused-ops "$C --lengths '' --cache-lengths 65536,131072 --sparse-cache-lengths 131072 --fused-ops auto \
@@ -49,7 +48,7 @@ job core-7b-vs-transformers-64k "$C --lengths '' --baseline-lengths 65536 --auto
   --chunk 8192 --fused-ops auto --warm-each --repeats 2"
 job core-7b-vs-transformers-128k "$C --lengths '' --baseline-lengths 131072 --cache-lengths 131072 \
   --sparse-cache-lengths 131072 --chunk 8192 --fused-ops auto --warm-each --repeats 2"
-part core 'core-7b-chunk8192 core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops core-7b-vs-transformers-64k
+part core 'core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops core-7b-vs-transformers-64k
   core-7b-vs-transformers-128k'
 
 # memory: GPU memory against context, 16K to 256K (where transformers runs out).
