@@ -17,7 +17,7 @@ causal diagonal offset by kv_len - C. Backends take that offset in different way
 
 FLOPs (forward) = 2 matmuls * 2 * H * D * (visible keys summed over queries)
                 ~= 2 * 2 * C * H * D * (kv_len - C/2); forward+backward = 3.5x forward
-(so full causal over S tokens is 2 * S^2 * H * D, as in FACTS.md).
+(so full causal over S tokens is 2 * S^2 * H * D).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The chunk-recurrent training step (shared/DESIGN.md, "One training step").
+"""The chunk-recurrent training step (docs/design.md, "The step").
 
     stage 1 (no autograd)   c_0 -> c_1 -> ... -> c_{m-2}     fill the paged store
     stage 2 (autograd)      c_{m-1} -> ... -> c_1 -> c_0     recompute, loss, backward, free

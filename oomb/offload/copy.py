@@ -121,8 +121,8 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, *, src_index: torch.Tensor 
     ``src`` and ``dst``: [B, pages, *page] with contiguous pages. ``use_kernel``: the Triton
     kernel (CUDA with mapped host memory, or the interpreter); otherwise torch indexing on the
     tensors' own device (host tensors without CUDA). ``programs``, ``block``, ``num_warps``:
-    the kernel's grid size, elements per program per step and warps (tuning; see
-    oomb/bench/copy.py).
+    the kernel's grid size, elements per program per step and warps (tuning: benchmarks/copy.py
+    in the repository).
     """
     index = src_index if src_index is not None else dst_index
     if index is None:

@@ -1,4 +1,4 @@
-"""Page selection for page-level top-k sparse attention (shared/DESIGN.md, "sparse").
+"""Page selection for page-level top-k sparse attention (docs/design.md, "Page-sparse attention").
 
 Past the first ``page_budget`` pages, each block of ``block`` queries of a chunk
 attends only ``page_budget`` of the pages stored before the chunk (plus the chunk

@@ -2,7 +2,7 @@
 (kernels/reference.py).
 
 Without CUDA the kernels run in the Triton interpreter on CPU, in fp32 (the interpreter's
-bf16 arithmetic is wrong, see FACTS.md), at tiny shapes. With CUDA the same cases run
+bf16 arithmetic is silently wrong: products and sums come out as garbage), at tiny shapes. With CUDA the same cases run
 compiled on the GPU, and the `gpu`-marked tests check bf16 at realistic shapes
 (`pytest -m gpu tests/kernels/test_triton_attention.py`).
 """
