@@ -239,8 +239,14 @@ def roll_back_metrics(out: Path, step: int) -> None:
             done = False
         (keep if done else redo).append(line)
     if redo:
-        with open(path.with_name(ROLLED_BACK), "a") as f:
-            f.write("\n".join(redo) + "\n")
+        side = MetricsLog(path.with_name(ROLLED_BACK))  # whole lines or none, as metrics.jsonl itself
+        try:
+            for line in redo:
+                side.append_line(line)
+        except OSError:
+            side.close(remove_if_empty=True)
+            raise
+        side.close()
     write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
@@ -248,12 +254,16 @@ class MetricsLog:
     """metrics.jsonl, one whole line per step or none: a write the disk cannot take is undone."""
 
     def __init__(self, path: Path | None) -> None:
+        self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path is not None else None
 
     def append(self, record: dict) -> None:
+        self.append_line(json.dumps(record))
+
+    def append_line(self, text: str) -> None:
         if self._fd is None:
             return
-        line = (json.dumps(record) + "\n").encode()
+        line = (text + "\n").encode()
         size = os.fstat(self._fd).st_size
         try:
             if os.write(self._fd, line) != len(line):  # a short write: the disk filled up mid-line
@@ -262,7 +272,10 @@ class MetricsLog:
             os.ftruncate(self._fd, size)  # no half line for the next reader
             raise
 
-    def close(self) -> None:
+    def close(self, remove_if_empty: bool = False) -> None:
         if self._fd is not None:
+            empty = os.fstat(self._fd).st_size == 0
             os.close(self._fd)
             self._fd = None
+            if remove_if_empty and empty:
+                self.path.unlink(missing_ok=True)

@@ -18,7 +18,8 @@ file created when the fault point is reached (so a test knows when to send its s
     full:WHAT       just before WHAT is written, fill the (small, test-mounted) file system FAULT_DISK holding
                     the run: the write then fails for real (ENOSPC from the kernel). WHAT: lock, config,
                     metrics (step FAULT_STEP's line), a checkpoint file of step FAULT_STEP (model.safetensors,
-                    optimizer.pt, rng.pt, state.json, manifest.json, latest), export, plot, tensorboard
+                    optimizer.pt, rng.pt, state.json, manifest.json, latest), export, plot, tensorboard,
+                    rollback (a resumed run's metrics and config)
                     (its event file); plot and tensorboard get the room back after their write failed
     readonly:WHAT   the same point, but the file system is remounted read-only (EROFS)
     pause:WHAT      in checkpoint FAULT_STEP's write, just before WHAT is written (model.safetensors, optimizer.pt,
@@ -254,6 +255,7 @@ if KIND in ("full", "readonly", "pause"):
 
     before(rundir.RunLock, "acquire", "lock")
     before(trainer, "write_config", "config")
+    before(trainer, "roll_back_metrics", "rollback")  # a resumed run moving the lines of steps it will redo
     before(rundir.MetricsLog, "append", "metrics", when=lambda self, record: record["step"] == STEP)
     before(run_module, "export_model", "export")
     before(trainer, "plot_run", "plot")

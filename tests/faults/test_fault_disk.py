@@ -114,6 +114,20 @@ def test_a_full_disk_at_the_start_leaves_nothing_and_the_same_command_runs(disk,
     assert losses(run) == pytest.approx(losses(straight), rel=1e-6)
 
 
+def test_a_full_disk_when_a_resumed_run_rewrites_its_metrics_changes_nothing(disk, straight):
+    run = disk / "run"
+    shutil.copytree(straight, run)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    proc = run_process("full:rollback", f"resume={run / 'checkpoints' / 'step-00000002'}", disk=disk)
+    assert proc.returncode == EXIT_WRITE, (proc.stdout, proc.stderr)
+    assert f"could not write the metrics and config of {run}" in said(proc) and "is full" in said(proc)
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"} == {
+        k: v for k, v in before.items() if k != ".lock"}  # metrics.jsonl and config.json as they were
+    assert leftovers(run) == []
+    restore(disk)
+    assert_resumes_exactly(run, straight, resume=run / "checkpoints" / "step-00000002")
+
+
 def test_a_full_disk_during_the_export_keeps_the_run_and_resume_writes_it(disk, straight):
     run = disk / "run"
     args = [*RUN[:-1], "train.export=true"]  # RUN ends with train.export=false
