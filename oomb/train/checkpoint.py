@@ -403,19 +403,27 @@ def export_model(model, out_dir: Path, *, merge_lora: bool = True, tokenizer=Non
     A LoRA (peft) model is exported with its adapters merged into a copy of the weights,
     or, with ``merge_lora=False``, as the adapter folder peft loads on top of the base.
     """
-    final = out_dir / "export"
-    tmp = out_dir / "export.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     if merge_lora and callable(getattr(model, "merge_and_unload", None)):
         import copy
 
         model = copy.deepcopy(model).merge_and_unload()  # the training model keeps its adapters
+    return write_export(out_dir, model, tokenizer)
+
+
+def write_export(out_dir: Path, model, tokenizer=None, **save_kwargs) -> Path:
+    """``model.save_pretrained`` (and the tokenizer's) into ``export.tmp``, then renamed to ``export``.
+
+    A failed write (a full disk) removes ``export.tmp``; a kill leaves it, and the next export
+    removes it. ``save_kwargs`` go to ``save_pretrained`` (a gathered ``state_dict``).
+    """
+    final, tmp = out_dir / "export", out_dir / "export.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, **save_kwargs)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-    except BaseException:  # a full disk, a kill: no half-written export.tmp is left
+    except Exception:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     publish_dir(tmp, final)

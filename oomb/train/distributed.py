@@ -62,6 +62,7 @@ from oomb.train.checkpoint import (
     rng_state,
     set_rng_state,
     sha256_of,
+    write_export,
     write_text_atomic,
 )
 from oomb.train.config import Config, ConfigError, step_options
@@ -483,17 +484,7 @@ def export_model(ctx: DistributedContext, model, out_dir: Path, *, tokenizer=Non
     # A tied weight (LM head = embeddings) appears under both names; keep the name one process saves.
     kept = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
     full = {name: tensor for name, tensor in full.items() if name in kept}
-    final, tmp = out_dir / "export", out_dir / "export.tmp"
     if ctx.is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        try:
-            model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-        except BaseException:  # a full disk, a kill: no half-written export.tmp is left
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        publish_dir(tmp, final)
+        write_export(out_dir, model, tokenizer, state_dict=full)
     barrier(ctx)
-    return final
+    return out_dir / "export"

@@ -111,3 +111,15 @@ def assert_resumes_exactly(run: Path, straight: Path, *resume_args: str, resume:
 
 
 SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
+
+
+def fill_disk(folder: Path) -> None:
+    """Fill the file system holding ``folder`` to its last byte (a file ``filler`` in it): the kernel's ENOSPC."""
+    fd = os.open(Path(folder) / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    for size in (1 << 20, 1 << 12, 1):  # tmpfs allocates pages: fill them, then the last page's bytes
+        while True:
+            try:
+                os.write(fd, b"\0" * size)
+            except OSError:
+                break
+    os.close(fd)

@@ -49,6 +49,9 @@ import oomb.train.rundir as rundir
 import oomb.train.trainer as trainer
 from oomb.cli import main
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from faultrun import fill_disk  # noqa: E402  (this script runs from anywhere)
+
 FAULT, ARGS = sys.argv[1], sys.argv[2:]
 STEP = int(os.environ.get("FAULT_STEP", "0"))
 BATCH = int(os.environ.get("FAULT_BATCH", "1"))
@@ -178,14 +181,7 @@ def break_disk() -> None:
     if KIND == "readonly":
         subprocess.run(["mount", "-o", "remount,ro", DISK], check=True)
         return
-    fd = os.open(os.path.join(DISK, "filler"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    for size in (1 << 20, 1 << 12, 1):  # tmpfs allocates pages: fill them, then the last page's bytes
-        while True:
-            try:
-                os.write(fd, b"\0" * size)
-            except OSError:
-                break
-    os.close(fd)
+    fill_disk(DISK)
 
 
 def at(point: str) -> None:

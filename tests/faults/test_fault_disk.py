@@ -10,14 +10,23 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import shutil
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
-from faultrun import RUN, STEPS, assert_resumes_exactly, leftovers, losses, run_process, start_process, wait_for
+from faultrun import (
+    RUN,
+    STEPS,
+    assert_resumes_exactly,
+    fill_disk,
+    leftovers,
+    losses,
+    run_process,
+    start_process,
+    wait_for,
+)
 
 from oomb.cli import main
 from oomb.train.checkpoint import LATEST, find_checkpoint, verify_checkpoint
@@ -76,7 +85,7 @@ def test_metrics_lines_are_whole_or_absent_when_the_disk_fills(disk):
     log = MetricsLog(disk / "metrics.jsonl")
     record = {"loss": 1.0, "note": "x" * 300}
     log.append({"step": 1, **record})  # the file has a page of its own
-    fill(disk)
+    fill_disk(disk)
     written = 1
     with pytest.raises(OSError) as failed:  # the page takes a few more lines, then one is cut short
         for written in range(2, 1000):
@@ -85,17 +94,6 @@ def test_metrics_lines_are_whole_or_absent_when_the_disk_fills(disk):
     lines = (disk / "metrics.jsonl").read_text().splitlines(keepends=True)
     assert [json.loads(line)["step"] for line in lines] == list(range(1, written)) and lines[-1].endswith("\n")
     log.close()
-
-
-def fill(disk: Path) -> None:
-    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    for size in (1 << 20, 1 << 12, 1):  # whole pages, then the bytes of the last one
-        while True:
-            try:
-                os.write(fd, b"\0" * size)
-            except OSError:
-                break
-    os.close(fd)
 
 
 @pytest.mark.parametrize("fault", ["full:lock", "readonly:lock", "full:config"])
