@@ -1,7 +1,8 @@
 """Memory planner: the bytes one training step needs, per item, before any work starts.
 
-    plan_memory(config, seq_len=..., ...)   ->  MemoryPlan (GPU and host bytes, one row per item)
-    largest_context(config, ...)             ->  the longest seq_len whose plan fits
+    plan_memory(config, seq_len=..., ...)              ->  MemoryPlan (GPU and host bytes, one row per item)
+    plan_first_fitting(config, choices, seq_len=...)    ->  the first of alternative settings that fits
+    largest_context(config, choices=..., ...)           ->  the longest seq_len whose plan fits with one of them
 
 What a step holds at its peak (stage 2, the recompute forward + backward of one chunk):
 
@@ -21,6 +22,7 @@ module adds them up for one configuration and searches the longest context that 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -55,7 +57,7 @@ __all__ = [
     "LoraShape", "MemoryItem", "MemoryPlan", "ModelShape", "ParameterCounts", "StoreBytes",
     "checkpointed_bytes_per_token", "count_parameters", "format_bytes", "fused_loss_bytes", "largest_context",
     "layer_backward_bytes_per_token", "measure_saved_activations", "optimizer_state_bytes", "page_list_bytes",
-    "paged_store_bytes", "plan_memory", "saved_bytes_per_token", "store_spec",
+    "paged_store_bytes", "plan_first_fitting", "plan_memory", "saved_bytes_per_token", "store_spec",
 ]
 
 GiB = 2**30
@@ -330,18 +332,32 @@ def plan_memory(
                       host_total_bytes=host_total_bytes, notes=notes)
 
 
-def largest_context(model_config, *, page_size: int = 128, max_seq_len: int = 1 << 40, **settings) -> int:
-    """The longest seq_len (a multiple of ``page_size``) whose plan fits; 0 if none does.
+def largest_context(model_config, *, page_size: int = 128, max_seq_len: int = 1 << 40,
+                    choices: Sequence[dict] = ({},), **settings) -> int:
+    """The longest seq_len (a multiple of ``page_size``) whose plan fits with one of ``choices``; 0 if none does.
 
-    Takes plan_memory's keyword arguments (without seq_len); memory grows with seq_len, so
-    the answer is found by bisection over multiples of page_size.
+    Takes plan_memory's keyword arguments (without seq_len). ``choices``: alternatives for some of
+    them (e.g. the values an "auto" setting may take), each a dict laid over ``settings``; the answer
+    is the longest over all of them, whatever their order. Memory grows with seq_len, so a choice's
+    longest is found by bisection over multiples of page_size; a choice that does not fit one page
+    beyond the longest found so far costs one plan.
     """
-    def fits(pages: int) -> bool:
-        return plan_memory(model_config, seq_len=pages * page_size, page_size=page_size, **settings).fits
+    max_pages = max(1, max_seq_len // page_size)
+    best = 0  # pages
+    for choice in reversed(choices):  # the least memory is usually listed last: it gives the answer first
+        def fits(pages: int, choice=choice) -> bool:
+            return plan_memory(model_config, seq_len=pages * page_size, page_size=page_size,
+                               **{**settings, **choice}).fits
 
-    lo, hi = 0, max(1, max_seq_len // page_size)  # fits(lo) holds (or lo == 0); find the last that fits
+        if best < max_pages and fits(best + 1):
+            best = _last_fitting(fits, best + 1, max_pages)
+    return best * page_size
+
+
+def _last_fitting(fits, lo: int, hi: int) -> int:
+    """The largest n in [lo, hi] with fits(n), given fits(lo) and fits false from some n on."""
     if fits(hi):
-        return hi * page_size
+        return hi
     step = 1
     while lo + step < hi and fits(lo + step):  # gallop: contexts that fit are usually far below hi
         lo, step = lo + step, step * 2
@@ -352,7 +368,22 @@ def largest_context(model_config, *, page_size: int = 128, max_seq_len: int = 1 
             lo = mid
         else:
             hi = mid
-    return lo * page_size
+    return lo
+
+
+def plan_first_fitting(model_config, choices: Sequence[dict], *, seq_len: int, **settings) -> tuple[MemoryPlan, int]:
+    """The plan at ``seq_len`` of the first of ``choices`` that fits, and that choice's index.
+
+    ``choices`` as in largest_context, most preferred first; when none fits, the last one's plan
+    (list the least memory last: its plan says how far the run is from fitting).
+    """
+    if not choices:
+        raise ValueError("choices must hold at least one set of settings (an empty dict: the settings as given)")
+    for index, choice in enumerate(choices):
+        plan = plan_memory(model_config, seq_len=seq_len, **{**settings, **choice})
+        if plan.fits:
+            return plan, index
+    return plan, len(choices) - 1
 
 
 def format_bytes(nbytes: int | None) -> str:

@@ -1,6 +1,8 @@
 """The memory planner: hand-computed bytes, the activation formula against measured saved tensors,
 and largest_context at its boundary."""
 
+import itertools
+
 import pytest
 import torch
 from tiny_models import FAMILIES, tiny_model
@@ -16,6 +18,7 @@ from oomb.engine.plan import (
     largest_context,
     measure_saved_activations,
     optimizer_state_bytes,
+    plan_first_fitting,
     plan_memory,
     saved_bytes_per_token,
     store_spec,
@@ -127,6 +130,30 @@ def test_largest_context_fits_at_the_boundary_and_grows_with_memory():
         previous = n
     assert previous > 0
     assert largest_context(cfg, device_total_bytes=2**30, **settings) == 0  # the parameters alone do not fit
+
+
+def test_largest_context_over_choices_is_the_longest_of_any_whatever_their_order():
+    # 7B on AdamW, 141 GiB GPU and 125.8 GiB host, pages offloaded with the "auto" GPU allowance: master
+    # weights, the chunk and the attention cache each change the longest context, and not all one way.
+    cfg = preset_config("qwen2.5-7b")
+    settings = dict(page_size=128, dtype=torch.bfloat16, offload=True, offload_gpu_bytes="auto",
+                    device_total_bytes=141 * 2**30, host_total_bytes=int(125.8 * 2**30))
+    choices = [dict(master_weights=m, chunk_size=c) for m in (True, False) for c in (8192, 1024)]
+    each = [largest_context(cfg, choices=[c], **settings) for c in choices]
+    assert each[0] == each[1] == 0 and 0 < each[2] < each[3]  # masters never fit; a smaller chunk leaves more
+    want = max(each)
+    for order in itertools.permutations(choices):
+        assert largest_context(cfg, choices=list(order), **settings) == want
+    assert largest_context(cfg, **settings, **choices[3]) == want  # no choices: the settings as given
+    # The choice at a length is the first that fits there, in the order given; else the last one's plan.
+    plan, index = plan_first_fitting(cfg, choices, seq_len=want, **settings)
+    assert index == 3 and plan.fits and plan.settings["chunk_size"] == 1024
+    plan, index = plan_first_fitting(cfg, choices, seq_len=65536, **settings)
+    assert index == 2 and plan.fits and plan.settings["chunk_size"] == 8192
+    plan, index = plan_first_fitting(cfg, choices, seq_len=want + 128, **settings)
+    assert index == 3 and not plan.fits
+    with pytest.raises(ValueError, match="at least one"):
+        plan_first_fitting(cfg, [], seq_len=4096, **settings)
 
 
 def test_bad_settings_raise():
