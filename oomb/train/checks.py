@@ -45,13 +45,16 @@ def check_config(cfg: Config) -> None:
     """Everything that can be checked before a model is built (floats are finite already: load_config)."""
     t = cfg.train
     for name, value in (("train.steps", t.steps), ("train.batch_size", t.batch_size),
-                        ("train.grad_accum", t.grad_accum), ("train.chunk_size", t.chunk_size),
-                        ("train.page_size", t.page_size), ("data.seq_len", cfg.data.seq_len),
-                        ("train.tensor_parallel", t.tensor_parallel)):
+                        ("train.grad_accum", t.grad_accum), ("train.page_size", t.page_size),
+                        ("data.seq_len", cfg.data.seq_len), ("train.tensor_parallel", t.tensor_parallel)):
         if value <= 0:
             raise ConfigError(f"{name} must be positive, got {value}")
-    if t.chunk_size % t.page_size:
-        raise ConfigError(f"train.chunk_size={t.chunk_size} must be a multiple of train.page_size={t.page_size}")
+    if t.chunk_size != "auto":
+        if not isinstance(t.chunk_size, int) or isinstance(t.chunk_size, bool) or t.chunk_size <= 0:
+            raise ConfigError(f"train.chunk_size={t.chunk_size!r}: use auto (the memory plan picks the fastest that "
+                              f"fits) or a positive multiple of train.page_size={t.page_size}")
+        if t.chunk_size % t.page_size:
+            raise ConfigError(f"train.chunk_size={t.chunk_size} must be a multiple of train.page_size={t.page_size}")
     if t.save_every < 0 or t.keep_last < 0:
         raise ConfigError(f"train.save_every and train.keep_last must be >= 0, got {t.save_every}, {t.keep_last}")
     if t.on_nonfinite not in ("stop", "skip"):

@@ -101,10 +101,12 @@ class TrainConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
-    chunk_size: int = 1024
-    """Tokens per chunk of the chunk-recurrent step (a multiple of page_size). Longer chunks run faster on a large
-    GPU and keep more activations (Qwen2.5-7B on an H200 at 64K: 8192 -> 13.67 s, 82.7 GiB; 4096 -> 14.52 s, 65.8
-    GiB; docs/benchmarks.md); `oomb plan` shows what a size costs."""
+    chunk_size: int | str = "auto"
+    """Tokens per chunk of the chunk-recurrent step (a multiple of page_size), or auto: the memory plan picks the
+    largest of 8192, 4096, 2048, ... (1024, ... on CPU; at most the sequence) with the attention cache where one fits
+    (chunks of 1024 or more), else the largest without it. Longer chunks run faster on a large GPU and keep more
+    activations (Qwen2.5-7B on an H200 at 64K: 8192 -> 13.98 s, 82.7 GiB; 4096 -> 14.52 s, 65.8 GiB, both
+    cached; docs/benchmarks.md); `oomb plan` shows the choice and what a size costs."""
     page_size: int = 128
     """Tokens per page of the K/V store."""
     layer_checkpointing: bool = False
@@ -374,11 +376,12 @@ def offload_selection_note(cfg: Config) -> str | None:
     the H200, docs/offload.md). Not changed for the user: the block decides which pages are attended.
     """
     t = cfg.train
-    if not t.offload or t.page_budget is None or t.select_block >= t.chunk_size:
+    chunk = settled_chunk_size(cfg)
+    if not t.offload or t.page_budget is None or t.select_block >= chunk:
         return None
-    return (f"train.offload with train.select_block={t.select_block} below train.chunk_size={t.chunk_size}: each "
+    return (f"train.offload with train.select_block={t.select_block} below train.chunk_size={chunk}: each "
             f"block of {t.select_block} queries picks its own {t.page_budget} pages and their union crosses to the "
-            f"GPU for every layer and chunk. train.select_block={t.chunk_size} (one list per chunk) moves far less "
+            f"GPU for every layer and chunk. train.select_block={chunk} (one list per chunk) moves far less "
             "(Qwen2.5-7B, 128K tokens, H200: +4.8% against +29.9% step time over no offload, docs/offload.md); "
             "it also changes which pages are attended")
 
@@ -408,11 +411,25 @@ def offload_gpu_allowance(cfg: Config) -> int:
     return value if cfg.train.offload and value != "auto" else 0
 
 
+# train.chunk_size=auto where no memory plan settles it (train.memory_check=false): the default before
+# the plan chose chunks, small enough for any GPU that holds the model.
+UNPLANNED_CHUNK_SIZE = 1024
+
+
+def settled_chunk_size(cfg: Config) -> int:
+    """train.chunk_size as the step runs it: the number, or where "auto" was never settled by a memory
+    plan, the largest multiple of train.page_size up to UNPLANNED_CHUNK_SIZE (at least one page)."""
+    t = cfg.train
+    if t.chunk_size != "auto":
+        return t.chunk_size
+    return max(t.page_size, UNPLANNED_CHUNK_SIZE // t.page_size * t.page_size)
+
+
 def step_options(cfg: Config) -> StepOptions:
     """The engine's options of this run's steps: chunked_backward's, and the NaN locator's after a
     non-finite step (it then runs the step's chunks, store and page selection)."""
     t = cfg.train
-    return StepOptions(chunk_size=t.chunk_size, page_size=t.page_size, selection=page_selection(cfg),
+    return StepOptions(chunk_size=settled_chunk_size(cfg), page_size=t.page_size, selection=page_selection(cfg),
                        offload=t.offload, offload_gpu_bytes=offload_gpu_allowance(cfg),
                        cache_attention=t.cache_attention is True)  # "auto" not settled by a memory plan: off
 

@@ -1,14 +1,17 @@
 """The memory plan of a run config: `oomb plan`, and the check `oomb train` makes before any work.
 
-    plan_for_config(cfg, device, dtype)   ->  MemoryPlan (oomb.engine.plan) with this machine's memory
-    check_memory(cfg, device, dtype)      ->  raises ConfigError when the plan does not fit, saying the
-                                              estimate, the memory available, the longest context that
-                                              fits and which settings would make this one fit
+    resolve_auto_settings(cfg, device, dtype, ...)  ->  settles train's `auto` settings (master weights, chunk,
+                                                        attention cache, offload GPU allowance) together in cfg;
+                                                        MemoryPlan (oomb.engine.plan) and the longest context
+    plan_for_config(cfg, device, dtype, ...)        ->  the same on a copy of cfg
+    check_memory(cfg, device, dtype)                ->  raises ConfigError when the plan does not fit, saying the
+                                                        estimate, the memory available, the longest context that
+                                                        fits and which settings would make this one fit
 """
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import json
 import os
 
@@ -17,9 +20,16 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from oomb.engine.plan import MemoryPlan, largest_context, plan_memory
+from oomb.engine.plan import MemoryPlan, largest_context, plan_first_fitting, plan_memory
 from oomb.engine.plan import format_bytes as _gib
-from oomb.train.config import Config, ConfigError, offload_gpu_bytes, offload_selection_note, parse_bytes
+from oomb.train.config import (
+    Config,
+    ConfigError,
+    offload_gpu_bytes,
+    offload_selection_note,
+    parse_bytes,
+    settled_chunk_size,
+)
 from oomb.train.inputs import model_config
 from oomb.train.optim import wants_master_weights
 
@@ -37,7 +47,7 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
     t = cfg.train
     torchrun = t.tensor_parallel > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
     return dict(
-        batch_size=t.batch_size, chunk_size=t.chunk_size, page_size=t.page_size, dtype=dtype,
+        batch_size=t.batch_size, chunk_size=settled_chunk_size(cfg), page_size=t.page_size, dtype=dtype,
         lora_r=cfg.lora.r, lora_targets=tuple(x.strip() for x in cfg.lora.targets.split(",") if x.strip()),
         optimizer=t.optimizer, master_weights=wants_master_weights(t.master_weights, torchrun=torchrun),
         layer_checkpointing=t.layer_checkpointing, device_type=device_type,
@@ -51,15 +61,9 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
 
 def plan_for_config(cfg: Config, device_type: str, dtype: torch.dtype, *, gpu_bytes: int | None,
                     host_bytes: int | None) -> tuple[MemoryPlan, int]:
-    """The run's plan against the given memory, and the longest data.seq_len that would fit."""
-    config = model_config(cfg)
-    settings = _settings(cfg, device_type, dtype)
-    limits = dict(device_total_bytes=gpu_bytes, host_total_bytes=host_bytes)
-    try:
-        plan = plan_memory(config, seq_len=cfg.data.seq_len, **settings, **limits)
-        return plan, largest_context(config, **settings, **limits)
-    except ValueError as e:
-        raise ConfigError(f"memory plan: {e}; train.memory_check=false skips the plan") from e
+    """The run's plan against the given memory with its `auto` settings settled as `oomb train` settles them
+    (resolve_auto_settings, on a copy: cfg is left as it is), and the longest data.seq_len that would fit."""
+    return resolve_auto_settings(copy.deepcopy(cfg), device_type, dtype, gpu_bytes=gpu_bytes, host_bytes=host_bytes)
 
 
 def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dict) -> list[str]:
@@ -96,54 +100,134 @@ def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dic
     return found
 
 
-def _with(cfg: Config, **train) -> Config:
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
+# train.chunk_size=auto tries chunks from this size down, halving: on the GPU a longer chunk runs faster (fewer,
+# longer kernels; docs/benchmarks.md). On CPU from 1024, the fixed default before auto, so the CPU runs (the
+# built-in tiny job) keep their speed and losses.
+AUTO_CHUNK_START = {"cuda": 8192, "cpu": 1024}
+# The smallest automatic chunk tried with the attention cache before the largest chunk without it. The cache
+# and long chunks each speed a step up (H200, Qwen2.5-7B, 64K: chunk 8192 cached 13.98 s, chunk 1024 uncached
+# 21.33 s; docs/benchmarks.md). Cached chunks below 1024 against long uncached ones were not measured: they
+# run many more, smaller kernels per step, so the long chunk is preferred there.
+CACHE_MIN_CHUNK = 1024
+
+
+def chunk_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> list[int]:
+    """The chunk sizes train.chunk_size=auto tries, largest first: halvings of AUTO_CHUNK_START as
+    multiples of train.page_size, none longer than ``seq_len`` rounded up to a whole page."""
+    page = cfg.train.page_size
+    top = AUTO_CHUNK_START["cuda" if device_type == "cuda" else "cpu"]
+    if seq_len is not None:
+        top = min(top, -(-seq_len // page) * page)
+    sizes, size = [], top
+    while True:
+        chunk = max(page, size // page * page)
+        if chunk not in sizes:
+            sizes.append(chunk)
+        if chunk == page:
+            return sizes
+        size //= 2
+
+
+def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> list[dict]:
+    """The settings the run's `auto` values may take, as plan_memory arguments, most preferred first.
+
+    fp32 master weights first (train.master_weights=auto: precision), then speed: the largest chunk
+    (train.chunk_size=auto) with the attention cache (train.cache_attention=auto; never with offload),
+    then the largest chunk without it. Each choice names all three settings, fixed ones as set; the
+    offload GPU allowance (train.offload_gpu_memory=auto) is settled by each choice's own plan.
+    ``seq_len``: the chunks for that length (None: every chunk auto may take, for the longest context).
+    """
+    t = cfg.train
+    wanted = _settings(cfg, device_type, torch.float32)["master_weights"]  # auto: on in one process
+    masters = [True, False] if t.master_weights == "auto" and wanted else [wanted]
+    chunks = chunk_choices(cfg, device_type, seq_len) if t.chunk_size == "auto" else [t.chunk_size]
+    if t.cache_attention == "auto" and not t.offload:  # (the engine refuses the cache with offload, also on CPU)
+        floor = min(CACHE_MIN_CHUNK, chunks[0])
+        speed = [(c, True) for c in chunks if c >= floor] + [(c, False) for c in chunks]
+    else:
+        speed = [(c, t.cache_attention is True) for c in chunks]
+    return [dict(master_weights=m, chunk_size=c, cache_attention=k) for m in masters for c, k in speed]
 
 
 def resolve_auto_settings(cfg: Config, device_type: str, dtype: torch.dtype, *, gpu_bytes: int | None,
                           host_bytes: int | None) -> tuple[MemoryPlan, int]:
     """Settle the `auto` settings that trade memory for speed or precision against the plan, in cfg.
 
-    train.cache_attention=auto is on where the plan fits with it (it costs only memory; never with
-    offload). train.master_weights=auto drops the fp32 copies where only the run without them fits
-    (e.g. 7B full fine-tuning on one H200); the cache goes first. Returns the resolved run's plan.
+    They are settled together for data.seq_len: the first of auto_choices whose plan fits (with the
+    offload GPU allowance that plan leaves) is the run's; where none fits, the one that needs the least
+    (its plan says by how much). The longest data.seq_len that fits is the longest over all the choices,
+    so it depends neither on the order they are tried in nor on data.seq_len. train.master_weights=auto
+    stays "auto" where the copies are kept and becomes false where they are dropped. Returns the plan and
+    the longest data.seq_len.
     """
-    auto_cache = cfg.train.cache_attention == "auto"
-    if auto_cache:
-        cfg.train.cache_attention = False
-    plan, longest = plan_for_config(cfg, device_type, dtype, gpu_bytes=gpu_bytes, host_bytes=host_bytes)
-    if offload_gpu_bytes(cfg.train.offload_gpu_memory) == "auto":
-        cfg.train.offload_gpu_memory = str(plan.settings["offload_gpu_bytes"])  # what the plan settled
-    if plan.fits and auto_cache and not cfg.train.offload:
-        cached, cached_longest = plan_for_config(_with(cfg, cache_attention=True), device_type, dtype,
-                                                 gpu_bytes=gpu_bytes, host_bytes=host_bytes)
-        if cached.fits:
-            cfg.train.cache_attention = True
-            return cached, cached_longest
-    if not plan.fits and cfg.train.master_weights == "auto" and plan.settings.get("master_weights"):
-        # fp32 copies cost 4 bytes per parameter, and AdamW's moments 4 more in fp32.
-        without, without_longest = plan_for_config(_with(cfg, master_weights=False), device_type, dtype,
-                                                   gpu_bytes=gpu_bytes, host_bytes=host_bytes)
-        if without.fits:
-            cfg.train.master_weights = False
-            return without, without_longest
+    config = model_config(cfg)
+    settings = _settings(cfg, device_type, dtype)
+    limits = dict(device_total_bytes=gpu_bytes, host_total_bytes=host_bytes)
+    choices = auto_choices(cfg, device_type, cfg.data.seq_len)
+    try:
+        plan, index = plan_first_fitting(config, choices, seq_len=cfg.data.seq_len, **settings, **limits)
+        longest = largest_context(config, choices=auto_choices(cfg, device_type), **settings, **limits)
+    except ValueError as e:
+        raise ConfigError(f"memory plan: {e}; train.memory_check=false skips the plan") from e
+    t = cfg.train
+    if t.master_weights == "auto" and settings["master_weights"] and not choices[index]["master_weights"]:
+        t.master_weights = False
+    if t.cache_attention == "auto":
+        t.cache_attention = plan.settings["cache_attention"]
+    if t.chunk_size == "auto":
+        t.chunk_size = plan.settings["chunk_size"]
+    if offload_gpu_bytes(t.offload_gpu_memory) == "auto":
+        t.offload_gpu_memory = str(plan.settings["offload_gpu_bytes"])  # what the chosen plan settled
     return plan, longest
 
 
-def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype) -> MemoryPlan | None:
+def smallest_over_ranks(value: int) -> int:
+    """The smallest of every torchrun rank's ``value``, on every rank (one all-reduce of one number)."""
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+def describe_step_choice(cfg: Config, auto: set[str] | frozenset[str], *, planned: bool) -> str:
+    """The chunk and attention cache the run steps with, and what chose them, e.g. "chunk 8192, attention
+    cache on (chosen by the memory plan)". ``auto``: the train keys that were "auto" before check_memory."""
+    t = cfg.train
+    why = "chosen by the memory plan" if planned else "train.memory_check=false: no memory plan"
+    cache_why = "not with train.offload" if t.offload else why
+    chunk = f"chunk {t.chunk_size}"
+    cache = f"attention cache {'on' if t.cache_attention is True else 'off'}"
+    if {"chunk_size", "cache_attention"} <= auto and cache_why == why:
+        return f"{chunk}, {cache} ({why})"
+    return (chunk + (f" ({why})" if "chunk_size" in auto else "") + ", "
+            + cache + (f" ({cache_why})" if "cache_attention" in auto else ""))
+
+
+def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, *, torchrun: bool = False
+                 ) -> MemoryPlan | None:
     """Refuse a run whose plan does not fit this machine (train.memory_check=false skips it).
 
     Settles the `auto` settings in cfg (resolve_auto_settings); without the check they are off
-    (cache_attention) and on (master_weights).
+    (cache_attention), on (master_weights) and chunks of up to 1024 tokens (settled_chunk_size).
+    ``torchrun``: every rank calls this, and all step the smallest chunk any rank's plan chose (a step's
+    collectives run per chunk, and each rank plans against its own free memory).
     """
     if not cfg.train.memory_check:
         if cfg.train.cache_attention == "auto":
             cfg.train.cache_attention = False
+        cfg.train.chunk_size = settled_chunk_size(cfg)
         if offload_gpu_bytes(cfg.train.offload_gpu_memory) == "auto":
             cfg.train.offload_gpu_memory = "0"  # no plan, no allowance
         return None
     gpu, host = available_memory(device)
+    asked = copy.copy(cfg.train)
     plan, longest = resolve_auto_settings(cfg, device.type, dtype, gpu_bytes=gpu, host_bytes=host)
+    if torchrun and asked.chunk_size == "auto":
+        smallest = smallest_over_ranks(cfg.train.chunk_size)
+        if smallest != cfg.train.chunk_size:  # settle again from the settings as asked, with that chunk
+            vars(cfg.train).update(vars(asked), chunk_size=smallest)
+            plan, longest = resolve_auto_settings(cfg, device.type, dtype, gpu_bytes=gpu, host_bytes=host)
     if plan.fits:
         return plan
     where = []
@@ -219,6 +303,7 @@ def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memo
     gpu_here, host_here = available_memory(device if cuda_here else torch.device("cpu"))
     gpu = parse_bytes(gpu_memory) if gpu_memory is not None else gpu_here if on_cuda else None
     host = parse_bytes(host_memory) if host_memory is not None else host_here
+    auto = {k for k in ("chunk_size", "cache_attention") if getattr(cfg.train, k) == "auto"}
     plan, longest = resolve_auto_settings(cfg, device.type, dtype, gpu_bytes=gpu, host_bytes=host)
     if as_json:
         print(json.dumps({**plan.to_dict(), "largest_seq_len": longest}, indent=2))
@@ -226,6 +311,7 @@ def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memo
         print_plan(plan, longest, console,
                    gpu_source="--gpu-memory" if gpu_memory is not None else f"free on {device}",
                    host_source="--host-memory" if host_memory is not None else "available on this machine")
+        console.print(f"step: {describe_step_choice(cfg, auto, planned=True)}", highlight=False, soft_wrap=True)
         if (advice := offload_selection_note(cfg)) is not None:
             console.print(f"note: {advice}", highlight=False, soft_wrap=True)
     return 0 if plan.fits else 1

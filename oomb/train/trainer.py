@@ -38,7 +38,7 @@ from oomb.train.faults import (
     measure_memory,
 )
 from oomb.train.inputs import build_inputs, model_config
-from oomb.train.memory import check_memory
+from oomb.train.memory import check_memory, describe_step_choice
 from oomb.train.model import build, prepare_for_training
 from oomb.train.monitor import TensorBoardLog, memory_fields, plot_run
 from oomb.train.optim import MasterWeights, build_optimizer, check_optimizer, wants_master_weights
@@ -80,13 +80,13 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
     dtype = resolve_dtype(cfg.model.dtype, device)
     check_optimizer(cfg.train.optimizer, device)
     inputs = _build_inputs(cfg, ctx)
-    plan = _check_memory(cfg, device, dtype, console)
+    plan, step_choice = _check_memory(cfg, device, dtype, console, ctx)
     out, created = prepare_out_dir(cfg) if ctx is None else distributed.prepare_out_dir(ctx, cfg, prepare_out_dir)
     if cfg.resume is None:
         cfg.out_dir = str(out)
     lock = _open_run_folder(cfg, out, created, main_rank)
     try:
-        run = _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console)
+        run = _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, step_choice)
         if plan is not None:
             console.print(plan.summary() + " (oomb plan prints the breakdown)")
         if (advice := offload_selection_note(cfg)) is not None:
@@ -146,19 +146,24 @@ def _build_inputs(cfg: Config, ctx):
     return inputs
 
 
-def _check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, console: Console):
-    """The plan must fit before the model or a checkpoint is touched; it settles the `auto` settings."""
+def _check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, console: Console, ctx=None):
+    """The plan must fit before the model or a checkpoint is touched; it settles the `auto` settings.
+
+    Returns the plan (None without train.memory_check) and what the startup line says of the chunk and
+    the attention cache.
+    """
     master_setting = cfg.train.master_weights
-    plan = check_memory(cfg, device, dtype)
+    auto = frozenset(k for k in ("chunk_size", "cache_attention") if getattr(cfg.train, k) == "auto")
+    plan = check_memory(cfg, device, dtype, torchrun=ctx is not None)
     if master_setting != cfg.train.master_weights:  # auto, and only the run without fp32 copies fits
         console.print(
             "note: train.master_weights=auto: fp32 master weights do not fit beside this run, so the optimizer "
             f"steps the {dtype} weights directly (updates below half a {dtype} step are lost); "
             "train.optimizer=adamw8bit or lora.r=16 make room for them")
-    return plan
+    return plan, describe_step_choice(cfg, auto, planned=plan is not None)
 
 
-def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console) -> Run:
+def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, step_choice: str) -> Run:
     """Model, optimizer and schedule, restored from the checkpoint when resuming; the startup line."""
     model = prepare_for_training(build(cfg, device, dtype), cfg, ctx, console)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -176,7 +181,7 @@ def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console) -> Ru
         f"{device}; {cfg.train.steps} steps x {cfg.train.grad_accum * cfg.train.batch_size} x {cfg.data.seq_len} "
         f"tokens ({cfg.data.task}), {cfg.train.optimizer} "
         f"{'on fp32 master weights' if masters else 'without master weights'}, "
-        f"chunk {cfg.train.chunk_size}, page {cfg.train.page_size}; writing {out}/{METRICS}"
+        f"{step_choice}, page {cfg.train.page_size}; writing {out}/{METRICS}"
     )
     return run
 

@@ -176,3 +176,28 @@ def test_packed_text_with_document_masks_and_an_untied_head_matches_one_process(
     assert a.keys() == b.keys() and "lm_head.weight" in a
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
     assert (tmp_path / "two" / "export" / "tokenizer_config.json").is_file()
+
+
+def test_ranks_whose_plans_differ_step_the_smallest_chunk(tmp_path, monkeypatch):
+    """train.chunk_size=auto, rank 1 with room for chunks of 128 only: both ranks step chunks of 128."""
+    from oomb.engine.plan import plan_memory
+    from oomb.train.presets import preset_config
+
+    args = ["data.seq_len=256", "train.page_size=64", "train.device=cpu", "train.steps=1", "train.export=false"]
+    need = plan_memory(preset_config("tiny"), seq_len=256, chunk_size=128, page_size=64, dtype=torch.float32,
+                       device_type="cpu").host_bytes
+    # Rank 1 sees only that much host memory (a sitecustomize its interpreter reads at start); rank 0 sees
+    # this machine's, which fits chunks of 256 (the whole sequence) with the attention cache.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import oomb.train.memory as memory\n"
+        f"    memory.available_memory = lambda device: (None, {need})\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    proc = torchrun("-m", "oomb.cli", "train", *args, f"out_dir={tmp_path / 'run'}")
+    # Rank 0 (which prints) planned again with chunks of 128, and keeps the cache, which fits it.
+    assert "chunk 128, attention cache on (chosen by the memory plan)" in " ".join(proc.stdout.split())
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["chunk_size"] == 128
+    assert sorted(losses(tmp_path / "run")) == [1]

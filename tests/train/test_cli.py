@@ -17,7 +17,7 @@ def test_precedence_cli_over_file_over_defaults(tmp_path):
     assert cfg.train.steps == 9  # command line wins
     assert cfg.train.lr == 0.01  # file wins over default
     assert cfg.data.seq_len == 2048 and cfg.data.depth == 0.5
-    assert cfg.train.chunk_size == 1024  # default
+    assert cfg.train.chunk_size == "auto"  # default: the memory plan chooses
     assert cfg.data.needles == 1  # default: one needle per sequence
     assert load_config(None, ["data.task=needle", "data.needles=8"]).data.needles == 8
 

@@ -74,13 +74,16 @@ def test_plan_cli_prints_the_tiny_preset(capsys):
         assert line in text, line
     assert main(["plan", "--json", "--host-memory", "64GiB", "data.seq_len=4096", "train.device=cpu"]) == 0
     got = json.loads(capsys.readouterr().out)
-    # train.cache_attention=auto: on, since the plan fits with it
+    # train.chunk_size=auto and train.cache_attention=auto: on CPU chunks of 1024 (at most), cached where it fits
     want = plan_memory(preset_config("tiny"), seq_len=4096, chunk_size=1024, page_size=128, dtype=torch.float32,
                        device_type="cpu", host_total_bytes=64 * 2**30, cache_attention=True)
     assert got["items"] == want.to_dict()["items"] and got["host_bytes"] == want.host_bytes
-    assert got["largest_seq_len"] == largest_context(preset_config("tiny"), chunk_size=1024, page_size=128,
-                                                     dtype=torch.float32, device_type="cpu",
-                                                     host_total_bytes=64 * 2**30, cache_attention=True)
+    # The longest context is the longest over what auto may pick (here: the smallest chunk, no cache).
+    longest = {(chunk, cache): largest_context(preset_config("tiny"), chunk_size=chunk, page_size=128,
+                                               dtype=torch.float32, device_type="cpu", host_total_bytes=64 * 2**30,
+                                               cache_attention=cache)
+               for chunk in (1024, 512, 256, 128) for cache in (True, False)}
+    assert got["largest_seq_len"] == max(longest.values()) == longest[128, False] > longest[1024, True]
     assert main(["plan", "--host-memory", "1GiB", "train.device=cpu"]) == 1  # does not fit: exit status 1
     assert "does NOT fit" in capsys.readouterr().out
 
@@ -91,17 +94,23 @@ def test_plan_cli_for_another_gpu(capsys):
     if not torch.cuda.is_available():
         assert main(args[:-5]) == 2  # no GPU here and no --gpu-memory: asks for one
         assert "--gpu-memory 141GiB" in capsys.readouterr().out.replace("\n", "")
-    assert main(args) == 1
+    assert main([*args, "train.master_weights=true"]) == 1
     got = json.loads(capsys.readouterr().out)
     assert got["device_type"] == "cuda" and got["device_total_bytes"] == 141 * 2**30
-    # Full fine-tuning of 7B on fp32 master weights (the default, train.master_weights=auto): 16 B per
-    # parameter before any activation, more than the GPU holds at any length.
+    # Full fine-tuning of 7B on fp32 master weights: 16 B per parameter before any activation, more than
+    # the GPU holds at any length.
     items = {i["name"]: i["gpu_bytes"] for i in got["items"]}
     assert items["master weights"] == 4 * 7_615_616_512 and items["optimizer states"] == 8 * 7_615_616_512
     assert got["largest_seq_len"] == 0
     assert main([*args, "train.master_weights=false"]) == 1  # without them (moments in bf16), up to some length
+    without = json.loads(capsys.readouterr().out)
+    assert 0 < without["largest_seq_len"] < 1048576
+    # The default, train.master_weights=auto, may drop them: its longest is the longest without them, and
+    # where no choice fits it shows the plan that needs the least (no master weights).
+    assert main(args) == 1
     got = json.loads(capsys.readouterr().out)
-    assert 0 < got["largest_seq_len"] < 1048576
+    assert got["largest_seq_len"] == without["largest_seq_len"] and got["gpu_bytes"] == without["gpu_bytes"]
+    assert {i["name"]: i["gpu_bytes"] for i in got["items"]}["master weights"] == 0
     assert main(["plan", "--gpu-memory", "lots"]) == 2
     assert "is not a memory size" in capsys.readouterr().out
 

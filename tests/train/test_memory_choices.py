@@ -1,0 +1,213 @@
+"""The memory plan's choices for train's `auto` settings: master weights, chunk, attention cache and the
+offload GPU allowance are settled together, and the longest context is the longest over what auto may pick."""
+
+import json
+
+import pytest
+import torch
+
+import oomb.train.memory as memory
+from oomb.cli import main
+from oomb.engine.plan import largest_context, plan_memory
+from oomb.train.checks import check_config
+from oomb.train.config import ConfigError, config_json, load_config, settled_chunk_size
+from oomb.train.presets import preset_config
+
+GiB = 2**30
+H200 = dict(gpu_bytes=141 * GiB, host_bytes=int(125.8 * GiB))  # as `oomb plan --gpu-memory 141GiB ...` plans
+OFFLOAD_7B = ["model.preset=qwen2.5-7b", "train.offload=true", "train.offload_gpu_memory=auto"]
+
+
+def _resolve(overrides, device_type="cuda", dtype=torch.bfloat16, **limits):
+    cfg = load_config(None, overrides)
+    check_config(cfg)
+    plan, longest = memory.resolve_auto_settings(cfg, device_type, dtype, **(limits or H200))
+    return cfg, plan, longest
+
+
+def _printed(capsys) -> str:
+    """What the command printed, with rich's line wrapping undone."""
+    return " ".join(capsys.readouterr().out.split())
+
+
+def _plan_json(capsys, *args) -> dict:
+    main(["plan", "--json", "--gpu-memory", "141GiB", "--host-memory", "125.8GiB", *args])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_longest_context_does_not_depend_on_what_is_settled_first(capsys):
+    # Reported: 1,138,048 with master_weights=auto (the allowance was settled while masters were still on),
+    # 1,593,344 with master_weights=false, and 0 at data.seq_len=1500000.
+    runs = {extra: _plan_json(capsys, *OFFLOAD_7B, *extra.split()) for extra in
+            ("", "train.master_weights=false", "data.seq_len=1500000", "train.chunk_size=1024",
+             "train.chunk_size=1024 data.seq_len=1500000")}
+    longest = {r["largest_seq_len"] for r in runs.values()}
+    assert longest == {1_593_344}  # >= 1.5M: 7B full fine-tuning with AdamW, pages in 125.8 GiB of host memory
+    at_1_5m = runs["data.seq_len=1500000"]
+    assert at_1_5m["fits"] and at_1_5m["settings"]["master_weights"] is False
+    # The allowance is the chosen plan's: what the GPU leaves beside the run without master weights.
+    assert at_1_5m["gpu_bytes"] <= 141 * GiB and at_1_5m["settings"]["offload_resident_layers"] > 0
+
+
+def test_auto_is_at_least_every_fixed_choice_and_the_order_of_choices_does_not_matter():
+    cfg, _, auto_longest = _resolve([*OFFLOAD_7B, "data.seq_len=65536"])
+    fixed = []
+    for masters in ("true", "false"):
+        for chunk in (8192, 2048, 128):
+            overrides = [*OFFLOAD_7B, f"train.master_weights={masters}", f"train.chunk_size={chunk}"]
+            fixed.append(_resolve(overrides)[2])
+    assert auto_longest == max(fixed) and auto_longest >= 1_500_000
+    # The same answer whichever setting is settled first: every order of the choices auto may take.
+    cfg = load_config(None, [*OFFLOAD_7B, "data.seq_len=65536"])
+    choices = memory.auto_choices(cfg, "cuda")
+    settings = memory._settings(cfg, "cuda", torch.bfloat16)
+    limits = dict(device_total_bytes=H200["gpu_bytes"], host_total_bytes=H200["host_bytes"])
+    config = preset_config("qwen2.5-7b")
+    for order in (choices, choices[::-1], sorted(choices, key=lambda c: (c["chunk_size"], c["master_weights"]))):
+        assert largest_context(config, choices=order, **settings, **limits) == auto_longest
+
+
+def test_a_long_seq_len_reports_the_longest_that_fits_never_zero():
+    _, _, short = _resolve([*OFFLOAD_7B, "data.seq_len=4096"])
+    for n in (1_500_000, 1_593_344, 1_593_344 + 128, 10_000_000):
+        cfg, plan, longest = _resolve([*OFFLOAD_7B, f"data.seq_len={n}"])
+        assert longest == short == 1_593_344
+        assert plan.fits == (n <= longest), n
+    # Without offload (GPU-bound) as well: the refusal names the longest, not 0.
+    _, plan, longest = _resolve(["model.preset=qwen2.5-7b", "data.seq_len=10000000"])
+    assert not plan.fits and longest == _resolve(["model.preset=qwen2.5-7b"])[2] > 500_000
+
+
+@pytest.mark.parametrize("seq_len,chunk,cache", [(65536, 8192, True), (131072, 4096, True), (262144, 8192, False)])
+def test_the_chunk_and_cache_for_7b_on_an_h200(seq_len, chunk, cache):
+    cfg, plan, _ = _resolve(["model.preset=qwen2.5-7b", f"data.seq_len={seq_len}"])
+    assert (cfg.train.chunk_size, cfg.train.cache_attention, cfg.train.master_weights) == (chunk, cache, False)
+    assert plan.fits and plan.settings["chunk_size"] == chunk and plan.settings["cache_attention"] is cache
+    # The choice is the first in the order of preference that fits: nothing preferred to it does.
+    choices = memory.auto_choices(cfg := load_config(None, ["model.preset=qwen2.5-7b", f"data.seq_len={seq_len}"]),
+                                  "cuda", seq_len)
+    chosen = choices.index(dict(master_weights=False, chunk_size=chunk, cache_attention=cache))
+    settings = memory._settings(cfg, "cuda", torch.bfloat16)
+    for choice in choices[:chosen]:
+        assert not plan_memory(preset_config("qwen2.5-7b"), seq_len=seq_len, **{**settings, **choice},
+                               device_total_bytes=H200["gpu_bytes"], host_total_bytes=H200["host_bytes"]).fits
+
+
+def test_auto_chunk_order_smaller_gpus_and_short_sequences():
+    cfg = load_config(None, ["data.seq_len=65536", "train.master_weights=false"])
+    speed = [(c["chunk_size"], c["cache_attention"]) for c in memory.auto_choices(cfg, "cuda", 65536)]
+    assert speed == [(8192, True), (4096, True), (2048, True), (1024, True),
+                     (8192, False), (4096, False), (2048, False), (1024, False), (512, False), (256, False),
+                     (128, False)]
+    assert memory.chunk_choices(cfg, "cpu", 65536) == [1024, 512, 256, 128]
+    assert memory.chunk_choices(cfg, "cuda", 3000) == [3072, 1536, 768, 384, 128]  # one chunk at most; whole pages
+    cfg.train.page_size = 96
+    assert memory.chunk_choices(cfg, "cuda") == [8160, 4032, 2016, 960, 480, 192, 96]
+    # A smaller GPU picks a smaller chunk, or drops the cache, where the 141 GiB one would not.
+    chosen = {}
+    for gib in (141, 110, 96, 85):
+        cfg, plan, _ = _resolve(["model.preset=qwen2.5-7b", "data.seq_len=65536"], gpu_bytes=gib * GiB,
+                                host_bytes=H200["host_bytes"])
+        assert plan.fits
+        chosen[gib] = (cfg.train.chunk_size, cfg.train.cache_attention)
+    assert chosen[141] == (8192, True) and chosen[96] != chosen[141]
+    assert chosen[85][0] < 8192 and chosen[85][1] is False
+    assert [speed.index(chosen[g]) for g in (141, 110, 96, 85)] == sorted(speed.index(chosen[g])
+                                                                          for g in (141, 110, 96, 85))
+
+
+def test_an_explicit_chunk_is_kept(monkeypatch):
+    cfg, plan, _ = _resolve(["model.preset=qwen2.5-7b", "data.seq_len=65536", "train.chunk_size=2048"])
+    assert cfg.train.chunk_size == 2048 and plan.settings["chunk_size"] == 2048 and cfg.train.cache_attention is True
+    # Kept where it does not fit either: refused, with smaller chunks offered, not changed silently.
+    cfg = load_config(None, ["model.preset=qwen2.5-7b", "data.seq_len=65536", "train.chunk_size=8192"])
+    monkeypatch.setattr(memory, "available_memory", lambda device: (110 * GiB, 100 * GiB))
+    with pytest.raises(ConfigError, match=r"or train.chunk_size=4096 \(90.54 GiB\)"):  # 8192 needs 115 GiB uncached
+        memory.check_memory(cfg, torch.device("cuda"), torch.bfloat16)
+    assert cfg.train.chunk_size == 8192 and cfg.train.cache_attention is False
+    cfg = load_config(None, ["model.preset=qwen2.5-7b", "data.seq_len=65536"])  # auto: the chunk that fits
+    assert memory.check_memory(cfg, torch.device("cuda"), torch.bfloat16).fits
+    assert (cfg.train.chunk_size, cfg.train.cache_attention) == (4096, True)  # 102 GiB with the cache
+
+
+def test_chunk_size_auto_in_the_config():
+    cfg = load_config(None, [])
+    assert cfg.train.chunk_size == "auto"  # the default
+    for text in ("auto", "4096"):
+        cfg = load_config(None, [f"train.chunk_size={text}"])
+        check_config(cfg)
+        assert load_config(None, [f"train.chunk_size={json.loads(config_json(cfg))['train']['chunk_size']}"]
+                           ).train.chunk_size == cfg.train.chunk_size == (4096 if text == "4096" else "auto")
+    for bad, message in (("big", "train.chunk_size='big': use auto"), ("0", "use auto"),
+                         ("1000", "must be a multiple of train.page_size=128"), ("true", "train.chunk_size='true'")):
+        with pytest.raises(ConfigError, match=message):
+            check_config(load_config(None, [f"train.chunk_size={bad}"]))
+    # Unplanned (train.memory_check=false): the old default, 1024, as a multiple of the page.
+    assert settled_chunk_size(load_config(None, [])) == 1024
+    assert settled_chunk_size(load_config(None, ["train.page_size=384"])) == 768
+    assert settled_chunk_size(load_config(None, ["train.page_size=2048"])) == 2048
+    cfg = load_config(None, ["train.memory_check=false"])
+    assert memory.check_memory(cfg, torch.device("cpu"), torch.float32) is None
+    assert (cfg.train.chunk_size, cfg.train.cache_attention) == (1024, False)
+
+
+def test_the_cpu_default_keeps_its_chunk_and_cache(capsys):
+    cfg, plan, _ = _resolve([], "cpu", torch.float32, gpu_bytes=None, host_bytes=16 * GiB)
+    assert (cfg.train.chunk_size, cfg.train.cache_attention, plan.fits) == (1024, True, True)
+    cfg, _, _ = _resolve(["train.offload=true"], "cpu", torch.float32, gpu_bytes=None, host_bytes=16 * GiB)
+    assert cfg.train.cache_attention is False  # never with offload (nothing is offloaded on CPU, still refused)
+    assert main(["plan", "train.device=cpu", "--host-memory", "16GiB"]) == 0
+    text = _printed(capsys)
+    assert "chunk 1024," in text and "step: chunk 1024, attention cache on (chosen by the memory plan)" in text
+    # `oomb plan` for a GPU: the 7B's chunk at 64K, and a chunk set by hand is named as such.
+    main(["plan", "model.preset=qwen2.5-7b", "data.seq_len=65536", "--gpu-memory", "141GiB", "--host-memory", "125GiB"])
+    assert "step: chunk 8192, attention cache on (chosen by the memory plan)" in _printed(capsys)
+    main(["plan", "model.preset=qwen2.5-7b", "data.seq_len=65536", "train.chunk_size=2048", "train.offload=true",
+          "--gpu-memory", "141GiB", "--host-memory", "125GiB"])
+    assert "step: chunk 2048, attention cache off (not with train.offload)" in _printed(capsys)
+
+
+def test_under_torchrun_every_rank_takes_the_smallest_chunk(monkeypatch):
+    overrides = ["model.preset=qwen2.5-7b", "data.seq_len=65536"]
+    monkeypatch.setattr(memory, "available_memory", lambda device: (H200["gpu_bytes"], H200["host_bytes"]))
+    seen = []
+    monkeypatch.setattr(memory, "smallest_over_ranks", lambda value: seen.append(value) or 2048)
+    cfg = load_config(None, overrides)
+    plan = memory.check_memory(cfg, torch.device("cuda"), torch.bfloat16, torchrun=True)
+    # Another rank could only fit 2048: this one plans again from the settings as asked, with that chunk.
+    assert seen == [8192] and (cfg.train.chunk_size, cfg.train.cache_attention) == (2048, True)
+    assert plan.settings["chunk_size"] == 2048 and cfg.train.master_weights is False
+    cfg = load_config(None, [*overrides, "train.chunk_size=4096"])  # set by the user: no agreement needed
+    memory.check_memory(cfg, torch.device("cuda"), torch.bfloat16, torchrun=True)
+    assert seen == [8192] and cfg.train.chunk_size == 4096
+
+
+def test_smallest_over_ranks_in_a_process_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        assert memory.smallest_over_ranks(4096) == 4096
+    finally:
+        dist.destroy_process_group()
+
+
+def test_train_states_the_choice_and_a_resume_keeps_the_recorded_chunk(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    base = ["data.seq_len=1024", "train.page_size=64", "train.device=cpu", "train.export=false", "train.lr=0.01"]
+    settings = dict(seq_len=1024, page_size=64, dtype=torch.float32, device_type="cpu")
+    need = {c: plan_memory(preset_config("tiny"), chunk_size=c, **settings).host_bytes for c in (512, 256)}
+    assert need[256] < need[512]
+    monkeypatch.setattr(memory, "available_memory", lambda device: (None, need[256]))  # room for chunks of 256
+    assert main(["train", f"out_dir={run}", "train.steps=1", *base]) == 0
+    assert "chunk 256, attention cache off (chosen by the memory plan), page 64;" in _printed(capsys)
+    assert json.loads((run / "config.json").read_text())["train"]["chunk_size"] == 256
+    # A resume keeps the chunk its run recorded, though this machine has room for more.
+    monkeypatch.setattr(memory, "available_memory", lambda device: (None, 64 * GiB))
+    assert main(["train", f"resume={run}", "train.steps=2"]) == 0
+    assert "chunk 256, attention cache off, page 64;" in _printed(capsys)
+    assert json.loads((run / "config.json").read_text())["train"]["chunk_size"] == 256
+    # Unless it is asked for again: auto plans anew (the cache stays as the run recorded it, off).
+    assert main(["train", f"resume={run}", "train.steps=3", "train.chunk_size=auto"]) == 0
+    assert "chunk 1024 (chosen by the memory plan), attention cache off, page 64;" in _printed(capsys)
+    assert json.loads((run / "config.json").read_text())["train"]["chunk_size"] == 1024
