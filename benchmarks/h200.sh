@@ -48,7 +48,10 @@ job core-7b-vs-transformers-64k "$C --lengths '' --baseline-lengths 65536 --auto
   --chunk 8192 --fused-ops auto --warm-each --repeats 2"
 job core-7b-vs-transformers-128k "$C --lengths '' --baseline-lengths 131072 --cache-lengths 131072 \
   --sparse-cache-lengths 131072 --chunk 8192 --fused-ops auto --warm-each --repeats 2"
-part core 'core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops core-7b-vs-transformers-64k
+# What `oomb train` picks by itself and the step time it reports (optimizer step included), killed after
+# the steps are logged (no 45 GB final checkpoint).
+job train-7b-auto 'python3 -m benchmarks.train_steps --lengths 65536,131072 --steps 3,2 --out "$OUT/train-7b-auto.json"'
+part core 'train-7b-auto core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops core-7b-vs-transformers-64k
   core-7b-vs-transformers-128k'
 
 # memory: GPU memory against context, 16K to 256K (where transformers runs out).

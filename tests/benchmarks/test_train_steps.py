@@ -1,0 +1,35 @@
+"""benchmarks.train_steps: a run folder and its log become a record of what `oomb train` picked and reported."""
+
+import json
+
+from benchmarks.train_steps import main, record_of
+
+
+def _run(tmp_path, seconds):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "seconds": s, "loss": 1.0,
+                                                           "peak_gpu_gib": 80.0 + i}) + "\n"
+                                               for i, s in enumerate(seconds)))
+    (run / "config.json").write_text(json.dumps({"train": {"chunk_size": 8192, "cache_attention": True,
+                                                           "master_weights": False}}))
+    log = tmp_path / "run.log"
+    log.write_text("note: something\noomb train: qwen2.5-7b ...; chunk 8192, attention\ncache on (chosen by the "
+                   "memory plan), page 128\nstep 1/3 ...\n")
+    return run, log
+
+
+def test_the_record_keeps_the_choice_and_the_steps_after_the_first(tmp_path):
+    run, log = _run(tmp_path, [25.0, 14.0, 13.0])
+    r = record_of(run, log, 65536)
+    assert (r["chunk_size"], r["cache_attention"], r["master_weights"]) == (8192, True, False)
+    assert r["warm_step_s"] == 13.5 and [s["step"] for s in r["steps"]] == [1, 2, 3]
+    assert r["startup"][0] == "note: something" and "chosen by the memory plan" in " ".join(r["startup"])
+
+
+def test_a_record_is_built_from_runs_made_earlier(tmp_path):
+    run, log = _run(tmp_path, [25.0, 14.0])
+    out = tmp_path / "r.json"
+    assert main(["--lengths", "65536", "--steps", "2", "--out", str(out), "--from-runs", f"{run}={log}"]) == 0
+    report = json.loads(out.read_text())
+    assert report["bench"] == "train_steps" and report["results"][0]["warm_step_s"] == 14.0
