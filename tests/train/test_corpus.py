@@ -7,6 +7,7 @@ import pytest
 from oomb.train.corpus import (
     DataError,
     byte_level_tokenizer,
+    check_sources,
     check_tokenizer_fits,
     find_sources,
     iter_documents,
@@ -48,12 +49,27 @@ def test_other_text_field(tmp_path):
     ("x.jsonl", '{"body": "no text"}\n', r"x.jsonl:1 has no field 'text'.*data.text_field"),
     ("x.jsonl", "{broken\n", r"x.jsonl:1 is not valid JSON"),
     ("x.jsonl", '{"text": 3}\n', "holds int, not a string"),
-    ("x.csv", "a,b\n", r"unknown data format '.csv'"),
 ])
 def test_bad_files_are_named(tmp_path, name, content, match):
     (tmp_path / name).write_text(content)
     with pytest.raises(DataError, match=match):
         list(iter_documents(tmp_path / name))
+
+
+def test_named_files_of_any_suffix_are_text_and_folders_take_listed_suffixes(tmp_path):
+    (tmp_path / "main.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "lib.rs").write_text("fn main() {}\n")
+    (tmp_path / "a.txt").write_text("notes")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    assert list(iter_documents([tmp_path / "main.py", tmp_path / "x.csv"])) == ["def f():\n    return 1\n", "a,b\n"]
+    assert [s.path.name for s in find_sources(tmp_path)] == ["a.txt"]  # a folder: the known suffixes
+    assert [s.path.name for s in find_sources(tmp_path, (".txt", ".py", ".rs"))] == ["a.txt", "lib.rs", "main.py"]
+    assert [s.path.name for s in find_sources(str(tmp_path / "*.py"), (".py",))] == ["main.py"]
+    with pytest.raises(DataError, match=r"pattern .*\*.py' matches no .* file \(data.suffixes lists more"):
+        find_sources(str(tmp_path / "*.py"))
+    (tmp_path / "latin1.py").write_bytes("caf\xe9 = 1\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.py is not UTF-8 text: byte 3 is b'\\xe9'"):
+        check_sources(find_sources(tmp_path / "latin1.py"))
 
 
 def test_missing_paths_and_empty_folders(tmp_path):
@@ -108,3 +124,4 @@ def test_tokenizer_larger_than_the_model_is_refused():
     check_tokenizer_fits(tok, 257)
     with pytest.raises(DataError, match=r"257 ids but the model's embedding has only 64 rows.*byte-level"):
         check_tokenizer_fits(tok, 64)
+
