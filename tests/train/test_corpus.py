@@ -125,3 +125,32 @@ def test_tokenizer_larger_than_the_model_is_refused():
     with pytest.raises(DataError, match=r"257 ids but the model's embedding has only 64 rows.*byte-level"):
         check_tokenizer_fits(tok, 64)
 
+
+def test_data_suffixes_are_normalised_and_checked():
+    from oomb.train.config import ConfigError, load_config
+    from oomb.train.inputs import text_suffixes
+
+    cfg = load_config(None, ["data.task=text", "data.suffixes=[py, .RS, .txt]"])
+    assert text_suffixes(cfg) == (".txt", ".md", ".py", ".rs")
+    for bad in ("[a/b]", "['']", "[.tar.gz]", "['*.py']"):
+        with pytest.raises(ConfigError, match="is not a file suffix; write e.g. data.suffixes="):
+            text_suffixes(load_config(None, [f"data.suffixes={bad}"]))
+
+
+def test_a_text_run_reads_source_code_folders_with_data_suffixes(tmp_path):
+    from oomb.train.config import ConfigError, load_config
+    from oomb.train.inputs import build_inputs
+    from oomb.train.presets import preset_config
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("import os\n" * 40)
+    (tmp_path / "pkg" / "b.py").write_text("print('hi')\n" * 40)
+    config = preset_config("tiny")
+    config.vocab_size = 300  # the byte-level tokenizer's 257 ids fit
+    args = ["data.task=text", f"data.paths=[{tmp_path / 'pkg'}]", "data.seq_len=64"]
+    with pytest.raises(ConfigError, match=r"holds no .txt, .md, .jsonl, .parquet file .*data.suffixes=\[.py\]"):
+        build_inputs(load_config(None, args), config)
+    inputs = build_inputs(load_config(None, [*args, "data.suffixes=[.py]"]), config)
+    assert [s.path.name for s in inputs.corpus.sources] == ["a.py", "b.py"]
+    (batch,) = inputs.batches(0)
+    assert bytes(batch.input_ids[0, :10].tolist()) in (b"import os\n", b"print('hi'")
