@@ -54,17 +54,21 @@ class LoraConfig:
 @dataclass
 class DataConfig:
     task: str = "passkey"
-    """Training data: passkey or needle (built-in synthetic retrieval), or text (the files in data.paths)."""
+    """Training data: passkey or needle (built-in synthetic retrieval), text (the files in data.paths) or chat
+    (conversations in data.paths, packed whole, loss on the assistant's tokens; docs/chat.md)."""
     seq_len: int = 4096
     """Tokens per sequence."""
     paths: list[str] | None = None
-    """data.task=text: .txt/.md/.jsonl/.parquet files, folders (searched recursively), globs or save_to_disk folders."""
+    """data.task=text: .txt/.md/.jsonl/.parquet files (a named file of any suffix is text), folders (searched
+    recursively), globs or save_to_disk folders; data.task=chat: .jsonl/.parquet files, folders or save_to_disk
+    folders of rows with messages or prompt/completion."""
     text_field: str = "text"
     """data.task=text: the field of a .jsonl line, or column of a .parquet/dataset, that holds the text."""
     tokenizer: str | None = None
-    """data.task=text: tokenizer folder; null = the model folder's own (byte-level when it has none)."""
+    """data.task=text or chat: tokenizer folder; null = the model folder's own (byte-level when it has none)."""
     document_mask: bool = False
-    """data.task=text: attention stays inside each packed document, and no token predicts the next document's start."""
+    """data.task=text: attention stays inside each packed document, and no token predicts the next document's start
+    (data.task=chat always does this for its samples)."""
     passkey_digits: int = 5
     """Digits of the passkey (or of the needle's value) to retrieve."""
     depth: float | None = None
@@ -72,9 +76,19 @@ class DataConfig:
     needles: int = 1
     """data.task=needle: key/value sentences per sequence, each asked once at the end (M answers per sequence);
     more than 1 spreads them over the sequence and needs data.depth null."""
-    loss_on: str = "all"
-    """Which tokens carry loss: all (language modelling of the whole sequence) or answer (the digits only; the LM
-    head then runs on those positions alone)."""
+    loss_on: str = "auto"
+    """Which tokens carry loss: all (language modelling of the whole sequence), answer (passkey/needle: the digits
+    only; the LM head then runs on those positions alone) or assistant (chat: the assistant messages' tokens);
+    auto = assistant for chat, all otherwise."""
+    chat_template: str | None = None
+    """data.task=chat: a Jinja chat template, or the path of a file holding one; null = the tokenizer's own. The
+    export's tokenizer carries it."""
+    overlong: str = "drop"
+    """data.task=chat: a sample longer than data.seq_len is dropped (drop) or keeps its first data.seq_len tokens
+    (truncate); the counts are printed at startup."""
+    suffixes: list[str] | None = None
+    """data.task=text: more file suffixes that folders and glob patterns read as text (e.g. [.py, .rs]); a file
+    named in data.paths is read whatever its suffix."""
 
 
 @dataclass

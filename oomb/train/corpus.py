@@ -7,9 +7,11 @@ Sources (``iter_documents`` / ``find_sources``) — a file, a folder or a glob p
     data.parquet              one document per row: the column ``text_field`` (pyarrow)
     saved/  (save_to_disk)    one document per row of a ``datasets.Dataset`` folder
 
-A folder is searched recursively for those file types (sorted by path, so the order
-never depends on the file system); a folder that ``datasets.Dataset.save_to_disk``
-wrote is read as one dataset. Nothing is downloaded.
+A file named explicitly is read whatever its suffix: an unknown one (``main.py``,
+``notes.rst``) is one text document. A folder is searched recursively, and a glob pattern
+filtered, for the known suffixes and the ones ``find_sources`` is given (``data.suffixes``),
+sorted by path so the order never depends on the file system; a folder that
+``datasets.Dataset.save_to_disk`` wrote is read as one dataset. Nothing is downloaded.
 
 Tokenizers (``load_tokenizer``): the folder's own through transformers' AutoTokenizer
 (local files only, never remote code); a folder without tokenizer files gets the
@@ -53,18 +55,16 @@ def _is_saved_dataset(path: Path) -> bool:
 
 
 def _kind_of_file(path: Path) -> str:
+    """The reader of a file: by its suffix, and text for any suffix oomb does not know (source code, .rst, ...)."""
     suffix = path.suffix.lower()
-    if suffix in TEXT_SUFFIXES:
-        return "text"
     if suffix in JSONL_SUFFIXES:
         return "jsonl"
     if suffix in PARQUET_SUFFIXES:
         return "parquet"
-    raise DataError(f"{path}: unknown data format {suffix or '(no suffix)'!r}; oomb reads "
-                    f"{', '.join(SUPPORTED)} files and folders saved with datasets' save_to_disk")
+    return "text"
 
 
-def _sources_in_dir(folder: Path) -> list[Source]:
+def _sources_in_dir(folder: Path, suffixes: tuple[str, ...]) -> list[Source]:
     if _is_saved_dataset(folder):
         return [Source(folder, "dataset")]
     found: list[Source] = []
@@ -72,22 +72,28 @@ def _sources_in_dir(folder: Path) -> list[Source]:
         if child.name.startswith("."):
             continue
         if child.is_dir():
-            found.extend(_sources_in_dir(child))
-        elif child.suffix.lower() in SUPPORTED:
+            found.extend(_sources_in_dir(child, suffixes))
+        elif child.suffix.lower() in suffixes:
             found.append(Source(child, _kind_of_file(child)))
     return found
 
 
-def find_sources(paths: str | Path | Sequence[str | Path]) -> list[Source]:
+def find_sources(paths: str | Path | Sequence[str | Path],
+                 text_suffixes: Sequence[str] = TEXT_SUFFIXES) -> list[Source]:
     """Every data source named by ``paths`` (files, folders, glob patterns), in a fixed order.
 
-    Raises DataError for a path that does not exist, a glob that matches nothing, a named
-    file of an unknown format, or a folder holding no readable data.
+    A named file is taken whatever its suffix; folders and glob patterns take the files whose
+    suffix is in ``text_suffixes`` (lower case, with the dot) or is .jsonl/.parquet, and saved
+    datasets. Raises DataError for a path that does not exist, a glob that matches nothing, or a
+    folder or pattern holding no such file.
     """
     if isinstance(paths, str | Path):
         paths = [paths]
     if not paths:
         raise DataError("no data paths given; set data.paths to files, folders or glob patterns")
+    suffixes = tuple(text_suffixes) + JSONL_SUFFIXES + PARQUET_SUFFIXES
+    known = f"{', '.join(suffixes)} file"
+    more = " (data.suffixes lists more suffixes for text, e.g. data.suffixes=[.py])" if text_suffixes else ""
     sources: list[Source] = []
     for raw in paths:
         text = str(raw)
@@ -95,25 +101,26 @@ def find_sources(paths: str | Path | Sequence[str | Path]) -> list[Source]:
             matches = sorted(Path(m) for m in glob.glob(text, recursive=True))
             if not matches:
                 raise DataError(f"data path pattern {text!r} matches no file")
+            before = len(sources)
             for m in matches:
                 if m.is_dir():
-                    sources.extend(_sources_in_dir(m))
-                elif m.suffix.lower() in SUPPORTED:
+                    sources.extend(_sources_in_dir(m, suffixes))
+                elif m.suffix.lower() in suffixes:
                     sources.append(Source(m, _kind_of_file(m)))
+            if len(sources) == before:
+                raise DataError(f"data path pattern {text!r} matches no {known}{more}")
             continue
         path = Path(text).expanduser()
         if not path.exists():
             raise DataError(f"data path {path} does not exist")
         if path.is_dir():
-            found = _sources_in_dir(path)
+            found = _sources_in_dir(path, suffixes)
             if not found:
-                raise DataError(f"data folder {path} holds no {', '.join(SUPPORTED)} file and is not a "
-                                "folder saved with datasets' save_to_disk")
+                raise DataError(f"data folder {path} holds no {known} and is not a folder saved with datasets' "
+                                f"save_to_disk{more}")
             sources.extend(found)
         else:
             sources.append(Source(path, _kind_of_file(path)))
-    if not sources:
-        raise DataError(f"the data paths {list(map(str, paths))} name no {', '.join(SUPPORTED)} file")
     return sources
 
 

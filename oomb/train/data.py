@@ -41,6 +41,7 @@ class PasskeyBatch:
     input_ids: torch.Tensor  # [B, N] int64
     labels: torch.Tensor  # [B, N] int64 (aligned with input_ids; -100 = no loss)
     answer_positions: torch.Tensor  # [B, questions * digits]: positions whose NEXT token is an answer digit
+    doc_ids: None = None  # one document per sequence (the field every batch kind has)
 
 
 class PasskeyTask:

@@ -170,6 +170,13 @@ def any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
+def sum_over_data_ranks(ctx: DistributedContext, count: int) -> int:
+    """``count`` summed over the data parallel groups (the ranks of a tensor parallel group hold the same rows)."""
+    value = torch.tensor([count], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(value)
+    return int(value.item()) // ctx.tensor_parallel
+
+
 # --- data -------------------------------------------------------------------------------------
 
 
@@ -183,7 +190,7 @@ class RankInputs:
     """
 
     def __init__(self, inputs, ctx: DistributedContext, batch_size: int) -> None:
-        self.inputs, self.tokenizer = inputs, inputs.tokenizer
+        self.inputs, self.tokenizer, self.notes = inputs, inputs.tokenizer, inputs.notes
         self.rows = slice(ctx.data_rank * batch_size, (ctx.data_rank + 1) * batch_size)
 
     def batches(self, step: int) -> list:
@@ -349,7 +356,7 @@ def accumulate_gradients(model, batches, ctx: DistributedContext, cfg: Config) -
     try:
         for m, batch in enumerate(batches):
             last = m == len(batches) - 1
-            doc_ids = batch.doc_ids.to(ctx.device) if cfg.data.document_mask else None
+            doc_ids = batch.doc_ids.to(ctx.device) if batch.doc_ids is not None else None
             loss += oomb.chunked_backward(
                 model, batch.input_ids.to(ctx.device), batch.labels.to(ctx.device), doc_ids=doc_ids,
                 options=options, loss_divisor=divisor,

@@ -1,17 +1,21 @@
-"""What a run trains on, built and checked before any work: synthetic tasks or packed text.
+"""What a run trains on, built and checked before any work: synthetic tasks, packed text or conversations.
 
 ``build_inputs`` returns an object with ``batches(step)`` (the ``train.grad_accum``
 batches of one optimizer step), ``state_dict()``/``load_state_dict()`` (the data
-position a checkpoint stores) and ``tokenizer`` (None for the synthetic tasks, which
-use fixed token ids). Everything that would stop the run later — missing files, a
-tokenizer larger than the model's embedding, sequences longer than the model's
-positions — raises ConfigError here, before a model or a run folder exists.
+position a checkpoint stores), ``tokenizer`` (None for the synthetic tasks, which
+use fixed token ids) and ``notes`` (lines for the startup log). Everything that would
+stop the run later — missing files, a bad row, a tokenizer larger than the model's
+embedding, sequences longer than the model's positions — raises ConfigError here,
+before a model or a run folder exists.
 """
 
 from __future__ import annotations
 
+from oomb.train.chat import read_template
+from oomb.train.chat_packing import ChatCorpus
 from oomb.train.config import Config, ConfigError
 from oomb.train.corpus import (
+    TEXT_SUFFIXES,
     DataError,
     check_sources,
     check_tokenizer_fits,
@@ -22,7 +26,9 @@ from oomb.train.corpus import (
 from oomb.train.data import NeedleTask, PasskeyTask
 from oomb.train.packing import PackedCorpus
 
-TASKS = ("passkey", "needle", "text")
+TASKS = ("passkey", "needle", "text", "chat")
+# data.loss_on: what each task accepts; the first is what "auto" means.
+LOSS_ON = {"passkey": ("all", "answer"), "needle": ("all", "answer"), "text": ("all",), "chat": ("assistant", "all")}
 
 
 def model_config(cfg: Config):
@@ -67,7 +73,7 @@ def wanted_tokenizer(cfg: Config):
     try:
         if cfg.data.tokenizer is not None:
             return load_tokenizer(cfg.data.tokenizer)
-        if cfg.data.task == "text":
+        if cfg.data.task in ("text", "chat"):
             return load_tokenizer(cfg.model.path)
         if cfg.model.path is not None and has_tokenizer(cfg.model.path):
             return load_tokenizer(cfg.model.path)
@@ -78,6 +84,8 @@ def wanted_tokenizer(cfg: Config):
 
 class SyntheticInputs:
     """passkey / needle: batch ``step * grad_accum + m`` is a pure function of (seed, index)."""
+
+    notes: tuple[str, ...] = ()
 
     def __init__(self, task: PasskeyTask, batch_size: int, grad_accum: int, tokenizer=None) -> None:
         self.task, self.batch_size, self.grad_accum, self.tokenizer = task, batch_size, grad_accum, tokenizer
@@ -95,7 +103,9 @@ class SyntheticInputs:
 class TextInputs:
     """Packed local documents; the position in the corpus is the state a checkpoint keeps."""
 
-    def __init__(self, corpus: PackedCorpus, batch_size: int, grad_accum: int, tokenizer) -> None:
+    notes: tuple[str, ...] = ()
+
+    def __init__(self, corpus: PackedCorpus | ChatCorpus, batch_size: int, grad_accum: int, tokenizer) -> None:
         self.corpus, self.batch_size, self.grad_accum, self.tokenizer = corpus, batch_size, grad_accum, tokenizer
 
     def batches(self, step: int) -> list:
@@ -110,13 +120,74 @@ class TextInputs:
         self.corpus.load_state_dict(state["corpus"])
 
 
-def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs:
+class ChatInputs(TextInputs):
+    """Conversations packed whole; the position in them is the state a checkpoint keeps."""
+
+    def __init__(self, corpus: ChatCorpus, batch_size: int, grad_accum: int, tokenizer) -> None:
+        super().__init__(corpus, batch_size, grad_accum, tokenizer)
+        self.notes = (corpus.counts.summary(corpus.seq_len),)
+
+    def state_dict(self) -> dict:
+        return {"chat": self.corpus.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "chat" not in state:
+            raise ConfigError("the checkpoint holds no chat-data position (was it written by a data.task=chat run?)")
+        try:
+            self.corpus.load_state_dict(state["chat"])
+        except DataError as e:
+            raise ConfigError(str(e)) from e
+
+
+def loss_on(cfg: Config) -> str:
+    """data.loss_on for this task ("auto": all, or assistant for chat), checked."""
+    d = cfg.data
+    allowed = LOSS_ON[d.task]
+    if d.loss_on == "auto":
+        return allowed[0]
+    if d.loss_on not in allowed:
+        raise ConfigError(f"data.loss_on={d.loss_on!r} with data.task={d.task}: choose auto or "
+                          f"{' or '.join(allowed)}")
+    return d.loss_on
+
+
+def text_suffixes(cfg: Config) -> tuple[str, ...]:
+    """The suffixes folders and glob patterns take as text: the known ones and data.suffixes (".py", lower case)."""
+    extra = []
+    for raw in cfg.data.suffixes or ():
+        suffix = raw.strip().lower()
+        suffix = suffix if suffix.startswith(".") else f".{suffix}"
+        if len(suffix) < 2 or any(c in suffix[1:] for c in "./\\*? "):
+            raise ConfigError(f"data.suffixes: {raw!r} is not a file suffix; write e.g. data.suffixes=[.py, .rs]")
+        extra.append(suffix)
+    return tuple(dict.fromkeys((*TEXT_SUFFIXES, *extra)))
+
+
+def _check_task_keys(cfg: Config) -> None:
+    """Keys that belong to another task than data.task are refused, not silently ignored."""
+    d = cfg.data
+    for key, value, default, tasks in (("document_mask", d.document_mask, False, ("text", "chat")),
+                                       ("text_field", d.text_field, "text", ("text",)),
+                                       ("suffixes", d.suffixes, None, ("text",)),
+                                       ("chat_template", d.chat_template, None, ("chat",)),
+                                       ("overlong", d.overlong, "drop", ("chat",))):
+        if value != default and d.task not in tasks:
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise ConfigError(f"data.{key}={shown} needs data.task={' or data.task='.join(tasks)} (data.task is "
+                              f"{d.task}); leave it at its default ({default!r})")
+    if d.overlong not in ("drop", "truncate"):
+        raise ConfigError(f"data.overlong={d.overlong!r}: choose drop (leave out samples longer than data.seq_len) "
+                          "or truncate (keep their first data.seq_len tokens)")
+
+
+def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs | ChatInputs:
     """The run's data, checked against the model's config (vocabulary, positions)."""
     d, t = cfg.data, cfg.train
     if d.task not in TASKS:
-        raise ConfigError(f"data.task={d.task!r}: choose passkey, needle (built-in retrieval) or text (data.paths)")
-    if d.document_mask and d.task != "text":
-        raise ConfigError("data.document_mask=true needs data.task=text (the built-in tasks hold one document)")
+        raise ConfigError(f"data.task={d.task!r}: choose passkey, needle (built-in retrieval), text (data.paths) or "
+                          "chat (conversations in data.paths)")
+    _check_task_keys(cfg)
+    loss = loss_on(cfg)
     if d.needles < 1:
         raise ConfigError(f"data.needles must be >= 1, got {d.needles}")
     if d.needles > 1 and d.task != "needle":
@@ -126,15 +197,16 @@ def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs:
                           f"(it is {d.depth})")
     check_positions(cfg, config)
     vocab = config.vocab_size
+    if d.task in ("text", "chat") and not d.paths:
+        what = "text" if d.task == "text" else "conversations (.jsonl, .parquet or save_to_disk folders)"
+        raise ConfigError(f"data.task={d.task} needs data.paths: files, folders or glob patterns of {what}")
     if d.task == "text":
-        if not d.paths:
-            raise ConfigError("data.task=text needs data.paths: files, folders or glob patterns of text")
-        try:
-            check_sources(find_sources(d.paths), d.text_field)  # every file read once: a bad one is named now
+        try:  # every file read once: a bad one is named now
+            check_sources(find_sources(d.paths, text_suffixes(cfg)), d.text_field)
         except DataError as e:
             raise ConfigError(f"data.paths: {e}") from e
-    elif d.paths:
-        raise ConfigError(f"data.paths is set but data.task={d.task!r} is a built-in task; set data.task=text")
+    elif d.paths and d.task != "chat":
+        raise ConfigError(f"data.paths is set but data.task={d.task!r} is a built-in task; set data.task=text or chat")
     tokenizer = wanted_tokenizer(cfg)
     if tokenizer is not None:
         where = (f"the tokenizer in {d.tokenizer}" if d.tokenizer is not None
@@ -147,16 +219,31 @@ def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs:
     if d.task == "text":
         try:
             corpus = PackedCorpus(d.paths, tokenizer, d.seq_len, text_field=d.text_field, seed=t.seed,
-                                  document_mask=d.document_mask)
+                                  document_mask=d.document_mask, text_suffixes=text_suffixes(cfg))
         except DataError as e:
             raise ConfigError(f"data.paths: {e}") from e
         return TextInputs(corpus, t.batch_size, t.grad_accum, tokenizer)
+    if d.task == "chat":
+        return ChatInputs(_chat_corpus(cfg, tokenizer, loss), t.batch_size, t.grad_accum, tokenizer)
     kind, extra = (NeedleTask, {"needles": d.needles}) if d.task == "needle" else (PasskeyTask, {})
     try:
-        task = kind(d.seq_len, digits=d.passkey_digits, depth=d.depth, loss_on=d.loss_on, seed=t.seed, **extra)
+        task = kind(d.seq_len, digits=d.passkey_digits, depth=d.depth, loss_on=loss, seed=t.seed, **extra)
     except ValueError as e:
         raise ConfigError(f"data: {e}") from e
     if vocab < task.vocab_size:
         raise ConfigError(f"the model's vocabulary ({vocab}) is smaller than the {d.task} task's ({task.vocab_size})")
     return SyntheticInputs(task, t.batch_size, t.grad_accum, tokenizer)
 
+
+def _chat_corpus(cfg: Config, tokenizer, loss: str) -> ChatCorpus:
+    """Every conversation read, rendered and checked now; a run with data.chat_template exports that template."""
+    d = cfg.data
+    try:
+        template = read_template(d.chat_template) if d.chat_template is not None else None
+        corpus = ChatCorpus(d.paths, tokenizer, d.seq_len, template=template, loss_on=loss, overlong=d.overlong,
+                            seed=cfg.train.seed)
+    except DataError as e:  # its message names the file and row, or the key to change
+        raise ConfigError(str(e)) from e
+    if template is not None:
+        tokenizer.chat_template = template  # the export's tokenizer then renders conversations as training did
+    return corpus

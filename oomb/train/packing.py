@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oomb.train.corpus import DataError, find_sources, read_documents
+from oomb.train.corpus import TEXT_SUFFIXES, DataError, find_sources, read_documents
 
 IGNORE_INDEX = -100
 
@@ -57,10 +57,11 @@ class PackedCorpus:
         text_field: str = "text",
         seed: int = 0,
         document_mask: bool = False,
+        text_suffixes: Sequence[str] = TEXT_SUFFIXES,
     ) -> None:
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-        self.sources = find_sources(paths)  # raises for missing paths before anything is read
+        self.sources = find_sources(paths, text_suffixes)  # raises for missing paths before anything is read
         self.eos = tokenizer.eos_token_id
         if self.eos is None:
             raise DataError("the tokenizer has no end-of-text (eos) token, which packing puts between documents; "

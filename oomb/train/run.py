@@ -191,7 +191,7 @@ class Run:
             self.optimizer.zero_grad(set_to_none=True)
         try:
             for m, batch in enumerate(batches):  # the grad_accum batches in the order they ran
-                doc_ids = batch.doc_ids.to(self.device) if self.cfg.data.document_mask else None
+                doc_ids = batch.doc_ids.to(self.device) if batch.doc_ids is not None else None
                 site = locate_nonfinite(self.model, batch.input_ids.to(self.device), batch.labels.to(self.device),
                                         options=step_options(self.cfg), doc_ids=doc_ids)  # the step's options
                 if site is not None:

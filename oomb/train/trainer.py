@@ -87,6 +87,8 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
     lock = _open_run_folder(cfg, out, created, main_rank)
     try:
         run = _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, step_choice)
+        for note in inputs.notes:  # e.g. how many chat samples were kept, cut or dropped
+            console.print(note, highlight=False)
         if plan is not None:
             console.print(plan.summary() + " (oomb plan prints the breakdown)")
         if (advice := offload_selection_note(cfg)) is not None:
@@ -266,6 +268,9 @@ def _train_step(run: Run, step: int, stop: StopRequest) -> dict:
     cfg, inputs, optimizer = run.cfg, run.inputs, run.optimizer
     data_before = inputs.state_dict()  # a dropped step's sequences are drawn again after a resume
     batches = inputs.batches(step)
+    loss_tokens = sum(int((b.labels[:, 1:] != -100).sum()) for b in batches)  # the shifted targets
+    if run.ctx is not None and run.ctx.data_parallel > 1:  # every rank here, before the step's collectives
+        loss_tokens = distributed.sum_over_data_ranks(run.ctx, loss_tokens)
     t0 = time.perf_counter()
     rng_before = rng_state()
     abandoned, out_of_memory = False, None
@@ -300,6 +305,7 @@ def _train_step(run: Run, step: int, stop: StopRequest) -> dict:
         "step": step + 1,
         "loss": run.loss_value if nonfinite is None else None,
         "tokens": tokens_per_step * (step + 1),
+        "loss_tokens": loss_tokens,
         "seconds": seconds,
         "elapsed": time.perf_counter() - run.started,
         "tokens_per_s": tokens_per_step / seconds,
@@ -456,7 +462,7 @@ def accumulate_gradients(model, params, batches, device: torch.device, cfg: Conf
     for m, batch in enumerate(batches):
         if m and counts[m] != counts[m - 1]:
             _scale_gradients(params, counts[m - 1] / counts[m])
-        doc_ids = batch.doc_ids.to(device) if cfg.data.document_mask else None
+        doc_ids = batch.doc_ids.to(device) if batch.doc_ids is not None else None
         loss += counts[m] / total * oomb.chunked_backward(
             model, batch.input_ids.to(device), batch.labels.to(device), doc_ids=doc_ids, options=options,
         )

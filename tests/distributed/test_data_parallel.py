@@ -48,6 +48,9 @@ def runs(tmp_path_factory):
 def test_two_ranks_train_like_one_process_with_both_sequences(runs):
     two, one = runs
     assert_same_losses(two, one, STEPS)
+    counted = [[json.loads(x)["loss_tokens"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+               for run in (two, one)]
+    assert counted[0] == counted[1] == [2 * 2 * 511] * STEPS  # both ranks' 2 x 2 sequences, all their targets
     a, b = load_file(two / "export" / "model.safetensors"), load_file(one / "export" / "model.safetensors")
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)

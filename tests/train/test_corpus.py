@@ -7,6 +7,7 @@ import pytest
 from oomb.train.corpus import (
     DataError,
     byte_level_tokenizer,
+    check_sources,
     check_tokenizer_fits,
     find_sources,
     iter_documents,
@@ -48,12 +49,27 @@ def test_other_text_field(tmp_path):
     ("x.jsonl", '{"body": "no text"}\n', r"x.jsonl:1 has no field 'text'.*data.text_field"),
     ("x.jsonl", "{broken\n", r"x.jsonl:1 is not valid JSON"),
     ("x.jsonl", '{"text": 3}\n', "holds int, not a string"),
-    ("x.csv", "a,b\n", r"unknown data format '.csv'"),
 ])
 def test_bad_files_are_named(tmp_path, name, content, match):
     (tmp_path / name).write_text(content)
     with pytest.raises(DataError, match=match):
         list(iter_documents(tmp_path / name))
+
+
+def test_named_files_of_any_suffix_are_text_and_folders_take_listed_suffixes(tmp_path):
+    (tmp_path / "main.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "lib.rs").write_text("fn main() {}\n")
+    (tmp_path / "a.txt").write_text("notes")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    assert list(iter_documents([tmp_path / "main.py", tmp_path / "x.csv"])) == ["def f():\n    return 1\n", "a,b\n"]
+    assert [s.path.name for s in find_sources(tmp_path)] == ["a.txt"]  # a folder: the known suffixes
+    assert [s.path.name for s in find_sources(tmp_path, (".txt", ".py", ".rs"))] == ["a.txt", "lib.rs", "main.py"]
+    assert [s.path.name for s in find_sources(str(tmp_path / "*.py"), (".py",))] == ["main.py"]
+    with pytest.raises(DataError, match=r"pattern .*\*.py' matches no .* file \(data.suffixes lists more"):
+        find_sources(str(tmp_path / "*.py"))
+    (tmp_path / "latin1.py").write_bytes("caf\xe9 = 1\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.py is not UTF-8 text: byte 3 is b'\\xe9'"):
+        check_sources(find_sources(tmp_path / "latin1.py"))
 
 
 def test_missing_paths_and_empty_folders(tmp_path):
@@ -108,3 +124,33 @@ def test_tokenizer_larger_than_the_model_is_refused():
     check_tokenizer_fits(tok, 257)
     with pytest.raises(DataError, match=r"257 ids but the model's embedding has only 64 rows.*byte-level"):
         check_tokenizer_fits(tok, 64)
+
+
+def test_data_suffixes_are_normalised_and_checked():
+    from oomb.train.config import ConfigError, load_config
+    from oomb.train.inputs import text_suffixes
+
+    cfg = load_config(None, ["data.task=text", "data.suffixes=[py, .RS, .txt]"])
+    assert text_suffixes(cfg) == (".txt", ".md", ".py", ".rs")
+    for bad in ("[a/b]", "['']", "[.tar.gz]", "['*.py']"):
+        with pytest.raises(ConfigError, match="is not a file suffix; write e.g. data.suffixes="):
+            text_suffixes(load_config(None, [f"data.suffixes={bad}"]))
+
+
+def test_a_text_run_reads_source_code_folders_with_data_suffixes(tmp_path):
+    from oomb.train.config import ConfigError, load_config
+    from oomb.train.inputs import build_inputs
+    from oomb.train.presets import preset_config
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("import os\n" * 40)
+    (tmp_path / "pkg" / "b.py").write_text("print('hi')\n" * 40)
+    config = preset_config("tiny")
+    config.vocab_size = 300  # the byte-level tokenizer's 257 ids fit
+    args = ["data.task=text", f"data.paths=[{tmp_path / 'pkg'}]", "data.seq_len=64"]
+    with pytest.raises(ConfigError, match=r"holds no .txt, .md, .jsonl, .parquet file .*data.suffixes=\[.py\]"):
+        build_inputs(load_config(None, args), config)
+    inputs = build_inputs(load_config(None, [*args, "data.suffixes=[.py]"]), config)
+    assert [s.path.name for s in inputs.corpus.sources] == ["a.py", "b.py"]
+    (batch,) = inputs.batches(0)
+    assert bytes(batch.input_ids[0, :10].tolist()) in (b"import os\n", b"print('hi'")

@@ -1,0 +1,252 @@
+"""Conversations for supervised fine-tuning (data.task=chat): rows read, rendered by a chat template, masked.
+
+Rows — a line of a .jsonl, a row of a .parquet or of a ``save_to_disk`` folder — hold either
+``messages`` or ``prompt`` and ``completion``::
+
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+    {"prompt": "Hi", "completion": "Hello!"}              strings: one user and one assistant message
+    {"prompt": [{"role": "user", ...}], "completion": [{"role": "assistant", ...}]}   TRL's conversational form
+
+``ChatTemplate.encode`` renders a conversation with the chat template (the tokenizer's, or
+data.chat_template), tokenizes it, and marks the tokens the assistant messages contribute::
+
+    text   <user> Hi <end> <assistant> Hello ! <end>
+    mask     0    0    0        0        1    1   1
+
+Two ways to find those tokens, the first where the template allows it:
+
+    generation  the template wraps assistant text in {% generation %} ... {% endgeneration %}:
+                transformers' apply_chat_template(return_assistant_tokens_mask=True) marks it
+    prefixes    otherwise: the text rendered for messages[:i] followed by the assistant header
+                (add_generation_prompt) and the text rendered for messages[:i+1] bound the
+                characters assistant message i adds; every token holding one of them is marked
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from oomb.train.corpus import DataError, Source
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# transformers' own test for a template that marks assistant text (apply_chat_template).
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass(frozen=True)
+class Rows(Sequence):
+    """The rows of one source, as dicts, and where each one is (for messages)."""
+
+    source: Source
+    records: Sequence[dict]  # a list, or a memory-mapped datasets.Dataset read a row at a time
+    lines: list[int] | None = None  # .jsonl: the line number of each record
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.records[int(index)]
+
+    def where(self, index: int) -> str:
+        """``file:line`` for .jsonl, ``file row N`` (from 0) otherwise."""
+        return f"{self.source.path}:{self.lines[index]}" if self.lines else f"{self.source.path} row {index}"
+
+
+def read_rows(source: Source) -> Rows:
+    """The rows of one .jsonl, .parquet or saved-dataset source; DataError names the file (and line)."""
+    if source.kind == "jsonl":
+        return _jsonl_rows(source)
+    fields = ("messages", "prompt", "completion")
+    try:
+        if source.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            names = pq.read_schema(source.path).names
+            columns = [f for f in fields if f in names]
+            _check_columns(source.path, columns, names)
+            return Rows(source, pq.read_table(source.path, columns=columns).to_pylist())
+        if source.kind == "dataset":
+            import datasets
+
+            ds = datasets.load_from_disk(str(source.path))
+            if isinstance(ds, datasets.DatasetDict):
+                raise DataError(f"{source.path} holds a DatasetDict with splits {list(ds)}; name one split's "
+                                f"folder (e.g. {source.path}/train)")
+            columns = [f for f in fields if f in ds.column_names]
+            _check_columns(source.path, columns, ds.column_names)
+            return Rows(source, ds.select_columns(columns))
+    except (OSError, ValueError) as e:  # pyarrow's and datasets' errors for a damaged file (DataError passes)
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"{source.path} cannot be read: {type(e).__name__}: {e}") from e
+    raise DataError(f"{source.path}: data.task=chat reads conversations from .jsonl, .parquet or datasets' "
+                    "save_to_disk folders, not text files (data.task=text trains on text)")
+
+
+def _check_columns(path: Path, columns: list[str], names: list[str]) -> None:
+    if not columns:
+        raise DataError(f"{path} has no column 'messages' or 'prompt'/'completion' (columns: {names})")
+
+
+def _jsonl_rows(source: Source) -> Rows:
+    path, records, lines = source.path, [], []
+    try:
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{number} is not UTF-8 text (byte {e.start} of the line is "
+                                    f"{raw[e.start:e.start + 1]!r}); save the file as UTF-8") from e
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{number} is not valid JSON: {e}") from e
+                if not isinstance(record, dict):
+                    raise DataError(f"{path}:{number} holds a JSON {type(record).__name__}, not an object with "
+                                    "'messages' or 'prompt'/'completion'")
+                records.append(record)
+                lines.append(number)
+    except OSError as e:
+        raise DataError(f"{path} cannot be read: {e}") from e
+    return Rows(source, records, lines)
+
+
+def conversation(row: dict, where: str) -> list[dict]:
+    """The row's messages (prompt and completion joined), checked: roles, contents, at least one message."""
+    has_messages = row.get("messages") is not None
+    has_pair = row.get("prompt") is not None or row.get("completion") is not None
+    if has_messages and has_pair:
+        raise DataError(f"{where} has both 'messages' and 'prompt'/'completion': keep one form per row")
+    if has_messages:
+        messages = _messages(row["messages"], where, "messages")
+    elif has_pair:
+        if row.get("prompt") is None or row.get("completion") is None:
+            raise DataError(f"{where} has {'prompt' if row.get('prompt') is not None else 'completion'} without "
+                            f"{'completion' if row.get('prompt') is not None else 'prompt'}: give both")
+        messages = (_messages(row["prompt"], where, "prompt", default_role="user")
+                    + _messages(row["completion"], where, "completion", default_role="assistant"))
+    else:
+        raise DataError(f"{where} has no 'messages' and no 'prompt'/'completion' (it has {list(row)})")
+    if not messages:
+        raise DataError(f"{where}: the conversation has no message")
+    return messages
+
+
+def _messages(value, where: str, field: str, default_role: str | None = None) -> list[dict]:
+    """A message list, or (prompt/completion) a string that becomes one message of ``default_role``."""
+    if isinstance(value, str) and default_role is not None:
+        return [{"role": default_role, "content": value}]
+    if not isinstance(value, list | tuple):
+        kinds = "a string or a list of messages" if default_role is not None else "a list of messages"
+        raise DataError(f"{where}: '{field}' must be {kinds}, got {type(value).__name__}")
+    out = []
+    for i, message in enumerate(value):
+        at = f"{where}: {field}[{i}]"
+        if not isinstance(message, dict) or "role" not in message:
+            raise DataError(f"{at} must be an object with 'role' and 'content', got {message!r:.80}")
+        if message["role"] not in ROLES:
+            raise DataError(f"{at} has the role {message['role']!r}; roles are {', '.join(ROLES)}")
+        content = message.get("content")
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise DataError(f"{at}: 'content' must be a string, got {type(content).__name__}")
+        out.append(dict(message))
+    return out
+
+
+def read_template(value: str) -> str:
+    """data.chat_template: the text itself when it holds Jinja tags ({{ or {%), else the path of a file holding it."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise DataError(f"data.chat_template={value!r} holds no Jinja tags and is not a file: give the template "
+                        "text or the path of a .jinja file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"data.chat_template: {path} cannot be read as UTF-8 text: {e}") from e
+
+
+class ChatTemplate:
+    """A tokenizer and the chat template it renders with; ``encode`` gives ids and the assistant mask."""
+
+    def __init__(self, tokenizer, template: str | None = None) -> None:
+        if not getattr(tokenizer, "is_fast", False):
+            raise DataError("data.task=chat needs a fast tokenizer (a folder with tokenizer.json): the assistant "
+                            "tokens are found through the character offsets of each token")
+        try:
+            self.text = tokenizer.get_chat_template(template)
+        except ValueError as e:
+            raise DataError("the tokenizer has no chat template: set data.chat_template to a Jinja template or the "
+                            f"path of a .jinja file ({e})") from e
+        self.tokenizer = tokenizer
+        self.method = "generation" if _GENERATION_TAG.search(self.text) else "prefixes"
+
+    def encode(self, messages: list[dict], where: str, assistant: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids [n] int64 of the rendered conversation and which of them assistant messages added [n] bool.
+
+        ``assistant=False``: the mask is all False and not searched for (data.loss_on=all).
+        """
+        import jinja2
+
+        try:
+            if not assistant:
+                ids = self.tokenizer(self._render(messages), add_special_tokens=False, verbose=False)["input_ids"]
+                return np.asarray(ids, dtype=np.int64), np.zeros(len(ids), dtype=bool)
+            if self.method == "generation":
+                out = self.tokenizer.apply_chat_template(
+                    messages, chat_template=self.text, tokenize=True, return_dict=True,
+                    return_assistant_tokens_mask=True, tokenizer_kwargs={"verbose": False})
+                return np.asarray(out["input_ids"], dtype=np.int64), np.asarray(out["assistant_masks"], dtype=bool)
+            return self._encode_by_prefixes(messages, where)
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            if isinstance(e, DataError):
+                raise
+            raise DataError(f"{where}: the chat template cannot render this conversation: {type(e).__name__}: "
+                            f"{e}") from e
+
+    def _render(self, messages: list[dict], header: bool = False) -> str:
+        if not messages:
+            return ""
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.text, tokenize=False,
+                                                  add_generation_prompt=header)
+
+    def _encode_by_prefixes(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
+        full = self._render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            upto = self._render(messages[: i + 1])
+            if not full.startswith(upto):
+                raise DataError(f"{where}: the chat template renders the conversation up to assistant message {i} "
+                                "differently than the whole conversation's start, so its tokens cannot be found; "
+                                "mark assistant text with {% generation %} ... {% endgeneration %} in the template "
+                                "(data.chat_template) or set data.loss_on=all")
+            # The assistant header (add_generation_prompt) is the template's, not the message's: no loss
+            # on it where the template renders it; else the message's text starts after messages[:i].
+            for before in (self._render(messages[:i], header=True), self._render(messages[:i])):
+                if upto.startswith(before):
+                    break
+            else:
+                raise DataError(f"{where}: the chat template renders the messages before assistant message {i} "
+                                "differently alone than followed by it, so its tokens cannot be found; mark "
+                                "assistant text with {% generation %} ... {% endgeneration %} in the template "
+                                "(data.chat_template) or set data.loss_on=all")
+            spans.append((len(before), len(upto)))
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        ids = np.asarray(enc["input_ids"], dtype=np.int64)
+        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(len(ids), dtype=bool)
+        for start, end in spans:  # a token holding any character of the message's text
+            mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
+        return ids, mask
