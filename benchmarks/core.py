@@ -38,6 +38,7 @@ from benchmarks.tune_attention import CANDIDATES
 from oomb.engine import linear_cross_entropy_sum, store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import use_fused_ops
+from oomb.kernels import get_backend
 from oomb.kernels import tiles as kernel_tiles
 from oomb.sparse import DEFAULT_SCORE, SCORES, PageSelection
 from oomb.train.presets import build_model, preset_config
@@ -167,15 +168,18 @@ def run(args) -> dict:
             + [(n, "oomb-sparse", False, sparse) for n in args.sparse_lengths]
             + [(n, "oomb-sparse+cached-attn", False, {**sparse, "cache_attention": True})
                for n in args.sparse_cache_lengths])
-    for n, system, layer_ckpt, options in runs:
+    backends = args.backend.split(",")  # several: each row once per backend, named system[backend]
+    runs = [(n, system if len(backends) == 1 else f"{system}[{b}]", layer_ckpt, options, b)
+            for n, system, layer_ckpt, options in runs for b in backends]
+    for n, system, layer_ckpt, options, backend in runs:
         ids = torch.randint(0, vocab, (1, n), device=device)
         if layer_ckpt:  # transformers' per-layer checkpointing inside each chunk
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
         options = {"chunk_size": args.chunk, "page_size": args.page, **options}
 
-        def step(ids=ids, options=options):
-            oomb.chunked_backward(model, ids, backend=args.backend, **options)
+        def step(ids=ids, options=options, backend=backend):
+            oomb.chunked_backward(model, ids, backend=backend, **options)
 
         try:
             if not warmed or args.warm_each:
@@ -186,7 +190,8 @@ def run(args) -> dict:
             times = time_steps(step, args.repeats)
             # No local name for the store: a live reference would keep its pools through the next length.
             record(system, n, times, extra={
-                "chunk_size": options["chunk_size"], "page_size": options["page_size"], "backend": args.backend,
+                "chunk_size": options["chunk_size"], "page_size": options["page_size"],
+                "backend": get_backend(backend, "cuda").name,
                 "options": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in options.items()},
                 "store_gib": store_for_model(model).nbytes() / 2**30,
                 "store_bytes_per_token": store_for_model(model).spec.bytes_per_token(),
@@ -298,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a warm-up step before every row, at its length (default: one, before the first row)")
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--page", type=int, default=128)
-    p.add_argument("--backend", default="auto")
+    p.add_argument("--backend", default="auto",
+                   help="attention backend of oomb's rows; a comma list times each row once per backend")
     p.add_argument("--fused-ops", default="auto", choices=FUSED_OPS_MODES,
                    help="liger's fused RMSNorm/SwiGLU in oomb's rows (oomb.engine.fused_ops); transformers' rows never")
     p.add_argument("--tiles", default="default", choices=[name for name, _ in CANDIDATES],

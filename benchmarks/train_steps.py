@@ -36,6 +36,7 @@ def record_of(run: Path, log: Path, seq_len: int) -> dict:
         "chunk_size": cfg["train"]["chunk_size"],
         "cache_attention": cfg["train"]["cache_attention"],
         "master_weights": cfg["train"]["master_weights"],
+        "attention": cfg["train"].get("attention"),  # the key's value; the startup line names the kernels it chose
         "steps": [{k: m.get(k) for k in ("step", "seconds", "loss", "peak_gpu_gib")} for m in metrics],
         "warm_step_s": sum(warm) / len(warm) if warm else None,  # the steps after the first
         "startup": [line for line in log.read_text().splitlines() if line.startswith(("oomb train", "note:", "fused"))

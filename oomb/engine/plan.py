@@ -160,6 +160,7 @@ def plan_memory(
     device_total_bytes: int | None = None,
     host_total_bytes: int | None = None,
     tensor_parallel: int = 1,
+    attention: str = "triton",
 ) -> MemoryPlan:
     """Predict the peak bytes of one training step of ``model_config`` (a transformers config).
 
@@ -177,6 +178,7 @@ def plan_memory(
     of the 16-bit trainable parameters (oomb.train.optim.MasterWeights; `oomb train`'s default
     train.master_weights=auto in one process): 4 B per parameter, fp32 optimizer states, and fp32
     gradients during the step; a no-op when the trainable parameters are fp32 (LoRA adapters).
+    ``attention``: the attention backend; "fa4" adds the keys and values it reads gathered out of the pages.
     """
     arguments = dict(locals())  # the parameters, for the "auto" GPU allowance's second plan
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("chunk_size", chunk_size),
@@ -263,6 +265,11 @@ def plan_memory(
     liger = loss_impl == "liger" or (loss_impl == "auto" and device_type == "cuda")
     loss_ws = fused_loss_bytes(shape, tokens, dtype, liger=liger)
     layer_ws = rebuilt + tokens * layer_backward_bytes_per_token(shape, dtype)
+    if attention == "fa4":
+        # FlashAttention-4 reads keys and values laid out contiguously (kernels/flash4.py): its backward holds the
+        # layer's K and V gathered out of the pages, dK and dV, and fp32 dK/dV accumulators (GQA): 8 copies of
+        # [seq_len, H_kv, D] in 16-bit units, beside the layer's own backward.
+        layer_ws += 8 * batch_size * seq_len * (shape.kv_heads // tensor_parallel) * shape.head_dim * s
     workspace = max(loss_ws, layer_ws)
     activations = saved + workspace
 

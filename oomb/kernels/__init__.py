@@ -5,7 +5,11 @@
   dkdv.py or sparse_backward.py, then dq.py), with common.py (shared jit helpers), tiles.py
   (tile choice) and launch.py (host-side argument helpers). CUDA, or CPU under
   ``TRITON_INTERPRET=1`` (tests only: slow).
-- ``auto``: triton on CUDA when it imports, torch elsewhere.
+- ``fa4``: FlashAttention-4 (flash4.py; ``pip install 'oomb[fa4]'``, Hopper and Blackwell) over
+  keys gathered out of the pages, the Triton kernels for what it cannot express (page-sparse
+  selections, sinks).
+- ``auto``: fa4 where it imports and the GPU is Hopper or Blackwell, else triton on CUDA when it
+  imports, torch elsewhere.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ class AttentionBackend:
     backward: Callable
 
 
-__all__ = ["BACKEND_NAMES", "AttentionBackend", "get_backend"]
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "flash4_unavailable", "get_backend"]
 
-BACKEND_NAMES = ("auto", "torch", "triton")
+BACKEND_NAMES = ("auto", "torch", "triton", "fa4")
 
 
 @functools.cache
@@ -47,12 +51,44 @@ def _triton_importable() -> bool:
     return True
 
 
+@functools.cache
+def _flash4_backend() -> AttentionBackend:
+    from oomb.kernels.flash4 import Flash4Attention, FlashAttention4
+
+    attention = Flash4Attention(FlashAttention4(), fallback=_triton_backend())
+    return AttentionBackend("fa4", attention.forward, attention.backward)
+
+
+def flash4_unavailable() -> str | None:
+    """Why the ``fa4`` backend cannot run here (None: it can)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "it needs a CUDA GPU"
+    major = torch.cuda.get_device_capability()[0]
+    if major not in (9, 10):
+        return f"FlashAttention-4 runs on Hopper (sm90) and Blackwell (sm100) GPUs; this one is sm{major}x"
+    try:
+        _flash4_backend()
+    except ImportError as e:
+        return f"flash-attn-4 or triton does not import ({e}); pip install 'oomb[fa4]'"
+    return None
+
+
 def get_backend(name: str, device_type: str) -> AttentionBackend:
     """Resolve a backend name for tensors on ``device_type`` ("cpu", "cuda")."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
     if name == "auto":
+        if device_type == "cuda" and flash4_unavailable() is None:
+            return _flash4_backend()
         name = "triton" if device_type == "cuda" and _triton_importable() else "torch"
+    if name == "fa4":
+        if device_type != "cuda":
+            raise ValueError(f"backend='fa4' needs a CUDA device (tensors are on {device_type}); use 'auto'")
+        if (reason := flash4_unavailable()) is not None:
+            raise ValueError(f"backend='fa4' cannot run: {reason}")
+        return _flash4_backend()
     if name == "torch":
         return AttentionBackend("torch", reference.paged_attention_forward, reference.paged_attention_backward)
     if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

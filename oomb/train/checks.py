@@ -12,6 +12,7 @@ import torch
 
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import liger_available
+from oomb.kernels import BACKEND_NAMES, flash4_unavailable
 from oomb.train.config import Config, ConfigError, offload_gpu_bytes, page_selection
 from oomb.train.optim import wants_master_weights
 from oomb.train.presets import preset_names
@@ -69,6 +70,7 @@ def check_config(cfg: Config) -> None:
                           "with it), true or false")
     offload_gpu_bytes(t.offload_gpu_memory)  # a byte count or auto (ConfigError otherwise)
     _check_fused_ops(cfg)
+    _check_attention(cfg)
     if t.cache_attention is True and t.offload:
         raise ConfigError("train.cache_attention=true keeps attention outputs on the GPU and train.offload=true moves "
                           "pages off it: choose one")
@@ -92,6 +94,18 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"lora.r={cfg.lora.r} must be >= 0 (0 = full fine-tuning, 8 to 64 for LoRA adapters)")
     if cfg.lora.alpha <= 0:
         raise ConfigError(f"lora.alpha={cfg.lora.alpha:g} must be > 0 (the adapters' update is scaled by alpha / r)")
+
+
+def _check_attention(cfg: Config) -> None:
+    t = cfg.train
+    if t.attention not in BACKEND_NAMES:
+        raise ConfigError(f"train.attention={t.attention!r}: use one of {', '.join(BACKEND_NAMES)}")
+    if t.attention == "fa4":
+        if resolve_device(t.device).type != "cuda":
+            raise ConfigError("train.attention=fa4 runs FlashAttention-4's CUDA kernels: it needs a CUDA device; "
+                              "use train.attention=auto")
+        if (reason := flash4_unavailable()) is not None:
+            raise ConfigError(f"train.attention=fa4: {reason}; or train.attention=auto")
 
 
 def _check_fused_ops(cfg: Config) -> None:

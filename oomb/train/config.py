@@ -163,6 +163,10 @@ class TrainConfig:
     """Keep stage 1's attention outputs for stage 2 (one attention forward less per chunk; same gradients; GPU
     memory H*(2D+4) B per token per layer in bf16, 200 KiB/token for Qwen2.5-7B); not with offload. auto: on
     where the memory plan fits with it (off with train.offload or train.memory_check=false)."""
+    attention: str = "auto"
+    """Attention kernels: auto (FlashAttention-4 where flash-attn-4 is installed and the GPU is Hopper or Blackwell,
+    else the Triton kernels on CUDA, PyTorch on CPU), fa4, triton or torch. fa4 hands page-sparse selections and
+    sinks to the Triton kernels; every choice computes the same attention."""
     fused_ops: str = "auto"
     """Fused RMSNorm and SwiGLU kernels (liger-kernel) in place of transformers' own modules (Llama, Mistral, Qwen2,
     Qwen3; same weights and results, fewer passes over memory): auto (on CUDA when liger-kernel is installed and
@@ -445,7 +449,8 @@ def step_options(cfg: Config) -> StepOptions:
     t = cfg.train
     return StepOptions(chunk_size=settled_chunk_size(cfg), page_size=t.page_size, selection=page_selection(cfg),
                        offload=t.offload, offload_gpu_bytes=offload_gpu_allowance(cfg),
-                       cache_attention=t.cache_attention is True)  # "auto" not settled by a memory plan: off
+                       cache_attention=t.cache_attention is True,  # "auto" not settled by a memory plan: off
+                       backend=t.attention)
 
 
 def config_to_dict(cfg: Config) -> dict:

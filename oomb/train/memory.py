@@ -56,6 +56,8 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
         offload=t.offload and device_type == "cuda", cache_attention=t.cache_attention is True,
         offload_gpu_bytes=offload_gpu_bytes(t.offload_gpu_memory),
         tensor_parallel=t.tensor_parallel,
+        # auto on a GPU plans for FlashAttention-4's gathered keys whether or not it is installed (a margin otherwise)
+        attention="fa4" if t.attention == "fa4" or (t.attention == "auto" and device_type == "cuda") else t.attention,
     )
 
 

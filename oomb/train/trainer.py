@@ -23,6 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 import oomb
 from oomb.engine import store_for_model
+from oomb.kernels import get_backend
 from oomb.offload import OffloadedKVStore
 from oomb.train import distributed
 from oomb.train.checkpoint import CheckpointError, checkpoint_state, load_checkpoint, rng_state, set_rng_state
@@ -162,7 +163,9 @@ def _check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, console
             "note: train.master_weights=auto: fp32 master weights do not fit beside this run, so the optimizer "
             f"steps the {dtype} weights directly (updates below half a {dtype} step are lost); "
             "train.optimizer=adamw8bit or lora.r=16 make room for them")
-    return plan, describe_step_choice(cfg, auto, planned=plan is not None)
+    kernels = get_backend(cfg.train.attention, device.type).name
+    attention = f", attention {kernels}" + (" (auto)" if cfg.train.attention == "auto" else "")
+    return plan, describe_step_choice(cfg, auto, planned=plan is not None) + attention
 
 
 def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, step_choice: str) -> Run:

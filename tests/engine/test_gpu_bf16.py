@@ -111,9 +111,20 @@ def test_offload_bit_identical_on_gpu(sparse):
     """Copies on their own stream with events (sparse pages through the mapped-memory copy kernel), and
     layers kept on the GPU by offload_gpu_bytes: the same gradients, bit for bit, as pages on the GPU.
     One page list per chunk is the case where no torch.unique makes the host wait for the selection
-    (the copy stream must wait for it: oomb/cache/page_lists.py, PastPages.hand_to_stream)."""
+    (the copy stream must wait for it: oomb/cache/page_lists.py, PastPages.hand_to_stream).
+    Deterministic algorithms on: FlashAttention-4's backward (the fa4 backend) otherwise sums with atomics in
+    no fixed order, and two runs of the same step differ in their last bits, offloaded or not."""
     from oomb.engine import store_for_model
 
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        _offload_runs(sparse, store_for_model)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _offload_runs(sparse, store_for_model):
     ids = torch.randint(0, 4096, (1, 16384 + 77), device="cuda")
     model = _model(torch.bfloat16)
     runs = {"gpu": {}, "offload": {"offload": True}, "offload, 2 layers kept": {"offload": True}}

@@ -1,0 +1,240 @@
+"""Paged attention through FlashAttention-4 (the ``fa4`` backend; Hopper and Blackwell GPUs).
+
+FA4 attends contiguous keys and values and its backward takes no page table, so each call
+gathers the keys and values its queries can see out of the pages into FA4's layout (one copy
+of about 2 x kv_len x H_kv x D elements, linear in the context where the attention is
+quadratic), and the backward adds FA4's dK/dV back into the gradient pages through the same
+page ids. Documents packed into a row become FA4's variable-length sequences: each document's
+queries in the chunk over its keys from its first token, bottom-right causal, as in the
+reference (kernels/reference.py, whose conventions hold here too).
+
+What FA4 cannot express here goes to the fallback backend (the Triton kernels on a GPU):
+page-sparse selections, per-head sinks, 32-bit inputs and head dimensions FA4 lacks. The
+choice depends only on the call's arguments, which forward and backward share, so an output
+and its gradient always come from the same kernels.
+
+The kernels are an object with ``forward``/``backward`` (``FlashAttention4`` wraps
+flash-attn-4's functions); tests give a PyTorch stand-in with FA4's semantics to check the
+gathering, packing and scattering on CPU against the reference backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from oomb.cache.layout import first_visible_page
+from oomb.kernels.reference import check_visibility_args
+
+# The flash-attn-4 release this adapter was written and measured against: it calls the
+# package's forward and backward functions below its autograd wrapper (oomb runs its own
+# backward), which a later release may change.
+FLASH4_VERSION = "4.0.0b40"
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """Which stored keys one call gathers, and how FA4 sees them.
+
+    ``page_ids``/``slots`` [T] locate each gathered key in the pools, row after row. Without
+    documents every row gathers the same ``keys_per_row`` keys (FA4's batched layout); with
+    documents each (row, document) is one of FA4's variable-length sequences, queries and keys
+    back to back (``cu_seqlens_*``, int32 on the device).
+    """
+
+    page_ids: torch.Tensor
+    slots: torch.Tensor
+    keys_per_row: int | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+
+class FlashKernels(Protocol):
+    """FA4's two calls, in its layouts: q [B, C, H, D] and k/v [B, S, H_kv, D], or (varlen) q [T_q, H, D]
+    and k/v [T_k, H_kv, D]; lse [B, H, C] or [H, T_q]. Causal, aligned bottom-right per sequence;
+    ``window_left`` keys before each query's own (None: unlimited)."""
+
+    dtypes: tuple[torch.dtype, ...]
+
+    def supports_head_dim(self, head_dim: int) -> bool: ...
+
+    def forward(self, q, k, v, *, scale: float, window_left: int | None, layout: KeyLayout): ...
+
+    def backward(self, d_out, q, k, v, out, lse, *, scale: float, window_left: int | None, layout: KeyLayout): ...
+
+
+class FlashAttention4:
+    """flash-attn-4's forward and backward (``pip install 'oomb[fa4]'``)."""
+
+    dtypes = (torch.bfloat16, torch.float16)
+
+    def __init__(self) -> None:
+        from flash_attn.cute import interface  # the CUTLASS DSL import takes a few seconds: only when asked
+
+        self._fa = interface
+        self._arch = torch.cuda.get_device_capability()[0]
+
+    def supports_head_dim(self, head_dim: int) -> bool:
+        top = 256 if self._arch == 9 else 128
+        return 8 <= head_dim <= top and head_dim % 8 == 0
+
+    @staticmethod
+    def _varlen(layout: KeyLayout) -> dict:
+        return dict(cu_seqlens_q=layout.cu_seqlens_q, cu_seqlens_k=layout.cu_seqlens_k,
+                    max_seqlen_q=layout.max_seqlen_q, max_seqlen_k=layout.max_seqlen_k)
+
+    def forward(self, q, k, v, *, scale, window_left, layout):
+        out, lse = self._fa._flash_attn_fwd(
+            q, k, v, softmax_scale=scale, causal=True, window_size_left=window_left,
+            window_size_right=None if window_left is None else 0, return_lse=True, **self._varlen(layout),
+        )[:2]
+        return out, lse
+
+    def backward(self, d_out, q, k, v, out, lse, *, scale, window_left, layout):
+        # FA4's backward sums dQ (and GQA's dK/dV) with atomic adds, in no fixed order unless asked; PyTorch's
+        # switch for reproducible runs asks (the Triton kernels are deterministic either way).
+        dq, dk, dv = self._fa._flash_attn_bwd(
+            q, k, v, out, d_out, lse, softmax_scale=scale, causal=True, window_size_left=window_left,
+            window_size_right=None if window_left is None else 0,
+            deterministic=torch.are_deterministic_algorithms_enabled(), **self._varlen(layout),
+        )[:3]
+        return dq, dk, dv
+
+
+def key_layout(page_table: torch.Tensor, kv_len: int, q_len: int, page_size: int, sliding_window: int | None,
+               doc_start: torch.Tensor | None) -> KeyLayout:
+    """The keys the chunk's queries (the newest ``q_len`` of ``kv_len``) can see, and FA4's sequences."""
+    b = page_table.shape[0]
+    device = page_table.device
+    first_key = first_visible_page(kv_len, q_len, page_size, sliding_window) * page_size
+    if doc_start is None:
+        tokens = torch.arange(first_key, kv_len, device=device)
+        page_ids = page_table[:, tokens // page_size].long().reshape(-1)
+        slots = (tokens % page_size).repeat(b)
+        return KeyLayout(page_ids, slots, keys_per_row=kv_len - first_key)
+
+    # Each row's documents in the chunk: where doc_start changes. One host transfer per call.
+    starts = doc_start.to(torch.int64)
+    new_doc = torch.ones_like(starts, dtype=torch.bool)
+    new_doc[:, 1:] = starts[:, 1:] != starts[:, :-1]
+    rows, cols = new_doc.nonzero(as_tuple=True)
+    found = torch.stack([rows, cols, starts[rows, cols]]).tolist()
+    q0 = kv_len - q_len
+    cu_q, cu_k, tokens = [0], [0], []
+    max_q = max_k = 0
+    for i, (row, col, doc) in enumerate(zip(*found, strict=True)):
+        last = i + 1 == len(found[0]) or found[0][i + 1] != row
+        end = q_len if last else found[1][i + 1]  # the document's last query in the chunk, plus one
+        key0 = max(doc, first_key)  # a window may hide the document's first keys
+        n_q, n_k = end - col, q0 + end - key0
+        cu_q.append(row * q_len + end)
+        cu_k.append(cu_k[-1] + n_k)
+        max_q, max_k = max(max_q, n_q), max(max_k, n_k)
+        tokens.append(torch.arange(key0, q0 + end, device=device) + row * kv_len)
+    flat = torch.cat(tokens)  # row * kv_len + position
+    row_of, pos = flat // kv_len, flat % kv_len
+    page_ids = page_table[row_of, pos // page_size].long()
+
+    def as_tensor(x):
+        return torch.tensor(x, dtype=torch.int32, device=device)
+
+    return KeyLayout(page_ids, pos % page_size, cu_seqlens_q=as_tensor(cu_q), cu_seqlens_k=as_tensor(cu_k),
+                     max_seqlen_q=max_q, max_seqlen_k=max_k)
+
+
+def _gather(pool: torch.Tensor, layout: KeyLayout, rows: int) -> torch.Tensor:
+    """[T, H_kv, D] (varlen) or [B, S, H_kv, D] of the pool's tokens the layout names."""
+    x = pool[layout.page_ids, :, layout.slots]
+    return x if layout.varlen else x.view(rows, layout.keys_per_row, *x.shape[1:])
+
+
+class Flash4Attention:
+    """The ``fa4`` backend's forward and backward over the paged store (signatures of kernels/reference.py)."""
+
+    def __init__(self, kernels: FlashKernels, fallback) -> None:
+        self.kernels = kernels
+        self.fallback = fallback  # an AttentionBackend: what FA4 cannot express
+
+    def expresses(self, q: torch.Tensor, sinks, page_select) -> bool:
+        return (page_select is None and sinks is None and q.dtype in self.kernels.dtypes
+                and self.kernels.supports_head_dim(q.shape[-1]))
+
+    def _prepare(self, q, k_pool, page_table, kv_len, sliding_window, doc_start, page_select, select_block):
+        b, h, c, d = q.shape
+        num_pages, h_kv, page_size, d_kv = k_pool.shape
+        if d_kv != d or h % h_kv:
+            raise ValueError(f"q {tuple(q.shape)} does not fit pools {tuple(k_pool.shape)}")
+        if not 0 < c <= kv_len:
+            raise ValueError(f"the chunk ({c} queries) must be the newest part of kv_len={kv_len}")
+        if page_table.dim() != 2 or page_table.shape[0] != b or page_table.shape[1] < -(-kv_len // page_size):
+            raise ValueError(f"page_table {tuple(page_table.shape)} does not cover kv_len={kv_len} for {b} rows")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        check_visibility_args(q, h_kv, kv_len, page_size, doc_start, page_select, select_block)
+        layout = key_layout(page_table, kv_len, c, page_size, sliding_window, doc_start)
+        window_left = None if sliding_window is None else min(sliding_window, kv_len + 1) - 1
+        return layout, window_left
+
+    @staticmethod
+    def _queries(x: torch.Tensor, layout: KeyLayout) -> torch.Tensor:
+        """[B, H, C, D] -> FA4's [B, C, H, D], or [B * C, H, D] for variable lengths."""
+        x = x.transpose(1, 2)
+        return x.reshape(-1, *x.shape[2:]) if layout.varlen else x
+
+    @staticmethod
+    def _heads_first(x: torch.Tensor, b: int, layout: KeyLayout) -> torch.Tensor:
+        """FA4's [B, C, H, D] / [B * C, H, D] -> [B, H, C, D] (a view)."""
+        if layout.varlen:
+            x = x.view(b, -1, *x.shape[1:])
+        return x.transpose(1, 2)
+
+    def forward(self, q, k_pool, v_pool, page_table, kv_len, *, scale, sliding_window=None, sinks=None,
+                doc_start=None, page_select=None, select_block=None, block_tokens=None):
+        """Returns (out [B, H, C, D] in q.dtype, lse [B, H, C] float32)."""
+        if not self.expresses(q, sinks, page_select):
+            return self.fallback.forward(q, k_pool, v_pool, page_table, kv_len, scale=scale,
+                                         sliding_window=sliding_window, sinks=sinks, doc_start=doc_start,
+                                         page_select=page_select, select_block=select_block)
+        layout, window_left = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
+                                            page_select, select_block)
+        b, h, c, _ = q.shape
+        out, lse = self.kernels.forward(self._queries(q, layout), _gather(k_pool, layout, b),
+                                        _gather(v_pool, layout, b), scale=scale, window_left=window_left,
+                                        layout=layout)
+        if layout.varlen:  # [H, B * C] -> [B, H, C]
+            lse = lse.view(h, b, c).transpose(0, 1)
+        return self._heads_first(out, b, layout), lse
+
+    def backward(self, d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len, *, scale,
+                 sliding_window=None, sinks=None, doc_start=None, page_select=None, select_block=None,
+                 block_tokens=None):
+        """Adds dK/dV of every visible key into dk_pool/dv_pool; returns (dq [B, H, C, D], None)."""
+        if not self.expresses(q, sinks, page_select):
+            return self.fallback.backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len,
+                                          scale=scale, sliding_window=sliding_window, sinks=sinks,
+                                          doc_start=doc_start, page_select=page_select, select_block=select_block)
+        if dk_pool.shape != k_pool.shape or dv_pool.shape != k_pool.shape:
+            raise ValueError("dk_pool and dv_pool must match k_pool's shape")
+        layout, window_left = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
+                                            page_select, select_block)
+        b, h, c, _ = q.shape
+        if layout.varlen:  # [B, H, C] -> [H, B * C]
+            lse = lse.transpose(0, 1).reshape(h, b * c)
+        dq, dk, dv = self.kernels.backward(
+            self._queries(d_out, layout), self._queries(q, layout), _gather(k_pool, layout, b),
+            _gather(v_pool, layout, b), self._queries(out, layout), lse.contiguous(), scale=scale,
+            window_left=window_left, layout=layout,
+        )
+        # Every (page, slot) appears once in the layout, so gather-add-scatter adds each key's gradient once.
+        flat = (layout.page_ids, slice(None), layout.slots)
+        dk_pool[flat] += dk.reshape(-1, *dk.shape[-2:]).to(dk_pool.dtype)
+        dv_pool[flat] += dv.reshape(-1, *dv.shape[-2:]).to(dv_pool.dtype)
+        return self._heads_first(dq, b, layout), None

@@ -1,0 +1,176 @@
+"""The ``fa4`` backend: pages gathered into FlashAttention-4's layouts, documents packed as its sequences,
+dK/dV added back into the gradient pages, and what FA4 cannot express handed to the fallback.
+
+On CPU FA4 itself is replaced by a PyTorch stand-in with its semantics (flash_standin.py), so these
+tests check oomb's code around it against the reference backend in float64; the GPU tests run FA4.
+"""
+
+import pytest
+import torch
+from flash_standin import TorchFlash
+from helpers import assert_close_rel
+from paged_inputs import make_problem, random_doc_start, random_page_select
+
+from oomb.kernels import AttentionBackend, flash4_unavailable, get_backend, reference
+from oomb.kernels.flash4 import Flash4Attention, key_layout
+
+REFERENCE = AttentionBackend("torch", reference.paged_attention_forward, reference.paged_attention_backward)
+
+CASES = [
+    # b, h, h_kv, c, kv_len, d, page, window, docs
+    pytest.param(1, 4, 2, 16, 64, 16, 8, None, None, id="gqa"),
+    pytest.param(2, 3, 3, 13, 45, 8, 4, None, None, id="two-rows-ragged-mha"),
+    pytest.param(1, 4, 1, 32, 32, 16, 16, None, None, id="first-chunk-mqa"),
+    pytest.param(2, 4, 2, 20, 77, 8, 8, 11, None, id="window"),
+    pytest.param(1, 4, 2, 24, 90, 8, 8, None, 5, id="documents"),
+    pytest.param(2, 6, 2, 17, 70, 8, 8, None, 4, id="documents-two-rows"),
+    pytest.param(2, 4, 2, 20, 77, 8, 8, 9, 6, id="documents-window"),
+    pytest.param(1, 4, 2, 16, 64, 8, 8, None, 1, id="one-document"),
+]
+
+
+def _attention(fallback=REFERENCE):
+    kernels = TorchFlash()
+    return Flash4Attention(kernels, fallback=fallback), kernels
+
+
+@pytest.mark.parametrize("b,h,h_kv,c,kv_len,d,page,window,docs", CASES)
+def test_fa4_backend_matches_reference(b, h, h_kv, c, kv_len, d, page, window, docs):
+    torch.manual_seed(0)
+    pb = make_problem(b, h, h_kv, c, kv_len, d, page, dtype=torch.float64)
+    kw = dict(scale=d**-0.5, sliding_window=window)
+    if docs:
+        kw["doc_start"] = random_doc_start(b, c, kv_len, docs)
+    attention, kernels = _attention()
+    out, lse = attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
+    ref_out, ref_lse = reference.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
+    assert kernels.calls == 1, "the stand-in for FA4 ran, not the fallback"
+    assert_close_rel(out, ref_out, 1e-10, "out")
+    assert_close_rel(lse, ref_lse, 1e-10, "lse")
+
+    d_out = torch.randn_like(out)
+    dk0, dv0 = torch.randn_like(pb.k_pool), torch.randn_like(pb.v_pool)  # gradients are ADDED to what is there
+    dk, dv, ref_dk, ref_dv = dk0.clone(), dv0.clone(), dk0.clone(), dv0.clone()
+    dq, d_sinks = attention.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len, **kw)
+    ref_dq, _ = reference.paged_attention_backward(d_out, pb.q, ref_out, ref_lse, pb.k_pool, pb.v_pool, ref_dk,
+                                                   ref_dv, pb.page_table, kv_len, **kw)
+    assert kernels.calls == 2 and d_sinks is None
+    assert_close_rel(dq, ref_dq, 1e-10, "dq")
+    assert_close_rel(dk - dk0, ref_dk - dk0, 1e-10, "dk added")
+    assert_close_rel(dv - dv0, ref_dv - dv0, 1e-10, "dv added")
+    # Spare pages (in no row's table) and the padding slots of a ragged last page keep their bits.
+    used = set(pb.page_table.reshape(-1).tolist())
+    for pid in range(dk.shape[0]):
+        if pid not in used:
+            assert torch.equal(dk[pid], dk0[pid]) and torch.equal(dv[pid], dv0[pid])
+    tail = kv_len % page
+    if tail:
+        last = pb.page_table[:, -1].long()
+        assert torch.equal(dk[last, :, tail:], dk0[last, :, tail:])
+
+
+def test_a_window_gathers_only_the_pages_it_can_see():
+    table = torch.arange(10, dtype=torch.int32).view(1, 10)
+    layout = key_layout(table, kv_len=80, q_len=8, page_size=8, sliding_window=9, doc_start=None)
+    # queries 72..79 see keys from 64 on: pages 8 and 9 only
+    assert layout.keys_per_row == 16 and sorted(set(layout.page_ids.tolist())) == [8, 9]
+
+
+def test_documents_become_sequences_back_to_back():
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    # row 0: a document from 2 covers the chunk's first 2 queries, one from 14 the rest; row 1: one from 0
+    doc_start = torch.tensor([[2, 2, 14, 14], [0, 0, 0, 0]], dtype=torch.int32)
+    layout = key_layout(table, kv_len=16, q_len=4, page_size=4, sliding_window=None, doc_start=doc_start)
+    assert layout.cu_seqlens_q.tolist() == [0, 2, 4, 8]
+    assert layout.cu_seqlens_k.tolist() == [0, 12, 14, 30]  # keys 2..13, 14..15, then row 1's 0..15
+    assert (layout.max_seqlen_q, layout.max_seqlen_k) == (4, 16)
+    assert layout.page_ids[:12].tolist() == [0] * 2 + [1] * 4 + [2] * 4 + [3] * 2
+    assert layout.page_ids[14:].tolist() == [4] * 4 + [5] * 4 + [6] * 4 + [7] * 4
+
+
+class _Spy:
+    """A fallback that records it was called."""
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, *args, **kw):
+        self.calls.append("forward")
+        return reference.paged_attention_forward(*args, **kw)
+
+    def backward(self, *args, **kw):
+        self.calls.append("backward")
+        return reference.paged_attention_backward(*args, **kw)
+
+
+@pytest.mark.parametrize("what", ["sinks", "page_select", "dtype"])
+def test_what_fa4_cannot_express_goes_to_the_fallback_in_both_directions(what):
+    torch.manual_seed(0)
+    b, h, h_kv, c, kv_len, d, page = 1, 4, 2, 16, 64, 16, 8
+    pb = make_problem(b, h, h_kv, c, kv_len, d, page, dtype=torch.float16 if what == "dtype" else torch.float32,
+                      sinks=what == "sinks")
+    kw = dict(scale=d**-0.5, sinks=pb.sinks)
+    if what == "page_select":
+        kw.update(page_select=random_page_select(b, 1, c, kv_len, page, 8, 2), select_block=8)
+    spy = _Spy()
+    attention, kernels = _attention(fallback=spy)
+    out, lse = attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
+    dk, dv = torch.zeros_like(pb.k_pool), torch.zeros_like(pb.v_pool)
+    attention.backward(torch.ones_like(out), pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len, **kw)
+    assert spy.calls == ["forward", "backward"] and kernels.calls == 0
+
+
+def test_bad_inputs_are_refused_with_what_is_wrong():
+    pb = make_problem(1, 4, 2, 16, 64, 16, 8, dtype=torch.float64)
+    attention, _ = _attention()
+    with pytest.raises(ValueError, match="kv_len"):
+        attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table[:, :4], 64, scale=0.25)
+    with pytest.raises(ValueError, match="does not fit pools"):
+        attention.forward(pb.q[:, :3], pb.k_pool, pb.v_pool, pb.page_table, 64, scale=0.25)
+    with pytest.raises(ValueError, match="newest part"):
+        attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, 8, scale=0.25)
+
+
+def test_fa4_is_refused_off_cuda_with_a_way_out():
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        get_backend("fa4", "cpu")
+    if not torch.cuda.is_available():
+        assert "CUDA" in flash4_unavailable()
+        assert get_backend("auto", "cpu").name == "torch"
+
+
+GPU_CASES = [
+    # c, kv_len, window, docs
+    pytest.param(4096, 32768, None, None, id="dense"),
+    pytest.param(4096, 32768, None, 6, id="documents"),
+    pytest.param(4096, 32768, 4096, None, id="window"),
+    pytest.param(8192, 8192, None, None, id="first-chunk"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c,kv_len,window,docs", GPU_CASES)
+def test_fa4_bf16_matches_the_reference_on_gpu(c, kv_len, window, docs):
+    if (reason := flash4_unavailable()) is not None:
+        pytest.skip(reason)
+    torch.manual_seed(0)
+    h, h_kv, d, page = 28, 4, 128, 128
+    pb = make_problem(1, h, h_kv, c, kv_len, d, page, dtype=torch.bfloat16, device="cuda")
+    kw = dict(scale=d**-0.5, sliding_window=window)
+    if docs:
+        kw["doc_start"] = random_doc_start(1, c, kv_len, docs, device="cuda")
+    fa4 = get_backend("fa4", "cuda")
+    q32, k32, v32 = pb.q.float(), pb.k_pool.float(), pb.v_pool.float()
+    out, lse = fa4.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
+    ref_out, ref_lse = reference.paged_attention_forward(q32, k32, v32, pb.page_table, kv_len, **kw)
+    assert_close_rel(out.float(), ref_out, 1e-2, "out")
+    assert_close_rel(lse, ref_lse, 1e-3, "lse")
+    d_out = torch.randn_like(pb.q)
+    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    ref_dk, ref_dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    dq, _ = fa4.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len, **kw)
+    ref_dq, _ = reference.paged_attention_backward(d_out.float(), q32, ref_out, ref_lse, k32, v32, ref_dk, ref_dv,
+                                                   pb.page_table, kv_len, **kw)
+    assert_close_rel(dq.float(), ref_dq, 1e-2, "dq")
+    assert_close_rel(dk, ref_dk, 1e-2, "dk")
+    assert_close_rel(dv, ref_dv, 1e-2, "dv")
