@@ -394,19 +394,26 @@ def checkpoint_state(ckpt: Path) -> dict:
     return json.loads((Path(ckpt) / "state.json").read_text())
 
 
-def export_model(model, out_dir: Path, *, merge_lora: bool = True, tokenizer=None) -> Path:
+def export_model(model, out_dir: Path, *, merge_lora: bool = True, tokenizer=None, base_model: str | None = None
+                 ) -> Path:
     """Write the model as a transformers folder (``from_pretrained`` loads it), atomically.
 
     ``tokenizer`` (a transformers tokenizer) is saved into the same folder, so
     ``AutoTokenizer.from_pretrained`` loads it from there too.
 
     A LoRA (peft) model is exported with its adapters merged into a copy of the weights,
-    or, with ``merge_lora=False``, as the adapter folder peft loads on top of the base.
+    or, with ``merge_lora=False``, as the adapter folder peft loads on top of the base, whose
+    adapter_config.json names ``base_model`` (an absolute path or a hub id; peft would record the
+    path as the run was given it, relative to where it started).
     """
+    peft_configs = getattr(model, "peft_config", None)
     if merge_lora and callable(getattr(model, "merge_and_unload", None)):
         import copy
 
         model = copy.deepcopy(model).merge_and_unload()  # the training model keeps its adapters
+    elif isinstance(peft_configs, dict) and base_model is not None:
+        for adapter in peft_configs.values():
+            adapter.base_model_name_or_path = base_model
     return write_export(out_dir, model, tokenizer)
 
 

@@ -16,6 +16,8 @@ from oomb.kernels import BACKEND_NAMES, flash4_unavailable
 from oomb.train.config import Config, ConfigError, offload_gpu_bytes, page_selection
 from oomb.train.optim import wants_master_weights
 from oomb.train.presets import preset_names
+from oomb.train.rope import check_rope
+from oomb.train.schedule import check_schedule_values
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -64,6 +66,10 @@ def check_config(cfg: Config) -> None:
     _check_ranges(cfg)
     if cfg.model.path is None and cfg.model.preset not in preset_names():
         raise ConfigError(f"unknown model preset {cfg.model.preset!r}; built-in presets: {', '.join(preset_names())}")
+    try:
+        check_rope(cfg.model.rope)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     page_selection(cfg)  # page-sparse attention settings
     if not (t.cache_attention is True or t.cache_attention is False or t.cache_attention == "auto"):
         raise ConfigError(f"train.cache_attention={t.cache_attention!r}: use auto (on where the memory plan fits "
@@ -79,15 +85,16 @@ def check_config(cfg: Config) -> None:
 def _check_ranges(cfg: Config) -> None:
     """The ranges where the numbers mean something: outside them a run fails later or trains nothing."""
     t = cfg.train
-    if not 0 < t.lr <= 1:
-        raise ConfigError(f"train.lr={t.lr:g} must be in (0, 1]: AdamW moves every weight by about the learning "
+    lr, warmup_steps = check_schedule_values(cfg)  # auto ones as they resolve
+    if not 0 < lr <= 1:
+        raise ConfigError(f"train.lr={lr:g} must be in (0, 1]: AdamW moves every weight by about the learning "
                           "rate each step (fine-tuning uses 1e-5 to 1e-4, pre-training about 3e-4)")
-    if t.weight_decay < 0 or t.lr * t.weight_decay >= 1:
+    if t.weight_decay < 0 or lr * t.weight_decay >= 1:
         raise ConfigError(f"train.weight_decay={t.weight_decay:g} must be >= 0 with train.lr * train.weight_decay "
                           "< 1 (each step multiplies the weights by 1 - lr * weight_decay); 0.0 to 0.1 is usual")
-    if t.warmup_steps < 0 or t.grad_clip < 0 or not 0 <= t.min_lr_ratio <= 1:
+    if warmup_steps < 0 or t.grad_clip < 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError("train.warmup_steps and train.grad_clip must be >= 0 and train.min_lr_ratio in [0, 1], "
-                          f"got {t.warmup_steps}, {t.grad_clip:g}, {t.min_lr_ratio:g}")
+                          f"got {warmup_steps}, {t.grad_clip:g}, {t.min_lr_ratio:g}")
     if not 0 <= t.seed < 2**63:
         raise ConfigError(f"train.seed={t.seed} must be in [0, 2**63)")
     if cfg.lora.r < 0:

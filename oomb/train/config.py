@@ -20,6 +20,7 @@ import yaml
 
 from oomb.engine import StepOptions
 from oomb.sparse import DEFAULT_SCORE, PageSelection
+from oomb.train.rope import RopeConfig
 
 
 class ConfigError(ValueError):
@@ -37,6 +38,8 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Run Python code shipped in model.path (auto_map in its config.json); read that code before setting true.
     A resumed run takes it from the command line only: a run folder's config.json never turns it on."""
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    """RoPE base and scaling (context extension), written into the model's config and the export's."""
 
 
 @dataclass
@@ -46,7 +49,8 @@ class LoraConfig:
     alpha: float = 16.0
     """LoRA scaling numerator (the update is scaled by alpha / r)."""
     targets: str = "q_proj,k_proj,v_proj,o_proj"
-    """Comma-separated names of the linear layers that get adapters."""
+    """Comma-separated names of the linear layers that get adapters (default: attention's four projections), or
+    all-linear (peft's name: every linear layer but the LM head)."""
     merge_on_export: bool = True
     """Export the base model with the adapters merged in (else the adapter folder alone)."""
 
@@ -105,10 +109,11 @@ class TrainConfig:
     """auto, true or false: step fp32 copies of 16-bit trainable parameters (updates below half a bf16 step are
     kept; 4 B per parameter more, AdamW moments in fp32); auto = on in one process where the memory plan fits
     with them, off under torchrun."""
-    lr: float = 3e-3
-    """Peak learning rate (AdamW), in (0, 1]; changed on resume, the schedule continues with the new peak."""
-    warmup_steps: int = 5
-    """Linear warmup steps before the cosine decay."""
+    lr: float | str = "auto"
+    """Peak learning rate (AdamW), in (0, 1], or auto: chosen for what is trained (oomb.train.schedule); changed on
+    resume, the schedule continues with the new peak."""
+    warmup_steps: int | str = "auto"
+    """Linear warmup steps before the cosine decay, or auto: chosen with train.lr=auto's rule."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
     weight_decay: float = 0.0

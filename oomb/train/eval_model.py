@@ -11,6 +11,7 @@ from oomb.train.checkpoint import CheckpointError, find_checkpoint, load_weights
 from oomb.train.checks import check_remote_code
 from oomb.train.config import Config, ConfigError, load_config
 from oomb.train.presets import build_model, preset_names
+from oomb.train.rope import rope_is_scaled
 
 
 class EvalError(ValueError):
@@ -119,16 +120,6 @@ def _from_checkpoint(spec: str, ckpt: Path, device: torch.device, dtype_name: st
 def base_config(model: torch.nn.Module):
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     return base.config
-
-
-def rope_is_scaled(config) -> bool:
-    """Whether the config sets a RoPE scaling (yarn, linear, dynamic, llama3, ...) for longer contexts."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if not isinstance(params, dict):
-        return False
-    # Some models keep one parameter set per layer type: {"full_attention": {...}, ...}.
-    sets = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
-    return any(s.get("rope_type", s.get("type", "default")) not in (None, "default") for s in sets)
 
 
 def check_positions(config, length: int, what: str) -> None:

@@ -44,8 +44,8 @@ from oomb.train.eval_model import (
     check_positions,
     load_eval_model,
     resolve_device,
-    rope_is_scaled,
 )
+from oomb.train.rope import rope_is_scaled
 
 
 def add_arguments(parser) -> None:

@@ -5,8 +5,8 @@ batches of one optimizer step), ``state_dict()``/``load_state_dict()`` (the data
 position a checkpoint stores), ``tokenizer`` (None for the synthetic tasks, which
 use fixed token ids) and ``notes`` (lines for the startup log). Everything that would
 stop the run later — missing files, a bad row, a tokenizer larger than the model's
-embedding, sequences longer than the model's positions — raises ConfigError here,
-before a model or a run folder exists.
+embedding — raises ConfigError here, before a model or a run folder exists. Sequences
+longer than the model's positions are warned about (``positions_warning``), not refused.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from oomb.train.corpus import (
 )
 from oomb.train.data import NeedleTask, PasskeyTask
 from oomb.train.packing import PackedCorpus
+from oomb.train.rope import apply_rope, describe_rope, rope_is_scaled
 
 TASKS = ("passkey", "needle", "text", "chat")
 # data.loss_on: what each task accepts; the first is what "auto" means.
@@ -32,37 +33,48 @@ LOSS_ON = {"passkey": ("all", "answer"), "needle": ("all", "answer"), "text": ("
 
 
 def model_config(cfg: Config):
-    """The model's transformers config, read without building the model."""
+    """The model's transformers config with model.rope applied, read without building the model."""
     if cfg.model.path is not None:
         from transformers import AutoConfig
 
         try:
-            return AutoConfig.from_pretrained(cfg.model.path, local_files_only=True,
-                                              trust_remote_code=cfg.model.trust_remote_code)
+            config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True,
+                                                trust_remote_code=cfg.model.trust_remote_code)
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.path={cfg.model.path!r}: cannot read its config.json: {e}") from e
-    from oomb.train.presets import preset_config
+    else:
+        from oomb.train.presets import preset_config
 
-    return preset_config(cfg.model.preset)
+        config = preset_config(cfg.model.preset)
+    try:
+        apply_rope(cfg.model.rope, config, cfg.data.seq_len)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return config
 
 
-def _rope_scaled(config) -> bool:
-    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
-    return rope.get("rope_type", rope.get("type", "default")) not in ("default", None)
+def position_notes(cfg: Config, config) -> list[str]:
+    """The startup lines (of `oomb train` and `oomb plan`) on the model's positions: the RoPE model.rope.* set,
+    and positions_warning's."""
+    lines = [f"note: model.rope: {describe_rope(config)}"] if any(vars(cfg.model.rope).values()) else []
+    warning = positions_warning(cfg, config)
+    return lines + ([f"warning: {warning}"] if warning is not None else [])
 
 
-def check_positions(cfg: Config, config) -> None:
-    """data.seq_len must fit the model's positions unless its RoPE is scaled for longer contexts."""
+def positions_warning(cfg: Config, config) -> str | None:
+    """What to say when data.seq_len passes the model's positions and its RoPE is not scaled (None: fine).
+
+    Not refused: a model can be trained past its positions (and a random-init one has none trained),
+    but a pretrained one extends its context far better with a RoPE scaling, which the message names.
+    """
     limit = getattr(config, "max_position_embeddings", None)
-    if limit is None or cfg.data.seq_len <= limit or _rope_scaled(config):
-        return
-    where = f"{cfg.model.path}/config.json" if cfg.model.path else "the preset's config"
-    raise ConfigError(
-        f"data.seq_len={cfg.data.seq_len} is longer than the model's max_position_embeddings={limit}, and "
-        f"{where} sets no RoPE scaling: set data.seq_len<={limit}, or give the model a rope_scaling entry "
-        f'(e.g. "rope_scaling": {{"rope_type": "yarn", "factor": {cfg.data.seq_len / limit:g}, '
-        f'"original_max_position_embeddings": {limit}}}) in a local model folder (model.path)'
-    )
+    if limit is None or cfg.data.seq_len <= limit or rope_is_scaled(config):
+        return None
+    return (f"data.seq_len={cfg.data.seq_len} is longer than the model's max_position_embeddings={limit} and its "
+            f"RoPE is not scaled: positions past {limit} are outside the range it was trained on. To extend its "
+            f"context, set model.rope.type=yarn (model.rope.factor then defaults to data.seq_len / {limit} = "
+            f"{cfg.data.seq_len / limit:g}; linear, dynamic and llama3 are the other scalings; docs/config.md), or "
+            f"set data.seq_len<={limit}")
 
 
 def wanted_tokenizer(cfg: Config):
@@ -195,7 +207,6 @@ def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs | ChatInpu
     if d.needles > 1 and d.depth is not None:
         raise ConfigError(f"data.needles={d.needles} spreads its needles over the sequence: leave data.depth null "
                           f"(it is {d.depth})")
-    check_positions(cfg, config)
     vocab = config.vocab_size
     if d.task in ("text", "chat") and not d.paths:
         what = "text" if d.task == "text" else "conversations (.jsonl, .parquet or save_to_disk folders)"

@@ -30,7 +30,8 @@ from oomb.train.config import (
     parse_bytes,
     settled_chunk_size,
 )
-from oomb.train.inputs import model_config
+from oomb.train.inputs import model_config, position_notes, positions_warning
+from oomb.train.model import lora_target_names
 from oomb.train.optim import wants_master_weights
 
 
@@ -48,7 +49,7 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
     torchrun = t.tensor_parallel > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
     return dict(
         batch_size=t.batch_size, chunk_size=settled_chunk_size(cfg), page_size=t.page_size, dtype=dtype,
-        lora_r=cfg.lora.r, lora_targets=tuple(x.strip() for x in cfg.lora.targets.split(",") if x.strip()),
+        lora_r=cfg.lora.r, lora_targets=lora_target_names(cfg) if cfg.lora.r > 0 else (),
         optimizer=t.optimizer, master_weights=wants_master_weights(t.master_weights, torchrun=torchrun),
         layer_checkpointing=t.layer_checkpointing, device_type=device_type,
         page_budget=t.page_budget, select_block=t.select_block, per_head_selection=t.select_per_head,
@@ -307,8 +308,10 @@ def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memo
     host = parse_bytes(host_memory) if host_memory is not None else host_here
     auto = {k for k in ("chunk_size", "cache_attention") if getattr(cfg.train, k) == "auto"}
     plan, longest = resolve_auto_settings(cfg, device.type, dtype, gpu_bytes=gpu, host_bytes=host)
+    config = model_config(cfg)
     if as_json:
-        print(json.dumps({**plan.to_dict(), "largest_seq_len": longest}, indent=2))
+        warnings = [w for w in (positions_warning(cfg, config),) if w is not None]
+        print(json.dumps({**plan.to_dict(), "largest_seq_len": longest, "warnings": warnings}, indent=2))
     else:
         print_plan(plan, longest, console,
                    gpu_source="--gpu-memory" if gpu_memory is not None else f"free on {device}",
@@ -316,4 +319,6 @@ def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memo
         console.print(f"step: {describe_step_choice(cfg, auto, planned=True)}", highlight=False, soft_wrap=True)
         if (advice := offload_selection_note(cfg)) is not None:
             console.print(f"note: {advice}", highlight=False, soft_wrap=True)
+        for line in position_notes(cfg, config):
+            console.print(line, highlight=False, soft_wrap=True)
     return 0 if plan.fits else 1

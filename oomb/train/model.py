@@ -2,28 +2,72 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from oomb.engine.fused_ops import use_fused_ops
 from oomb.train import distributed
 from oomb.train.config import Config, ConfigError
+from oomb.train.inputs import model_config
 from oomb.train.presets import build_model
+from oomb.train.rope import pin_dynamic_rope
 
 
 def build(cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """The configured model (with LoRA adapters when lora.r > 0), seeded by train.seed."""
+    """The configured model (model.rope applied; LoRA adapters when lora.r > 0), seeded by train.seed."""
     torch.manual_seed(cfg.train.seed)
+    config = model_config(cfg)
     if cfg.model.path is not None:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.model.path, dtype=dtype, local_files_only=True, trust_remote_code=cfg.model.trust_remote_code
+            cfg.model.path, config=config, dtype=dtype, local_files_only=True,
+            trust_remote_code=cfg.model.trust_remote_code,
         ).to(device)
     else:
-        model = build_model(cfg.model.preset, dtype=dtype, device=device)
+        model = build_model(cfg.model.preset, dtype=dtype, device=device, config=config)
+    try:
+        pin_dynamic_rope(model, cfg.data.seq_len)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if cfg.lora.r > 0:
         model = add_lora(model, cfg)
     return model
+
+
+def base_model_name(cfg: Config) -> str | None:
+    """The base model as an adapter export records it: model.path as an absolute path where it is a folder here
+    (the adapter then loads from any working directory), else as given (a hub id); None for a random-init preset."""
+    if cfg.model.path is None:
+        return None
+    path = Path(cfg.model.path).expanduser()
+    return str(path.resolve()) if path.is_dir() else cfg.model.path
+
+
+ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output one (the LM head)
+
+
+def lora_targets(cfg: Config) -> list[str] | str:
+    """lora.targets as peft takes them: a list of module names, or "all-linear"."""
+    if cfg.lora.targets.strip().lower() == ALL_LINEAR:
+        return ALL_LINEAR
+    return [t.strip() for t in cfg.lora.targets.split(",") if t.strip()]
+
+
+def lora_target_names(cfg: Config) -> tuple[str, ...]:
+    """The names (last part) of the linear layers that get adapters, for the memory plan; all-linear lists the
+    model's linear layers as peft does (every torch.nn.Linear but the output embedding), on the meta device."""
+    targets = lora_targets(cfg)
+    if targets != ALL_LINEAR:
+        return tuple(targets)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config(cfg), trust_remote_code=cfg.model.trust_remote_code)
+    head = model.get_output_embeddings()
+    return tuple(dict.fromkeys(name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                               if isinstance(module, torch.nn.Linear) and module is not head))
 
 
 def add_lora(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
@@ -32,12 +76,13 @@ def add_lora(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
         import peft
     except ImportError as e:
         raise ConfigError("lora.r > 0 needs the peft package: pip install peft") from e
-    targets = [t.strip() for t in cfg.lora.targets.split(",") if t.strip()]
-    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-    unknown = [t for t in targets if t not in names]
-    if not targets or unknown:
-        raise ConfigError(f"lora.targets names no layer of this model: {unknown or targets}; "
-                          "e.g. q_proj,k_proj,v_proj,o_proj")
+    targets = lora_targets(cfg)
+    if targets != ALL_LINEAR:
+        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+        unknown = [t for t in targets if t not in names]
+        if not targets or unknown:
+            raise ConfigError(f"lora.targets names no layer of this model: {unknown or targets}; "
+                              f"e.g. q_proj,k_proj,v_proj,o_proj, or {ALL_LINEAR}")
     lora = peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0, target_modules=targets)
     return peft.get_peft_model(model, lora)
 

@@ -24,9 +24,11 @@ def preset_config(name: str) -> PretrainedConfig:
 
 
 def build_model(
-    name: str, *, dtype: torch.dtype, device: torch.device | str, attn_implementation: str = "sdpa"
+    name: str, *, dtype: torch.dtype, device: torch.device | str, attn_implementation: str = "sdpa",
+    config: PretrainedConfig | None = None,
 ) -> torch.nn.Module:
-    """A preset architecture with random weights, created directly on ``device`` in ``dtype``."""
-    config = preset_config(name)
+    """A preset architecture with random weights, created directly on ``device`` in ``dtype``; ``config``: the
+    preset's config as changed by the caller (e.g. its RoPE), else the preset's own."""
+    config = config if config is not None else preset_config(name)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)

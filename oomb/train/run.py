@@ -40,6 +40,7 @@ from oomb.train.faults import (
     nonfinite_after_update,
     resume_command,
 )
+from oomb.train.model import base_model_name
 
 
 def write_failure(error: BaseException, folder: Path) -> str:
@@ -133,7 +134,8 @@ class Run:
         try:
             if self.ctx is not None:
                 return distributed.export_model(self.ctx, self.model, self.out, tokenizer=tokenizer)
-            return export_model(self.model, self.out, merge_lora=self.cfg.lora.merge_on_export, tokenizer=tokenizer)
+            return export_model(self.model, self.out, merge_lora=self.cfg.lora.merge_on_export, tokenizer=tokenizer,
+                                base_model=base_model_name(self.cfg))
         except Exception as e:  # noqa: BLE001 - a failed write of any kind; export.tmp was removed
             raise RunStopped(
                 f"could not write the export in {self.out / 'export'}: {write_failure(e, self.out)}.\nTraining is "

@@ -56,7 +56,24 @@ def load_run_config(config_path: str | None, overrides: list[str]) -> Config:
         given = {item.partition("=")[0] for item in overrides}
         if "model.trust_remote_code" not in given:
             cfg.model.trust_remote_code = False
+    if cfg.resume is not None:
+        _keep_started_schedule(cfg)
     return cfg
+
+
+def _keep_started_schedule(cfg: Config) -> None:
+    """train.lr / warmup_steps left at auto on a resume are the values the run started with (its config.json
+    holds them resolved), not the rule's answer today: a resumed run keeps its schedule unless one is given."""
+    auto = [key for key in ("lr", "warmup_steps") if getattr(cfg.train, key) == "auto"]
+    if not auto:
+        return
+    try:
+        started = load_config(run_dir_of(resume_checkpoint(cfg)) / CONFIG).train
+    except ConfigError:
+        return  # no such run or a damaged config.json: check_paths says so before any work
+    for key in auto:
+        if getattr(started, key) != "auto":
+            setattr(cfg.train, key, getattr(started, key))
 
 
 def resume_checkpoint(cfg: Config) -> Path:

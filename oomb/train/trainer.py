@@ -38,7 +38,7 @@ from oomb.train.faults import (
     is_out_of_memory,
     measure_memory,
 )
-from oomb.train.inputs import build_inputs, model_config
+from oomb.train.inputs import build_inputs, model_config, position_notes
 from oomb.train.memory import check_memory, describe_step_choice
 from oomb.train.model import build, prepare_for_training
 from oomb.train.monitor import TensorBoardLog, memory_fields, plot_run
@@ -55,6 +55,7 @@ from oomb.train.rundir import (
     roll_back_metrics,
     write_config,
 )
+from oomb.train.schedule import resolve_schedule
 
 
 def train(cfg: Config, console: Console | None = None) -> Path:
@@ -77,17 +78,18 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
     main_rank = ctx is None or ctx.is_main  # the rank that prints and writes the run's files
     console = (console or Console()) if main_rank else Console(quiet=True)
     resume_from = _check_before_work(cfg, ctx)
+    schedule = resolve_schedule(cfg)  # before config.json is written: it holds the numbers a resume keeps
     device = ctx.device if ctx is not None else resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     check_optimizer(cfg.train.optimizer, device)
-    inputs = _build_inputs(cfg, ctx)
+    inputs = _build_inputs(cfg, ctx, console)
     plan, step_choice = _check_memory(cfg, device, dtype, console, ctx)
     out, created = prepare_out_dir(cfg) if ctx is None else distributed.prepare_out_dir(ctx, cfg, prepare_out_dir)
     if cfg.resume is None:
         cfg.out_dir = str(out)
     lock = _open_run_folder(cfg, out, created, main_rank)
     try:
-        run = _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, step_choice)
+        run = _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, f"{schedule}, {step_choice}")
         for note in inputs.notes:  # e.g. how many chat samples were kept, cut or dropped
             console.print(note, highlight=False)
         if plan is not None:
@@ -138,9 +140,11 @@ def _check_before_work(cfg: Config, ctx) -> Path | None:
     return resume_from
 
 
-def _build_inputs(cfg: Config, ctx):
+def _build_inputs(cfg: Config, ctx, console: Console):
     """The run's data, checked (every source read once) before the model is built."""
-    config = model_config(cfg)
+    config = model_config(cfg)  # with model.rope applied
+    for line in position_notes(cfg, config):
+        console.print(line, highlight=False, soft_wrap=True)
     if ctx is None:
         return build_inputs(cfg, config)
     inputs = distributed.build_rank_inputs(cfg, config, ctx, build_inputs)  # each rank its own rows
@@ -168,8 +172,9 @@ def _check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, console
     return plan, describe_step_choice(cfg, auto, planned=plan is not None) + attention
 
 
-def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, step_choice: str) -> Run:
-    """Model, optimizer and schedule, restored from the checkpoint when resuming; the startup line."""
+def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, choices: str) -> Run:
+    """Model, optimizer and schedule, restored from the checkpoint when resuming; the startup line
+    (``choices``: the learning rate, warmup, chunk and attention cache, and what chose them)."""
     model = prepare_for_training(build(cfg, device, dtype), cfg, ctx, console)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = distributed.param_groups(params) if ctx is not None and ctx.tensor_parallel > 1 else params
@@ -186,7 +191,7 @@ def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, step_
         f"{device}; {cfg.train.steps} steps x {cfg.train.grad_accum * cfg.train.batch_size} x {cfg.data.seq_len} "
         f"tokens ({cfg.data.task}), {cfg.train.optimizer} "
         f"{'on fp32 master weights' if masters else 'without master weights'}, "
-        f"{step_choice}, page {cfg.train.page_size}; writing {out}/{METRICS}"
+        f"{choices}, page {cfg.train.page_size}; writing {out}/{METRICS}"
     )
     return run
 

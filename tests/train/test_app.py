@@ -200,28 +200,13 @@ def test_multi_needle_run_trains_on_every_answer(tmp_path):
     assert all(r["loss"] == r["loss"] for r in _metrics(run))  # finite, not NaN
 
 
-def test_sequences_beyond_the_model_positions_need_rope_scaling(tmp_path, capsys, text_dir):
-    folder = tmp_path / "short"
-    tiny_model("llama", vocab_size=300, max_position_embeddings=128).save_pretrained(folder)
-    common = ["train", f"out_dir={tmp_path / 'out'}", f"model.path={folder}", "data.task=text",
-              f"data.paths=[{text_dir}]", "train.steps=1", "train.export=false", *FAST]
-    assert main(common) == 2
-    msg = capsys.readouterr().out.replace("\n", "")
-    assert "data.seq_len=256 is longer than the model's max_position_embeddings=128" in msg
-    assert "data.seq_len<=128" in msg and "rope_scaling" in msg
-    config = json.loads((folder / "config.json").read_text())
-    config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
-    (folder / "config.json").write_text(json.dumps(config))
-    assert main(common) == 0  # scaled RoPE: allowed
-
-
 def test_a_bad_resume_never_touches_the_run(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", f"out_dir={run}", "train.steps=2", *FAST]) == 0
     before = _tree_digest(run)
     for bad in (["data.task=text", "data.paths=[/nonexistent]"], ["train.optimizer=nope"],
-                ["data.seq_len=1000000"]):
+                ["model.rope.type=yarn", "model.rope.factor=0.5"]):
         assert main(["train", f"resume={run}", "train.steps=4", *bad]) == 2
     out = capsys.readouterr().out
-    assert "does not exist" in out and "choose one of" in out and "max_position_embeddings" in out
+    assert "does not exist" in out and "choose one of" in out and "model.rope.factor=0.5 must be >= 1" in out
     assert _tree_digest(run) == before

@@ -28,7 +28,7 @@ def test_precedence_cli_over_file_over_defaults(tmp_path):
         (["train.stpes=3"], "unknown config key 'train.stpes'.*did you mean train.steps"),
         (["trian.steps=3"], "unknown config key 'trian'.*did you mean train"),
         (["train.steps=three"], "train.steps .* must be int, got 'three'"),
-        (["train.lr=true"], "train.lr .* must be float"),
+        (["train.min_lr_ratio=true"], "train.min_lr_ratio .* must be float"),
         (["train"], "must look like key=value"),
         (["train=3"], "must be a section"),
         (["train.steps="], "cannot be null"),
