@@ -15,6 +15,7 @@ from oomb.engine.fused_ops import liger_available
 from oomb.train.config import Config, ConfigError, offload_gpu_bytes, page_selection
 from oomb.train.optim import wants_master_weights
 from oomb.train.presets import preset_names
+from oomb.train.reporting import check_report_to
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -69,6 +70,7 @@ def check_config(cfg: Config) -> None:
                           "with it), true or false")
     offload_gpu_bytes(t.offload_gpu_memory)  # a byte count or auto (ConfigError otherwise)
     _check_fused_ops(cfg)
+    check_report_to(cfg)
     if t.cache_attention is True and t.offload:
         raise ConfigError("train.cache_attention=true keeps attention outputs on the GPU and train.offload=true moves "
                           "pages off it: choose one")
