@@ -119,3 +119,24 @@ def test_bf16_weights_with_bf16_true_train(tmp_path):
     loss = trainer.training_step(trainer.model, _packed(), num_items_in_batch=None)
     assert torch.isfinite(loss) and all(p.grad is not None and p.grad.dtype == torch.bfloat16
                                         for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_gives_the_same_step(tmp_path, reentrant):
+    rows = [{k: v[0] for k, v in _packed().items()} for _ in range(2)]
+
+    def train(**settings):
+        torch.manual_seed(1)
+        trainer = OombTrainer(model=tiny_model("llama"), oomb_options=OOMB, train_dataset=rows,
+                              args=_args(tmp_path, max_steps=2, per_device_train_batch_size=1, learning_rate=0.01,
+                                         save_strategy="no", **settings))
+        trainer.train()
+        assert trainer.model.is_gradient_checkpointing == bool(settings)
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer.model.state_dict()
+
+    losses, weights = train()
+    checkpointed, checkpointed_weights = train(gradient_checkpointing=True,
+                                               gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    assert checkpointed == pytest.approx(losses, rel=1e-6)
+    for name, value in weights.items():
+        torch.testing.assert_close(checkpointed_weights[name], value, rtol=1e-5, atol=1e-7)
