@@ -89,7 +89,7 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
     reports = Reports(cfg, out, console, enabled=main_rank)
     failed = True
     try:
-        _start_wandb(reports, cfg, out, created)
+        _start_wandb(reports, cfg, out, created, ctx)
         run = _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, step_choice)
         for note in inputs.notes:  # e.g. how many chat samples were kept, cut or dropped
             console.print(note, highlight=False)
@@ -113,15 +113,19 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
     return out
 
 
-def _start_wandb(reports: Reports, cfg: Config, out: Path, created: bool) -> None:
+def _start_wandb(reports: Reports, cfg: Config, out: Path, created: bool, ctx) -> None:
     """The W&B run starts before the model is built; where it cannot, nothing was trained and a new run leaves
-    nothing behind."""
+    nothing behind. Under torchrun the first rank starts it and every rank stops with it."""
+    error = None
     try:
         reports.start_wandb()
     except ConfigError as e:
-        if cfg.resume is None:
-            raise ConfigError(f"{e}\nNothing was trained; {remove_unstarted_run(out, created)}") from None
-        raise
+        error = e
+    if ctx is not None and distributed.any_rank(error is not None) and error is None:
+        raise ConfigError("the W&B run could not start on the first rank (it says why)")
+    if error is not None:
+        left = f"\nNothing was trained; {remove_unstarted_run(out, created)}" if cfg.resume is None else ""
+        raise ConfigError(f"{error}{left}") from None
 
 
 def _open_run_folder(cfg: Config, out: Path, created: bool, main_rank: bool) -> RunLock | None:
