@@ -44,15 +44,21 @@ job core-7b-fused-ops "$C --lengths '' --cache-lengths 65536,131072 --sparse-cac
 job core-7b-no-fused-ops "$C --lengths '' --cache-lengths 65536 --fused-ops none"
 # The baseline a user would pick (transformers + FlashAttention-4 or SDPA + Liger + checkpointing, each in
 # its own process) beside what `oomb train` picks by itself and oomb's fastest settings; FA4 needs its wheels.
-job core-7b-vs-transformers-64k "$C --lengths '' --baseline-lengths 65536 --auto-lengths 65536 --cache-lengths 65536 \
-  --chunk 8192 --fused-ops auto --warm-each --repeats 2"
-job core-7b-vs-transformers-128k "$C --lengths '' --baseline-lengths 131072 --cache-lengths 131072 \
-  --sparse-cache-lengths 131072 --chunk 8192 --fused-ops auto --warm-each --repeats 2"
+job core-7b-vs-transformers-64k "$C --lengths '' --baseline-lengths 65536 --cache-lengths 65536 --chunk 8192 \
+  --fused-ops auto --warm-each --repeats 2 --backend fa4,triton"
+job core-7b-vs-transformers-128k "$C --lengths '' --baseline-lengths 131072 --cache-lengths 131072 --chunk 8192 \
+  --fused-ops auto --warm-each --repeats 2 --backend fa4"
+# The lean setting: no attention cache, short chunks (less memory than the baseline).
+job core-7b-lean-64k "$C --lengths 65536 --baseline-lengths 65536 --chunk 2048 --fused-ops auto --warm-each --repeats 2 \
+  --backend fa4"
+# Page-sparse attention at 128K beside the baseline (and the dense step with the Triton kernels).
+job core-7b-sparse-vs-transformers-128k "$C --lengths '' --baseline-lengths 131072 --cache-lengths 131072 \
+  --sparse-cache-lengths 131072 --chunk 8192 --fused-ops auto --warm-each --repeats 2 --backend triton"
 # What `oomb train` picks by itself and the step time it reports (optimizer step included), killed after
 # the steps are logged (no 45 GB final checkpoint).
-job train-7b-auto 'python3 -m benchmarks.train_steps --lengths 65536,131072 --steps 3,2 --out "$OUT/train-7b-auto.json"'
+job train-7b-auto 'python3 -m benchmarks.train_steps --lengths 65536,131072 --steps 3,3 --out "$OUT/train-7b-auto.json"'
 part core 'train-7b-auto core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops core-7b-vs-transformers-64k
-  core-7b-vs-transformers-128k'
+  core-7b-vs-transformers-128k core-7b-lean-64k core-7b-sparse-vs-transformers-128k'
 
 # memory: GPU memory against context, 16K to 256K (where transformers runs out).
 job core-7b-memory "$C --lengths 16384,32768,65536,131072 --ckpt-lengths 65536 --hf-lengths 16384,32768 --fused-ops none"

@@ -61,7 +61,8 @@ def _version() -> str:
 def _train(args, console: Console) -> int:
     from rich.text import Text
 
-    from oomb.train.config import ConfigError, describe_keys
+    from oomb.train.config import ConfigError
+    from oomb.train.config_keys import describe_keys
     from oomb.train.faults import EXIT_CONFIG, RunStopped
     from oomb.train.presets import preset_names
     from oomb.train.rundir import load_run_config

@@ -6,7 +6,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # DESIGN.md: train -> engine -> attention -> kernels/cache/offload/sparse. A part may import its own and lower ones.
-LAYER = {"train": 4, "engine": 3, "attention": 2, "kernels": 1, "cache": 1, "offload": 1, "sparse": 1}
+# integrations (oomb's step inside transformers' Trainer and TRL) is user-facing like train, and nothing imports it.
+LAYER = {"integrations": 5, "train": 4, "engine": 3, "attention": 2,
+         "kernels": 1, "cache": 1, "offload": 1, "sparse": 1}
 
 
 def _modules():

@@ -62,7 +62,8 @@ class StepOptions:
 
     chunk_size: int = 4096  # tokens per chunk (a multiple of page_size)
     page_size: int = 128  # tokens per page of the K/V store
-    backend: str = "auto"  # attention kernels: "auto" (Triton on CUDA, PyTorch elsewhere), "triton", "torch"
+    backend: str = "auto"  # attention kernels: "auto" (fa4 on Hopper/Blackwell with flash-attn-4, else Triton on CUDA,
+    # PyTorch elsewhere), "fa4", "triton", "torch"
     grad_dtype: torch.dtype | None = None  # dtype of the gradient pages (None: the model's dtype)
     loss_impl: str = "auto"  # fused linear cross-entropy: "auto", "liger" or "torch"
     selection: PageSelection | None = None  # page-sparse attention (its page_budget included); None = dense

@@ -16,6 +16,7 @@ from oomb.kernels import BACKEND_NAMES, flash4_unavailable
 from oomb.train.config import Config, ConfigError, offload_gpu_bytes, page_selection
 from oomb.train.optim import wants_master_weights
 from oomb.train.presets import preset_names
+from oomb.train.reporting import check_report_to
 from oomb.train.rope import check_rope
 from oomb.train.schedule import check_schedule_values
 
@@ -77,6 +78,7 @@ def check_config(cfg: Config) -> None:
     offload_gpu_bytes(t.offload_gpu_memory)  # a byte count or auto (ConfigError otherwise)
     _check_fused_ops(cfg)
     _check_attention(cfg)
+    check_report_to(cfg)
     if t.cache_attention is True and t.offload:
         raise ConfigError("train.cache_attention=true keeps attention outputs on the GPU and train.offload=true moves "
                           "pages off it: choose one")

@@ -142,8 +142,10 @@ class TrainConfig:
     """A NaN/inf loss or gradient: stop (exit, checkpoints untouched) or skip (no update for that step, logged)."""
     export: bool = True
     """After the last step, write <out_dir>/export (model and tokenizer), a folder from_pretrained loads."""
-    tensorboard: bool = False
-    """Also log the metrics as TensorBoard events in <out_dir>/tensorboard."""
+    report_to: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Where each step's metrics go: jsonl (<out_dir>/metrics.jsonl, always written: resume and the plot read it),
+    tensorboard (<out_dir>/tensorboard) and wandb (a Weights & Biases run, `pip install 'oomb[wandb]'`; its id is kept
+    in <out_dir>/wandb-run.json, so a resumed run continues it; WANDB_MODE=offline writes it under <out_dir>/wandb)."""
     page_budget: int | None = None
     """Page-sparse attention: past pages each block of queries attends, plus its own chunk; null = dense (exact)."""
     select_block: int = 128
@@ -232,6 +234,7 @@ def read_config_file(path: Path) -> dict:
             data = json.loads(text, object_pairs_hook=_unique_json_keys(path))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        _upgrade_run_config(data)
     else:
         try:
             data = yaml.load(text, Loader=_ConfigLoader) or {}
@@ -303,6 +306,18 @@ for _first, _resolvers in _ConfigLoader.yaml_implicit_resolvers.items():
 _ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
 
 
+# Keys that were renamed: the error says the new one.
+_MOVED_KEYS = {"train.tensorboard": "train.report_to: write train.report_to=[jsonl,tensorboard] for true"}
+
+
+def _upgrade_run_config(data) -> None:
+    """A run folder's config.json written before train.report_to: its train.tensorboard becomes report_to, so the
+    run resumes as it started (the user did not write that file and cannot be asked to edit it)."""
+    train = data.get("train") if isinstance(data, dict) else None
+    if isinstance(train, dict) and "tensorboard" in train and "report_to" not in train:
+        train["report_to"] = ["jsonl", "tensorboard"] if train.pop("tensorboard") is True else ["jsonl"]
+
+
 def _unique_json_keys(path: Path):
     def pairs(items):
         keys = [k for k, _ in items]
@@ -320,6 +335,8 @@ def _apply(obj, data: dict, prefix: str, source: str, raw_text: str | None = Non
     hints = typing.get_type_hints(type(obj))
     for key, value in data.items():
         name = f"{prefix}{key}"
+        if name in _MOVED_KEYS:
+            raise ConfigError(f"{name} ({source}) is now {_MOVED_KEYS[name]}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known keys: {', '.join(fields)}"
@@ -460,33 +477,3 @@ def step_options(cfg: Config) -> StepOptions:
 
 def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
-
-
-def describe_keys() -> list[tuple[str, str, str]]:
-    """(key, default, meaning) for every config key, for docs and --help."""
-    rows = []
-
-    def walk(obj, prefix):
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if dataclasses.is_dataclass(value):
-                walk(value, f"{prefix}{f.name}.")
-            else:
-                rows.append((f"{prefix}{f.name}", repr(value), _field_doc(type(obj), f.name)))
-
-    walk(Config(), "")
-    return rows
-
-
-def _field_doc(cls, name: str) -> str:
-    """The docstring under a dataclass field (attribute docstrings, read from the source)."""
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    for node, nxt in zip(body, body[1:], strict=False):
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == name:
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                return str(nxt.value.value)
-    return ""

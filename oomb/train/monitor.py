@@ -1,17 +1,19 @@
-"""Watching a run: memory readings, TensorBoard events and the end-of-run plot.
+"""Watching a run: memory readings, TensorBoard events, a W&B run and the end-of-run plot.
 
 Every step's record (metrics.jsonl) gains ``host_rss_gib`` (this process's resident
 memory), ``peak_gpu_gib`` on CUDA (``torch.cuda.max_memory_allocated`` since the run
 started), ``pinned_host_gib`` with ``train.offload`` (the offloaded pages' pinned host
-pools, part of the RSS) and ``eta_s`` (seconds left at the mean step time of this session). With
-``train.tensorboard=true`` the same numbers go to ``<out_dir>/tensorboard``; at the end
-``<out_dir>/training.png`` draws loss and memory against the step.
+pools, part of the RSS) and ``eta_s`` (seconds left at the mean step time of this session).
+``train.report_to`` sends the same numbers to ``<out_dir>/tensorboard`` and to a Weights & Biases
+run (oomb.train.reporting); at the end ``<out_dir>/training.png`` draws loss and memory against the step.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import string
 from pathlib import Path
 
 import psutil
@@ -20,6 +22,7 @@ import torch
 GIB = 2**30
 PLOT = "training.png"
 TENSORBOARD = "tensorboard"
+WANDB_RUN = "wandb-run.json"  # the W&B run's id and project, so a resumed run continues it
 # Fields of a metrics record drawn as TensorBoard scalars (when present and not None).
 _SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "host_rss_gib", "peak_gpu_gib", "pinned_host_gib")
 
@@ -52,8 +55,42 @@ class TensorBoardLog:
                 self.writer.add_scalar(f"train/{name}", record[name], record["step"])
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:  # failed: an event file has no run state to mark
         self.writer.close()
+
+
+class WandbLog:
+    """Metrics records as a Weights & Biases run, x-axis ``train/step``.
+
+    The run's id and project are kept in ``<out_dir>/wandb-run.json``: a resumed oomb run continues
+    the same W&B run. Steps that run again after a resume are logged again (W&B keeps history; the
+    chart shows both), while metrics.jsonl moves the first ones aside. W&B's own files go under
+    ``<out_dir>/wandb``; with WANDB_MODE=offline the whole run is there, for ``wandb sync``.
+    """
+
+    def __init__(self, out_dir: Path, config: dict) -> None:
+        import wandb
+
+        from oomb.train.checkpoint import write_text_atomic
+
+        path = out_dir / WANDB_RUN
+        if path.is_file():
+            ident = json.loads(path.read_text())
+        else:  # written before the W&B run starts, so a run killed at any point later resumes it
+            run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's form
+            ident = {"id": run_id, "project": os.environ.get("WANDB_PROJECT") or "oomb"}
+            write_text_atomic(path, json.dumps(ident))
+        self.run = wandb.init(project=ident["project"], id=ident["id"], resume="allow", name=out_dir.name,
+                              dir=str(out_dir), config=config)
+        self.run.define_metric("train/step")
+        self.run.define_metric("train/*", step_metric="train/step")
+
+    def log(self, record: dict) -> None:
+        values = {f"train/{name}": record[name] for name in _SCALARS if record.get(name) is not None}
+        self.run.log({"train/step": record["step"], **values})
+
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 def read_metrics(path: Path) -> list[dict]:

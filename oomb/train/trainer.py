@@ -41,8 +41,9 @@ from oomb.train.faults import (
 from oomb.train.inputs import build_inputs, model_config, position_notes
 from oomb.train.memory import check_memory, describe_step_choice
 from oomb.train.model import build, prepare_for_training
-from oomb.train.monitor import TensorBoardLog, memory_fields, plot_run
+from oomb.train.monitor import memory_fields, plot_run
 from oomb.train.optim import MasterWeights, build_optimizer, check_optimizer, wants_master_weights
+from oomb.train.reporting import Reports
 from oomb.train.run import Run, write_failure
 from oomb.train.rundir import (
     METRICS,
@@ -88,7 +89,10 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
     if cfg.resume is None:
         cfg.out_dir = str(out)
     lock = _open_run_folder(cfg, out, created, main_rank)
+    reports = Reports(cfg, out, console, enabled=main_rank)
+    failed = True
     try:
+        _start_wandb(reports, cfg, out, created, ctx)
         run = _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, f"{schedule}, {step_choice}")
         for note in inputs.notes:  # e.g. how many chat samples were kept, cut or dropped
             console.print(note, highlight=False)
@@ -97,17 +101,34 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
         if (advice := offload_selection_note(cfg)) is not None:
             console.print(f"note: {advice}")
         started = time.perf_counter()
-        _train_steps(run, console, main_rank)
+        _train_steps(run, console, main_rank, reports)
         _finish(run, console, main_rank, started)
+        failed = False
     except KeyboardInterrupt:  # Ctrl-C before the loop caught signals itself (model build, data, resume)
         left = (f"; {remove_unstarted_run(out, created)}" if cfg.resume is None and main_rank else
                 "; the run folder is as it was")
         raise RunStopped(f"interrupted before the first step: nothing was trained{left}. Run the same command again "
                          "to start", EXIT_SIGINT) from None
     finally:
+        reports.close(failed)
         if lock is not None:
             lock.release()
     return out
+
+
+def _start_wandb(reports: Reports, cfg: Config, out: Path, created: bool, ctx) -> None:
+    """The W&B run starts before the model is built; where it cannot, nothing was trained and a new run leaves
+    nothing behind. Under torchrun the first rank starts it and every rank stops with it."""
+    error = None
+    try:
+        reports.start_wandb()
+    except ConfigError as e:
+        error = e
+    if ctx is not None and distributed.any_rank(error is not None) and error is None:
+        raise ConfigError("the W&B run could not start on the first rank (it says why)")
+    if error is not None:
+        left = f"\nNothing was trained; {remove_unstarted_run(out, created)}" if cfg.resume is None else ""
+        raise ConfigError(f"{error}{left}") from None
 
 
 def _open_run_folder(cfg: Config, out: Path, created: bool, main_rank: bool) -> RunLock | None:
@@ -231,7 +252,7 @@ def _resume(run: Run, ckpt: Path, dtype: torch.dtype, console: Console) -> None:
                       "weights saved beside them (the masters rounded)")
 
 
-def _train_steps(run: Run, console: Console, main_rank: bool) -> None:
+def _train_steps(run: Run, console: Console, main_rank: bool, reports: Reports) -> None:
     """The loop: one optimizer step after another, each logged, saved when due, stopped on request."""
     cfg = run.cfg
     columns = [
@@ -240,7 +261,7 @@ def _train_steps(run: Run, console: Console, main_rank: bool) -> None:
         TextColumn("{task.fields[memory]}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
     ]
     metrics = MetricsLog(run.out / METRICS if main_rank else None)
-    tensorboard = _open_tensorboard(run, console) if cfg.train.tensorboard and main_rank else None
+    reports.start_tensorboard(resumed_after=run.start if cfg.resume is not None else None)
     stop = StopRequest().install(run.model, at_chunks=run.ctx is None)  # torchrun: at step ends, ranks agreed
     run.started = time.perf_counter()
     try:
@@ -253,8 +274,7 @@ def _train_steps(run: Run, console: Console, main_rank: bool) -> None:
                     metrics.append(record)
                 except OSError as e:
                     run.write_failed(f"{run.out / METRICS} (step {step + 1})", step + 1, e)
-                if tensorboard is not None:
-                    tensorboard = _log_tensorboard(tensorboard, record, console)
+                reports.log(record)  # TensorBoard, W&B: train.report_to
                 progress.update(bar, advance=1, loss=run.loss_value, tps=record["tokens_per_s"],
                                 memory=_memory_text(record))
                 if not console.is_terminal and (step + 1) % 10 == 0:
@@ -267,8 +287,6 @@ def _train_steps(run: Run, console: Console, main_rank: bool) -> None:
     finally:
         stop.uninstall()
         metrics.close()
-        if tensorboard is not None:
-            _close_tensorboard(tensorboard, console)
 
 
 def _train_step(run: Run, step: int, stop: StopRequest) -> dict:
@@ -374,33 +392,6 @@ def _memory_text(record: dict) -> str:
     if "peak_gpu_gib" in record:
         memory = f"GPU {record['peak_gpu_gib']:.2f} GiB, " + memory
     return memory
-
-
-def _open_tensorboard(run: Run, console: Console) -> TensorBoardLog | None:
-    try:
-        return TensorBoardLog(run.out, resumed_after=run.start if run.cfg.resume is not None else None)
-    except OSError as e:
-        console.print(f"warning: TensorBoard events are not written: {e}", highlight=False)
-        return None
-
-
-def _log_tensorboard(tensorboard: TensorBoardLog, record: dict, console: Console) -> TensorBoardLog | None:
-    """TensorBoard is a view of metrics.jsonl: a write it cannot make turns it off, with a warning."""
-    try:
-        tensorboard.log(record)
-        return tensorboard
-    except Exception as e:  # noqa: BLE001 - tensorboard's writer raises its own errors for a full disk
-        console.print(f"warning: TensorBoard events stop at step {record['step'] - 1} ({_first_line(e)}); "
-                      "metrics.jsonl goes on", highlight=False)
-        _close_tensorboard(tensorboard, console)
-        return None
-
-
-def _close_tensorboard(tensorboard: TensorBoardLog, console: Console) -> None:
-    try:
-        tensorboard.close()
-    except Exception as e:  # noqa: BLE001
-        console.print(f"warning: closing the TensorBoard events failed: {_first_line(e)}", highlight=False)
 
 
 def lr_lambda(cfg: Config):

@@ -140,7 +140,8 @@ def test_a_full_disk_during_the_export_keeps_the_run_and_resume_writes_it(disk, 
     assert losses(run) == pytest.approx(losses(straight), rel=1e-6)
 
 
-@pytest.mark.parametrize("fault,extra", [("full:plot", []), ("full:tensorboard", ["train.tensorboard=true"])])
+@pytest.mark.parametrize("fault,extra", [("full:plot", []),
+                                         ("full:tensorboard", ["train.report_to=[jsonl,tensorboard]"])])
 def test_the_plot_and_tensorboard_give_way_to_a_full_disk_with_a_warning(disk, straight, fault, extra):
     run = disk / "run"
     proc = run_process(fault, f"out_dir={run}", "train.save_every=2", *RUN, *extra, fault_step=3, disk=disk)

@@ -106,7 +106,8 @@ def test_grad_accum_run_equals_the_larger_batch_run(tmp_path):
 def test_text_run_resumes_exactly_and_exports_the_tokenizer(tmp_path, model_dir, text_dir):
     run = tmp_path / "run"
     assert main(["train", f"out_dir={run}", f"model.path={model_dir}", "data.task=text", f"data.paths=[{text_dir}]",
-                 "data.document_mask=true", "train.steps=4", "train.save_every=2", "train.tensorboard=true",
+                 "data.document_mask=true", "train.steps=4", "train.save_every=2",
+                 "train.report_to=[jsonl,tensorboard]",
                  *FAST]) == 0
     state = json.loads((find_checkpoint(run) / "state.json").read_text())
     assert state["data"]["corpus"]["epoch"] >= 1  # 4 x 256 tokens is more than the corpus: it wrapped
@@ -124,8 +125,8 @@ def test_text_run_resumes_exactly_and_exports_the_tokenizer(tmp_path, model_dir,
 
 def test_monitoring_files_hold_the_logged_values(tmp_path):
     run = tmp_path / "run"
-    assert main(["train", f"out_dir={run}", "train.steps=3", "train.tensorboard=true", "train.export=false",
-                 *FAST]) == 0
+    assert main(["train", f"out_dir={run}", "train.steps=3", "train.report_to=[jsonl,tensorboard]",
+                 "train.export=false", *FAST]) == 0
     records = _metrics(run)
     for r in records:
         assert r["host_rss_gib"] > 0.01 and r["eta_s"] >= 0 and r["tokens_per_s"] > 0

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from oomb.cli import main
-from oomb.train.config import ConfigError, describe_keys, load_config
+from oomb.train.config import ConfigError, load_config
+from oomb.train.config_keys import describe_keys
 from oomb.train.data import DIGIT0, KEY, QUERY, PasskeyTask
 
 
