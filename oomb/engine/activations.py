@@ -21,6 +21,12 @@ them against that measurement at other sizes. s = itemsize of the model dtype:
                            rebuilt during that layer's backward
     LoRA (frozen base)     norms keep 4h + 4; a frozen linear saves nothing, an adapted one its
                            input cast to the adapter dtype + lora_A's output (see _linear_inputs)
+    fused ops (liger)      an RMSNorm keeps its input in the model dtype and an fp32 rsqrt per row,
+                           s*h + 4, trainable or not (LigerRMSNormFunction saves X, W, RSTD); the
+                           SwiGLU keeps gate and up, 2*s*I (LigerSiLUMulFunction saves a, b), beside
+                           down_proj's input. Read from liger-kernel 0.8.5's save_for_backward calls
+                           (its kernels need CUDA, so no CPU measurement) and checked against the
+                           H200 peaks of the fused-ops records (tests/engine/test_plan.py).
 
 The measurement lives here too (``measure_saved_activations``), so the formula and the
 oracle it is tested against sit side by side.
@@ -39,11 +45,18 @@ from oomb.engine.sizes import ModelShape, itemsize, store_spec
 TORCH_LOSS_LOGITS_BLOCK = 64 * 2**20
 
 
-def _norm_bytes(h: int, s: int, family: str, trainable: bool = True) -> int:
+# Model families whose norms and MLPs oomb.engine.fused_ops swaps for liger's (gpt_oss keeps its own).
+FUSED_OPS_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _norm_bytes(h: int, s: int, family: str, trainable: bool = True, fused: bool = False) -> int:
     """Saved bytes per token of one RMSNorm over h values (see the module docstring).
 
     A frozen norm weight (LoRA) does not need the normalized values, only the fp32 input and rsqrt.
+    liger's fused norm keeps its input in the model dtype and the rsqrt, whatever is trained.
     """
+    if fused:
+        return s * h + 4
     if not trainable:
         return 4 * h + 4
     return 4 * h + 4 + (4 * h if family == "gpt_oss" else s * h)
@@ -83,17 +96,20 @@ def _linear_inputs(shape: ModelShape, dtype: torch.dtype, lora: LoraShape | None
     return total
 
 
-def saved_bytes_per_token(shape: ModelShape, dtype: torch.dtype, lora: LoraShape | None = None) -> tuple[int, int]:
+def saved_bytes_per_token(shape: ModelShape, dtype: torch.dtype, lora: LoraShape | None = None, *,
+                          fused_ops: bool = False) -> tuple[int, int]:
     """(per decoder layer, per model) bytes autograd saves per token in the recompute forward.
 
     With ``lora`` every base weight is frozen: norms keep only their fp32 input and rsqrt, the
     first layer's input norm nothing (the frozen embedding's output needs no gradient), token ids
     are not kept; gpt_oss's MoE term stays that of full fine-tuning (not measured with LoRA).
+    ``fused_ops``: liger's RMSNorm and SwiGLU in place of transformers' (families in FUSED_OPS_FAMILIES).
     """
     s = itemsize(dtype)
     h, hd, kvd = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     trainable = lora is None
-    norm = _norm_bytes(h, s, shape.family, trainable)
+    fused = fused_ops and shape.family in FUSED_OPS_FAMILIES
+    norm = _norm_bytes(h, s, shape.family, trainable, fused)
     # 2 norms, q after RoPE and the attention output, log-sum-exp, the linears' inputs
     layer = 2 * norm + 2 * s * hd + 4 * shape.heads + _linear_inputs(shape, dtype, lora)
     if shape.family == "gpt_oss":
@@ -101,20 +117,24 @@ def saved_bytes_per_token(shape: ModelShape, dtype: torch.dtype, lora: LoraShape
         layer += 8 * k + s * k + k * (2 * s * h + 7 * s * shape.intermediate + s + 1 + 32)
         rope = s * shape.head_dim  # cos and sin of half the head dimension each
     else:
-        layer += 3 * s * shape.intermediate  # act(gate)'s input, act(gate) and up (their product)
+        # act(gate)'s input, act(gate) and up (their product); liger's SwiGLU: gate and up
+        layer += (2 if fused else 3) * s * shape.intermediate
         rope = 2 * s * shape.head_dim
-    if shape.family == "qwen3":
-        layer += (4 + (s if trainable else 0)) * (hd + kvd) + 4 * (shape.heads + shape.kv_heads)
+    if shape.family == "qwen3":  # q_norm / k_norm over each head
+        per_value = s if fused else 4 + (s if trainable else 0)
+        layer += per_value * (hd + kvd) + 4 * (shape.heads + shape.kv_heads)
     # per model: the final norm, token ids, RoPE; with LoRA the final norm's bytes equal those the
-    # first layer's input norm does not save.
+    # first layer's input norm does not save (its input, the frozen embedding's output, needs no gradient).
     model = norm + 8 + rope if trainable else rope
     return layer, model
 
 
-def checkpointed_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> tuple[int, int]:
+def checkpointed_bytes_per_token(shape: ModelShape, dtype: torch.dtype, *, fused_ops: bool = False
+                                 ) -> tuple[int, int]:
     """With per-layer checkpointing: (per layer, per model) saved bytes per token."""
     s = itemsize(dtype)
-    return s * shape.hidden, _norm_bytes(shape.hidden, s, shape.family) + 8
+    fused = fused_ops and shape.family in FUSED_OPS_FAMILIES
+    return s * shape.hidden, _norm_bytes(shape.hidden, s, shape.family, fused=fused) + 8
 
 
 def layer_backward_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:

@@ -161,6 +161,7 @@ def plan_memory(
     host_total_bytes: int | None = None,
     tensor_parallel: int = 1,
     attention: str = "triton",
+    fused_ops: bool = False,
 ) -> MemoryPlan:
     """Predict the peak bytes of one training step of ``model_config`` (a transformers config).
 
@@ -179,6 +180,7 @@ def plan_memory(
     train.master_weights=auto in one process): 4 B per parameter, fp32 optimizer states, and fp32
     gradients during the step; a no-op when the trainable parameters are fp32 (LoRA adapters).
     ``attention``: the attention backend; "fa4" adds the keys and values it reads gathered out of the pages.
+    ``fused_ops``: liger's RMSNorm and SwiGLU replace transformers' (oomb.engine.fused_ops), which keep less.
     """
     arguments = dict(locals())  # the parameters, for the "auto" GPU allowance's second plan
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("chunk_size", chunk_size),
@@ -252,9 +254,9 @@ def plan_memory(
         attention_outputs = stage1_tokens * shape.num_layers * heads * (shape.head_dim * s + 4)
 
     lora_shape = LoraShape(lora_r, tuple(lora_targets), lora_dtype) if lora_r > 0 else None
-    per_layer, per_model = saved_bytes_per_token(shape, dtype, lora_shape)
+    per_layer, per_model = saved_bytes_per_token(shape, dtype, lora_shape, fused_ops=fused_ops)
     if layer_checkpointing:
-        ck_layer, ck_model = checkpointed_bytes_per_token(shape, dtype)
+        ck_layer, ck_model = checkpointed_bytes_per_token(shape, dtype, fused_ops=fused_ops)
         saved = tokens * (shape.num_layers * ck_layer + ck_model)
         rebuilt = tokens * per_layer  # the layer whose backward runs, recomputed with all its tensors
         saved_note = f"layer inputs of {shape.num_layers} layers + one layer rebuilt, {tokens} tokens"

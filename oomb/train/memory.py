@@ -20,6 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from oomb.engine.fused_ops import liger_available
 from oomb.engine.plan import MemoryPlan, largest_context, plan_first_fitting, plan_memory
 from oomb.engine.plan import format_bytes as _gib
 from oomb.train.config import (
@@ -59,7 +60,16 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
         tensor_parallel=t.tensor_parallel,
         # auto on a GPU plans for FlashAttention-4's gathered keys whether or not it is installed (a margin otherwise)
         attention="fa4" if t.attention == "fa4" or (t.attention == "auto" and device_type == "cuda") else t.attention,
+        fused_ops=plans_fused_ops(cfg, device_type),
     )
+
+
+def plans_fused_ops(cfg: Config, device_type: str) -> bool:
+    """Whether the run will swap in liger's fused RMSNorm/SwiGLU (oomb.train.model does it the same way)."""
+    t = cfg.train
+    if device_type != "cuda" or t.tensor_parallel > 1:
+        return False
+    return t.fused_ops == "liger" or (t.fused_ops == "auto" and liger_available())
 
 
 def plan_for_config(cfg: Config, device_type: str, dtype: torch.dtype, *, gpu_bytes: int | None,

@@ -188,9 +188,13 @@ def _check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, console
             "note: train.master_weights=auto: fp32 master weights do not fit beside this run, so the optimizer "
             f"steps the {dtype} weights directly (updates below half a {dtype} step are lost); "
             "train.optimizer=adamw8bit or lora.r=16 make room for them")
-    kernels = get_backend(cfg.train.attention, device.type).name
-    attention = f", attention {kernels}" + (" (auto)" if cfg.train.attention == "auto" else "")
-    return plan, describe_step_choice(cfg, auto, planned=plan is not None) + attention
+    return plan, describe_step_choice(cfg, auto, planned=plan is not None)
+
+
+def _kernels(cfg: Config, device: torch.device) -> str:
+    """The attention kernels the steps run, e.g. "attention kernels fa4 (auto)"."""
+    name = get_backend(cfg.train.attention, device.type).name
+    return f"attention kernels {name}" + (" (auto)" if cfg.train.attention == "auto" else "")
 
 
 def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, choices: str) -> Run:
@@ -212,7 +216,7 @@ def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, choic
         f"{device}; {cfg.train.steps} steps x {cfg.train.grad_accum * cfg.train.batch_size} x {cfg.data.seq_len} "
         f"tokens ({cfg.data.task}), {cfg.train.optimizer} "
         f"{'on fp32 master weights' if masters else 'without master weights'}, "
-        f"{choices}, page {cfg.train.page_size}; writing {out}/{METRICS}"
+        f"{choices}, page {cfg.train.page_size}, {_kernels(cfg, device)}; writing {out}/{METRICS}"
     )
     return run
 
