@@ -70,16 +70,17 @@ def model_folder(name: str, *, weights: bool, key: str = "model.path", tokenizer
                           "such as Qwen/Qwen2.5-0.5B")
     if (name, weights) in _resolved:
         return _resolved[(name, weights)]
-    revision = _resolved[(name, False)].name if (name, False) in _resolved else None  # the same snapshot
-    folder = _snapshot(name, _CONFIG_FILES, revision, key)
+    # Each call resolves the main branch again (a commit hash would make it list the repository even where the
+    # network is down and the files are cached); seconds apart, both calls find the same snapshot.
+    folder = _snapshot(name, _CONFIG_FILES, key)
     if weights:
-        folder = _snapshot(name, ["*.safetensors"], folder.name, key)
+        folder = _snapshot(name, ["*.safetensors"], key)
         if not any(folder.glob("*.safetensors")):
-            folder = _snapshot(name, ["*.bin"], folder.name, key)
+            folder = _snapshot(name, ["*.bin"], key)
         if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
-            raise ConfigError(f"{key}={name!r}: the hub snapshot {folder} holds no weights (.safetensors or "
-                              f".bin){' and HF_HUB_OFFLINE=1 forbids fetching them' if _offline() else ''}: "
-                              "give a repository with transformers weights, or fetch them once online")
+            raise ConfigError(f"{key}={name!r}: the hub snapshot {folder} holds no weights (.safetensors or .bin), "
+                              "and none could be fetched: give a repository with transformers weights, or fetch "
+                              "them where huggingface.co is reachable (HF_HUB_OFFLINE unset)")
     if not tokenizer_only and not (folder / "config.json").is_file():
         raise ConfigError(f"{key}={name!r}: the hub repository has no config.json at its top level, so it is not "
                           f"a transformers model (snapshot: {folder})")
@@ -92,25 +93,25 @@ def tokenizer_folder(name: str, key: str = "data.tokenizer") -> Path:
     return model_folder(name, weights=False, key=key, tokenizer_only=True)
 
 
-def _snapshot(name: str, patterns: list[str], revision: str | None, key: str) -> Path:
+def _snapshot(name: str, patterns: list[str], key: str) -> Path:
+    import httpx
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(name, revision=revision, allow_patterns=patterns,
-                                      ignore_patterns=_TOP_LEVEL_ONLY))
+        return Path(snapshot_download(name, allow_patterns=patterns, ignore_patterns=_TOP_LEVEL_ONLY))
     except (RepositoryNotFoundError, GatedRepoError) as e:
         raise ConfigError(f"{key}={name!r}: no local path {Path(name).absolute()}, and the Hugging Face hub has no "
                           "model by that id that this machine may read (private or gated repositories need a "
                           f"login: hf auth login, or HF_TOKEN) ({type(e).__name__})") from None
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, httpx.HTTPError) as e:
         raise ConfigError(f"{key}={name!r}: {not_reachable(name, 'model', e)}") from None
 
 
 def not_reachable(name: str, kind: str, error: BaseException) -> str:
     """What was tried for hub id ``name`` that is neither a local path nor reachable, and what to do."""
     tried = f"no local path {Path(name).absolute()}"
-    cached = ("streamed datasets are never cached" if kind == "dataset" else f"not in the cache {_cache()} (HF_HOME)")
+    cached = ("streamed, never cached" if kind == "dataset" else f"not in the cache {_cache()} (HF_HOME)")
     download = ("hf download --repo-type dataset" if kind == "dataset" else "hf download") + f" {name} --local-dir DIR"
     local = "DIR:train" if kind == "dataset" else "DIR"
     if _offline():

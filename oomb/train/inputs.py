@@ -254,6 +254,7 @@ def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs | ChatInpu
             corpus = PackedCorpus(d.paths, tokenizer, d.seq_len, text_field=d.text_field, seed=t.seed,
                                   document_mask=d.document_mask, text_suffixes=text_suffixes(cfg),
                                   keep=training_rows(cfg))
+            corpus.rows.current()  # the first window: a held-out split that leaves nothing to train is named now
         except DataError as e:
             raise ConfigError(f"data.paths: {e}") from e
         return TextInputs(corpus, t.batch_size, t.grad_accum, tokenizer)

@@ -19,15 +19,19 @@ resumed run cuts where the first did.
 
 from __future__ import annotations
 
+import atexit
 import codecs
 import json
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from oomb.train.corpus import DataError, Source, find_sources
 
-PIECE_CHARS = 1 << 20  # ~250K tokens: one tokenizer call, one int64 array of 2 MB
+# ~64K tokens: one tokenizer call, whose Python list of ids (8 B a token) and int64 copy are the largest
+# objects packing makes, whatever the document's size.
+PIECE_CHARS = 1 << 18
 _BATCH_ROWS = 64  # rows decoded at a time from parquet, a saved dataset or a stream
 
 
@@ -212,6 +216,12 @@ class _TableRows:
                 yield [row if self.columns is not None else {c: row[c] for c in self.wanted if c in row}]
 
     def __iter__(self) -> Iterator[Row]:
+        rows = self._rows()
+        if self.source.kind == "stream":
+            _open_streams.add(rows)
+        return rows
+
+    def _rows(self) -> Iterator[Row]:
         name = self.source.name
         try:
             for rows in self._batches():
@@ -222,6 +232,17 @@ class _TableRows:
             raise
         except (OSError, ValueError) as e:  # pyarrow's and datasets' errors for a damaged file or stream
             raise DataError(f"{name} cannot be read: {type(e).__name__}: {e}") from e
+
+
+# Streams being read: closed at exit, while the modules they use still exist (a stream left suspended
+# in its generator is otherwise finalized during interpreter shutdown, which prints errors).
+_open_streams: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_streams() -> None:
+    for rows in list(_open_streams):
+        rows.close()
 
 
 def _as_rows(columns: dict[str, list]) -> list[dict]:

@@ -80,6 +80,7 @@ class Run:
     skipped: int = 0  # non-finite steps skipped by this process (train.on_nonfinite=skip)
     loss_value: float = float("nan")  # the last step's loss
     started: float = 0.0  # perf_counter when the loop began
+    validation: object = None  # oomb.train.validation.Validation: the held-out batches, when the run has them
 
     @property
     def params(self) -> list[torch.nn.Parameter]:

@@ -101,7 +101,8 @@ class RowStream:
             empty = empty + 1 if self.window == 0 else 0
             if empty > len(self.sources):
                 raise DataError("no row to read: every source is empty" if self.keep is None else
-                                "no row to read: every row of every source is held out or empty")
+                                "no row to read: every source is empty, or the held-out split (data.val_fraction) "
+                                "leaves out all its rows; a text file is one row, held out whole or not at all")
             self.source, self.window, self.start, self.index = self.source + 1, 0, None, 0
             if self.source == len(self.sources):
                 self.epoch, self.source = self.epoch + 1, 0
