@@ -69,7 +69,7 @@ class DataConfig:
     text_field: str = "text"
     """data.task=text: the field of a .jsonl line, or column of a .parquet/dataset, that holds the text."""
     tokenizer: str | None = None
-    """data.task=text or chat: tokenizer folder; null = the model folder's own (byte-level when it has none)."""
+    """data.task=text or chat: tokenizer folder or hub id; null = the model's own (byte-level when it has none)."""
     document_mask: bool = False
     """data.task=text: attention stays inside each packed document, and no token predicts the next document's start
     (data.task=chat always does this for its samples)."""

@@ -155,3 +155,29 @@ def test_a_held_out_fraction_that_holds_nothing_is_refused(tmp_path):
         build_validation(load_config(None, args), inputs)
     with pytest.raises(ConfigError, match="data.paths: no row to read: .*held-out split"):
         build_inputs(load_config(None, [*args, "data.val_fraction=0.999"]), config)  # held out: nothing to train
+
+
+def test_chat_validation_scores_the_assistant_tokens_of_held_out_conversations(tmp_path):
+    from chat_tokenizer import PLAIN_TEMPLATE, chat_tokenizer
+
+    chat_tokenizer(PLAIN_TEMPLATE).save_pretrained(tmp_path / "tokenizer")
+    rows = [{"prompt": f"tell me {' '.join(['one', 'two', 'three'][: 1 + i % 3])} {i % 7}",
+             "completion": f"{'yes' if i % 2 else 'no'} ."} for i in range(50)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["data.seq_len=64", "data.task=chat", f"data.paths=[{tmp_path / 'chat.jsonl'}]",
+            f"data.tokenizer={tmp_path / 'tokenizer'}", "data.val_fraction=0.2", "train.val_batches=2"]
+    inputs = build_inputs(load_config(None, args), preset_config("tiny"))
+    validation = build_validation(load_config(None, args), inputs)
+    assert validation.notes[0].startswith("validation chat data: ") and "samples kept" in validation.notes[0]
+    assert inputs.corpus.counts.rows + int(validation.notes[0].split(" of ")[1].split()[0]) == 50
+    tokenizer = inputs.tokenizer
+    for batch in validation.batches:  # loss only on what the assistant says, nothing on the prompts
+        targets = batch.labels[batch.labels != -100].tolist()
+        assert targets and set(tokenizer.convert_ids_to_tokens(targets)) <= {"yes", "no", ".", "<|end|>"}
+
+
+def test_validation_runs_in_one_process_only():
+    inputs = build_inputs(load_config(None, FAST), preset_config("tiny"))
+    with pytest.raises(ConfigError, match="runs in one process for now: leave those keys out under torchrun"):
+        build_validation(load_config(None, [*FAST, "train.val_every=2"]), inputs, ctx=object())
+    assert build_validation(load_config(None, FAST), inputs, ctx=object()) is None  # no validation: nothing to refuse
