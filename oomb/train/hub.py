@@ -72,7 +72,7 @@ def model_folder(name: str, *, weights: bool, key: str = "model.path", tokenizer
         return _resolved[(name, weights)]
     # Each call resolves the main branch again (a commit hash would make it list the repository even where the
     # network is down and the files are cached); seconds apart, both calls find the same snapshot.
-    folder = _snapshot(name, _CONFIG_FILES, key)
+    folder = _resolved.get((name, False)) or _snapshot(name, _CONFIG_FILES, key)
     if weights:
         folder = _snapshot(name, ["*.safetensors"], key)
         if not any(folder.glob("*.safetensors")):

@@ -149,7 +149,10 @@ class TextInputs:
     def load_state_dict(self, state: dict) -> None:
         if "corpus" not in state:
             raise ConfigError("the checkpoint holds no text-data position (was it written by a data.task=text run?)")
-        self.corpus.load_state_dict(state["corpus"])
+        try:
+            self.corpus.load_state_dict(state["corpus"])
+        except DataError as e:
+            raise ConfigError(str(e)) from e
 
 
 class ChatInputs(TextInputs):

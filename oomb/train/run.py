@@ -28,6 +28,7 @@ from oomb.train.checkpoint import (
 )
 from oomb.train.config import Config, step_options
 from oomb.train.faults import (
+    EXIT_DATA,
     EXIT_INTERRUPTED,
     EXIT_NONFINITE,
     EXIT_OUT_OF_MEMORY,
@@ -150,6 +151,19 @@ class Run:
         raise RunStopped(
             f"interrupted by {by} after step {done} of {self.cfg.train.steps} ({what}checkpoint {ckpt}).\n"
             f"Continue with:\n  {resume_command(self.out)}", EXIT_INTERRUPTED)
+
+    def stop_on_data_error(self, step: int, error: Exception, data_state: dict):
+        """The data of step ``step + 1`` could not be read: keep step ``step`` (and the data position before)."""
+        if self.saved_step == step:
+            kept = f"The model and optimizer are as after step {step}; {self.newest_checkpoint()}."
+        elif self.ctx is not None:  # a save needs every rank
+            kept = f"Step {step} is not saved (under torchrun one rank cannot save alone); {self.newest_checkpoint()}."
+        else:
+            kept = f"The model and optimizer after step {step} were saved to {self.save(step, data_state)}."
+        raise RunStopped(
+            f"could not read the data of step {step + 1}: {error}\n{kept}\nFix what the message names, keeping the "
+            f"data as it was (the run resumes at the same row), then continue with:\n  {resume_command(self.out)}",
+            EXIT_DATA)
 
     def stop_out_of_memory(self, step: int, where: str, error: str, use, *, model_intact: bool = True,
                            data_state: dict | None = None):

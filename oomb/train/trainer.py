@@ -29,6 +29,7 @@ from oomb.train import distributed
 from oomb.train.checkpoint import CheckpointError, checkpoint_state, load_checkpoint, rng_state, set_rng_state
 from oomb.train.checks import check_config, check_model_path, resolve_device, resolve_dtype
 from oomb.train.config import Config, ConfigError, offload_selection_note, step_options
+from oomb.train.corpus import DataError
 from oomb.train.faults import (
     EXIT_SIGINT,
     EXIT_WRITE,
@@ -304,7 +305,10 @@ def _train_step(run: Run, step: int, stop: StopRequest) -> dict:
     """One optimizer step (or a skipped one); returns its metrics record. Failures stop the run."""
     cfg, inputs, optimizer = run.cfg, run.inputs, run.optimizer
     data_before = inputs.state_dict()  # a dropped step's sequences are drawn again after a resume
-    batches = inputs.batches(step)
+    try:
+        batches = inputs.batches(step)
+    except DataError as e:  # read as the run goes: a file removed, a streamed dataset unreachable
+        run.stop_on_data_error(step, e, data_before)
     loss_tokens = sum(int((b.labels[:, 1:] != -100).sum()) for b in batches)  # the shifted targets
     if run.ctx is not None and run.ctx.data_parallel > 1:  # every rank here, before the step's collectives
         loss_tokens = distributed.sum_over_data_ranks(run.ctx, loss_tokens)

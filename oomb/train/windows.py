@@ -72,6 +72,7 @@ class RowStream:
         self.start: dict | None = None  # the reader's position at the window's first row; None: the source's start
         self._window: tuple | None = None  # (epoch, source, window) -> its rows in visiting order
         self._reader: tuple | None = None  # (epoch, source, next window, reader at that window's first row)
+        self._next_start: dict | None = None  # the reader's position after the current window's last row
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "source": self.source, "window": self.window, "start": self.start,
