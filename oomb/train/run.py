@@ -27,6 +27,7 @@ from oomb.train.checkpoint import (
     save_checkpoint,
 )
 from oomb.train.config import Config, step_options
+from oomb.train.corpus import DataError
 from oomb.train.faults import (
     EXIT_DATA,
     EXIT_INTERRUPTED,
@@ -151,6 +152,14 @@ class Run:
         raise RunStopped(
             f"interrupted by {by} after step {done} of {self.cfg.train.steps} ({what}checkpoint {ckpt}).\n"
             f"Continue with:\n  {resume_command(self.out)}", EXIT_INTERRUPTED)
+
+    def read_batches(self, step: int, data_state: dict) -> list:
+        """Step ``step + 1``'s batches; data that cannot be read any more (read as the run goes: a file
+        removed, a streamed dataset unreachable) stops the run after saving step ``step``."""
+        try:
+            return self.inputs.batches(step)
+        except DataError as e:
+            self.stop_on_data_error(step, e, data_state)
 
     def stop_on_data_error(self, step: int, error: Exception, data_state: dict):
         """The data of step ``step + 1`` could not be read: keep step ``step`` (and the data position before)."""

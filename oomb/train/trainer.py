@@ -29,7 +29,6 @@ from oomb.train import distributed
 from oomb.train.checkpoint import CheckpointError, checkpoint_state, load_checkpoint, rng_state, set_rng_state
 from oomb.train.checks import check_config, check_model_path, resolve_device, resolve_dtype
 from oomb.train.config import Config, ConfigError, offload_selection_note, step_options
-from oomb.train.corpus import DataError
 from oomb.train.faults import (
     EXIT_SIGINT,
     EXIT_WRITE,
@@ -98,8 +97,7 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
         _start_wandb(reports, cfg, out, created, ctx)
         run = _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, f"{schedule}, {step_choice}")
         run.validation = validation
-        notes = (validation.summary(cfg), *validation.notes) if validation is not None else ()
-        for note in (*inputs.notes, *notes):  # e.g. how many chat samples were kept, cut or dropped
+        for note in (*inputs.notes, *(validation.notes if validation else ())):  # e.g. chat samples kept, dropped
             console.print(note, highlight=False)
         if plan is not None:
             console.print(plan.summary() + " (oomb plan prints the breakdown)")
@@ -305,10 +303,7 @@ def _train_step(run: Run, step: int, stop: StopRequest) -> dict:
     """One optimizer step (or a skipped one); returns its metrics record. Failures stop the run."""
     cfg, inputs, optimizer = run.cfg, run.inputs, run.optimizer
     data_before = inputs.state_dict()  # a dropped step's sequences are drawn again after a resume
-    try:
-        batches = inputs.batches(step)
-    except DataError as e:  # read as the run goes: a file removed, a streamed dataset unreachable
-        run.stop_on_data_error(step, e, data_before)
+    batches = run.read_batches(step, data_before)
     loss_tokens = sum(int((b.labels[:, 1:] != -100).sum()) for b in batches)  # the shifted targets
     if run.ctx is not None and run.ctx.data_parallel > 1:  # every rank here, before the step's collectives
         loss_tokens = distributed.sum_over_data_ranks(run.ctx, loss_tokens)

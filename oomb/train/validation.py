@@ -46,7 +46,7 @@ class Validation:
     every: int  # train.val_every: 0 = after the last step only
     targets: int  # target tokens over all batches (what the mean is over)
     what: str  # where the batches come from, for the startup line
-    notes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # lines for the startup log: what is validated when, then counts and warnings
     last: tuple[int, float] | None = field(default=None)  # (step, val_loss) of the latest validation
 
     def due(self, step: int, steps: int) -> bool:
@@ -58,12 +58,6 @@ class Validation:
         loss = validation_loss(model, self.batches, device, cfg)
         self.last = (step, loss)
         return loss
-
-    def summary(self, cfg: Config) -> str:
-        t, d = cfg.train, cfg.data
-        when = f"every {self.every} steps and after the last" if self.every else "after the last step"
-        return (f"validation: {len(self.batches)} batch{'es' if len(self.batches) > 1 else ''} of {t.batch_size} x "
-                f"{d.seq_len:,} tokens ({self.targets:,} targets) from {self.what}, {when}")
 
 
 def validate_if_due(run, step: int, record: dict) -> None:
@@ -114,7 +108,7 @@ def build_validation(cfg: Config, inputs, ctx=None) -> Validation | None:
     if isinstance(inputs, SyntheticInputs):
         task = inputs.task
         batches = [task.batch(SYNTHETIC_OFFSET // t.batch_size + v, t.batch_size) for v in range(t.val_batches)]
-        return _validation(batches, t.val_every, f"unseen {d.task} sequences")
+        return _validation(cfg, batches, f"unseen {d.task} sequences")
     if not d.val_paths and not d.val_fraction:
         raise ConfigError(f"train.val_every={t.val_every} needs held-out data for data.task={d.task}: set "
                           "data.val_paths (files, folders, or a hub split such as owner/name:validation) or "
@@ -133,7 +127,7 @@ def build_validation(cfg: Config, inputs, ctx=None) -> Validation | None:
     if len(batches) < t.val_batches:
         notes += (f"note: the held-out data fills {len(batches)} of train.val_batches={t.val_batches} batches; "
                   "validation uses those",)
-    return _validation(batches, t.val_every, what, notes)
+    return _validation(cfg, batches, what, notes)
 
 
 def _corpus(cfg: Config, inputs: TextInputs, paths: list[str], keep) -> PackedCorpus | ChatCorpus:
@@ -149,8 +143,12 @@ def _corpus(cfg: Config, inputs: TextInputs, paths: list[str], keep) -> PackedCo
                         text_suffixes=text_suffixes(cfg), keep=keep, shuffle=False)
 
 
-def _validation(batches: list, every: int, what: str, notes: tuple[str, ...] = ()) -> Validation:
+def _validation(cfg: Config, batches: list, what: str, notes: tuple[str, ...] = ()) -> Validation:
+    t = cfg.train
     targets = sum(int((b.labels[:, 1:] != -100).sum()) for b in batches)  # the shifted targets
     if targets == 0:
         raise ConfigError(f"the held-out batches from {what} hold no token that carries loss: give other data")
-    return Validation(batches, every, targets, what, notes)
+    when = f"every {t.val_every} steps and after the last" if t.val_every else "after the last step"
+    summary = (f"validation: {len(batches)} batch{'es' if len(batches) > 1 else ''} of {t.batch_size} x "
+               f"{cfg.data.seq_len:,} tokens ({targets:,} targets) from {what}, {when}")
+    return Validation(batches, t.val_every, targets, what, (summary, *notes))

@@ -168,8 +168,8 @@ def test_chat_validation_scores_the_assistant_tokens_of_held_out_conversations(t
             f"data.tokenizer={tmp_path / 'tokenizer'}", "data.val_fraction=0.2", "train.val_batches=2"]
     inputs = build_inputs(load_config(None, args), preset_config("tiny"))
     validation = build_validation(load_config(None, args), inputs)
-    assert validation.notes[0].startswith("validation chat data: ") and "samples kept" in validation.notes[0]
-    assert inputs.corpus.counts.rows + int(validation.notes[0].split(" of ")[1].split()[0]) == 50
+    assert validation.notes[1].startswith("validation chat data: ") and "samples kept" in validation.notes[1]
+    assert inputs.corpus.counts.rows + int(validation.notes[1].split(" of ")[1].split()[0]) == 50
     tokenizer = inputs.tokenizer
     for batch in validation.batches:  # loss only on what the assistant says, nothing on the prompts
         targets = batch.labels[batch.labels != -100].tolist()
