@@ -96,7 +96,7 @@ def test_a_run_validates_at_its_steps_reports_it_and_resumes_on_schedule(tmp_pat
     run = tmp_path / "run"
     args = [f"model.path={model_dir}", "data.task=text", f"data.paths=[{text_dir}]",
             f"data.val_paths=[{tmp_path / 'held'}]", "train.val_every=2", "train.val_batches=1", "train.steps=5",
-            "train.save_every=1", *FAST]
+            "train.save_every=1", "train.report_to=[jsonl,tensorboard]", *FAST]
     assert main(["train", f"out_dir={run}", *args]) == 0
     out = " ".join(capsys.readouterr().out.split())
     records = _metrics(run)
@@ -107,6 +107,11 @@ def test_a_run_validates_at_its_steps_reports_it_and_resumes_on_schedule(tmp_pat
     assert "validation: 1 batch of 1 x 256 tokens (255 targets) from data.val_paths" in out
     assert f"validation loss {validated[5]:.4f} after step 5" in out
     assert f"step 4: loss {records[3]['loss']:.4f}, val_loss {validated[4]:.4f}" in out  # the progress lines
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert {e.step: e.value for e in events.Scalars("train/val_loss")} == pytest.approx(validated, rel=1e-6)
 
     copy = tmp_path / "copy"  # a crash after step 3: the resumed run validates at 4 and 5, the same values
     shutil.copytree(run, copy)
