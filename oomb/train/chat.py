@@ -1,7 +1,7 @@
 """Conversations for supervised fine-tuning (data.task=chat): rows read, rendered by a chat template, masked.
 
-Rows — a line of a .jsonl, a row of a .parquet or of a ``save_to_disk`` folder — hold either
-``messages`` or ``prompt`` and ``completion``::
+Rows — a line of a .jsonl, a row of a .parquet, of a ``save_to_disk`` folder or of a streamed
+dataset (oomb.train.rows) — hold either ``messages`` or ``prompt`` and ``completion``::
 
     {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
     {"prompt": "Hi", "completion": "Hello!"}              strings: one user and one assistant message
@@ -24,100 +24,32 @@ Two ways to find those tokens, the first where the template allows it:
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from oomb.train.corpus import DataError, Source
+from oomb.train.rows import open_rows
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # transformers' own test for a template that marks assistant text (apply_chat_template).
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-@dataclass(frozen=True)
-class Rows(Sequence):
-    """The rows of one source, as dicts, and where each one is (for messages)."""
-
-    source: Source
-    records: Sequence[dict]  # a list, or a memory-mapped datasets.Dataset read a row at a time
-    lines: list[int] | None = None  # .jsonl: the line number of each record
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, index: int) -> dict:
-        return self.records[int(index)]
-
-    def where(self, index: int) -> str:
-        """``file:line`` for .jsonl, ``file row N`` (from 0) otherwise."""
-        return f"{self.source.path}:{self.lines[index]}" if self.lines else f"{self.source.path} row {index}"
+CHAT_FIELDS = ("messages", "prompt", "completion")
 
 
-def read_rows(source: Source) -> Rows:
-    """The rows of one .jsonl, .parquet or saved-dataset source; DataError names the file (and line)."""
-    if source.kind == "jsonl":
-        return _jsonl_rows(source)
-    fields = ("messages", "prompt", "completion")
-    try:
-        if source.kind == "parquet":
-            import pyarrow.parquet as pq
-
-            names = pq.read_schema(source.path).names
-            columns = [f for f in fields if f in names]
-            _check_columns(source.path, columns, names)
-            return Rows(source, pq.read_table(source.path, columns=columns).to_pylist())
-        if source.kind == "dataset":
-            import datasets
-
-            ds = datasets.load_from_disk(str(source.path))
-            if isinstance(ds, datasets.DatasetDict):
-                raise DataError(f"{source.path} holds a DatasetDict with splits {list(ds)}; name one split's "
-                                f"folder (e.g. {source.path}/train)")
-            columns = [f for f in fields if f in ds.column_names]
-            _check_columns(source.path, columns, ds.column_names)
-            return Rows(source, ds.select_columns(columns))
-    except (OSError, ValueError) as e:  # pyarrow's and datasets' errors for a damaged file (DataError passes)
-        if isinstance(e, DataError):
-            raise
-        raise DataError(f"{source.path} cannot be read: {type(e).__name__}: {e}") from e
-    raise DataError(f"{source.path}: data.task=chat reads conversations from .jsonl, .parquet or datasets' "
-                    "save_to_disk folders, not text files (data.task=text trains on text)")
-
-
-def _check_columns(path: Path, columns: list[str], names: list[str]) -> None:
-    if not columns:
-        raise DataError(f"{path} has no column 'messages' or 'prompt'/'completion' (columns: {names})")
-
-
-def _jsonl_rows(source: Source) -> Rows:
-    path, records, lines = source.path, [], []
-    try:
-        with open(path, "rb") as f:
-            for number, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{path}:{number} is not UTF-8 text (byte {e.start} of the line is "
-                                    f"{raw[e.start:e.start + 1]!r}); save the file as UTF-8") from e
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{number} is not valid JSON: {e}") from e
-                if not isinstance(record, dict):
-                    raise DataError(f"{path}:{number} holds a JSON {type(record).__name__}, not an object with "
-                                    "'messages' or 'prompt'/'completion'")
-                records.append(record)
-                lines.append(number)
-    except OSError as e:
-        raise DataError(f"{path} cannot be read: {e}") from e
-    return Rows(source, records, lines)
+def open_chat_rows(source: Source, position: dict | None = None):
+    """oomb.train.rows.open_rows for conversations: rows of a .jsonl, .parquet, saved dataset or stream."""
+    if source.kind == "text":
+        raise DataError(f"{source.path}: data.task=chat reads conversations from .jsonl, .parquet, datasets' "
+                        "save_to_disk folders or streamed datasets, not text files (data.task=text trains on text)")
+    reader = open_rows(source, CHAT_FIELDS, position)
+    if reader.columns is not None and not any(f in reader.columns for f in CHAT_FIELDS):
+        raise DataError(f"{source.name} has no column 'messages' or 'prompt'/'completion' (columns: "
+                        f"{reader.columns})")
+    return reader
 
 
 def conversation(row: dict, where: str) -> list[dict]:

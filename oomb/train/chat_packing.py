@@ -17,23 +17,26 @@ Positions stay those of the packed sequence: the engine's attention never crosse
 start, and RoPE depends on the distance between tokens only, so each sample trains as it
 would alone at positions 0, 1, ... (docs/design.md, "Packed documents").
 
-Order: each epoch visits the sources in a permutation drawn from (seed, epoch) and the kept
-samples of each source in one drawn from (seed, epoch, source). A sample is never split, so
-the position is three integers — epoch, source, sample — that a checkpoint stores.
+Order: oomb.train.windows.RowStream — the sources in a seeded order each epoch, the rows
+shuffled within windows, read as they are packed. A sample is never split, so the position
+is the stream's; a checkpoint stores it. Rows the check at startup counted out (too long to
+keep, nothing to learn) are rendered again when reached and skipped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from oomb.train.chat import ChatTemplate, conversation, read_rows
-from oomb.train.corpus import DataError, find_sources
+from oomb.train.chat import ChatTemplate, conversation, open_chat_rows
+from oomb.train.corpus import DataError, Source, find_sources
 from oomb.train.packing import IGNORE_INDEX, TextBatch
+from oomb.train.rows import Row
+from oomb.train.windows import POSITION_KEYS, WINDOW_CHARS, WINDOW_ROWS, RowStream
 
 LOSS_ON = ("assistant", "all")
 OVERLONG = ("drop", "truncate")
@@ -61,12 +64,8 @@ class ChatCounts:
         return "chat data: " + "; ".join(parts)
 
 
-def _permutation(n: int, *seed: int) -> np.ndarray:
-    return np.random.default_rng(list(seed)).permutation(n)
-
-
 class ChatCorpus:
-    """An endless, seeded stream of packed conversation samples from local files."""
+    """An endless, seeded stream of packed conversation samples, read as they are needed."""
 
     def __init__(
         self,
@@ -78,6 +77,10 @@ class ChatCorpus:
         loss_on: str = "assistant",
         overlong: str = "drop",
         seed: int = 0,
+        keep: Callable[[Source, int], bool] | None = None,
+        shuffle: bool = True,
+        window_rows: int = WINDOW_ROWS,
+        window_chars: int = WINDOW_CHARS,
     ) -> None:
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {seq_len}")
@@ -87,26 +90,27 @@ class ChatCorpus:
             raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
         self.sources = find_sources(paths, text_suffixes=())  # folders: .jsonl, .parquet, saved datasets
         self.template = ChatTemplate(tokenizer, template)
-        self.seq_len, self.loss_on, self.overlong, self.seed = seq_len, loss_on, overlong, seed
+        self.seq_len, self.loss_on, self.overlong = seq_len, loss_on, overlong
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad = pad if pad is not None else 0  # its label is -100 and it is a document of its own
-        self.kept, self.counts = self._check_rows()
+        self.counts = self._check_rows(keep)
         if self.counts.kept == 0:
             raise DataError(f"no sample can train: {self.counts.summary(seq_len)}")
-        self.epoch = self.source = self.sample = 0
-        self._loaded: tuple | None = None  # (epoch, source) -> the source's rows and its kept rows' order
-        self._tokens: tuple | None = None  # (epoch, source, sample) -> ids, labels
+        self.rows = RowStream(self.sources, open_chat_rows, seed=seed, shuffle=shuffle, keep=keep,
+                              window_rows=window_rows, window_chars=window_chars)
+        self._tokens: tuple | None = None  # (position) -> ids, labels of the sample there (None: skipped)
+        self._quiet_since: int | None = None  # the epoch of the first of the last rows skipped
 
     # --- checking ---------------------------------------------------------------------------------
 
-    def _check_rows(self) -> tuple[list[np.ndarray], ChatCounts]:
-        """Every row parsed, rendered and classified once; the kept row numbers of each source."""
-        kept: list[np.ndarray] = []
-        rows = truncated = too_long = no_loss = 0
+    def _check_rows(self, keep) -> ChatCounts:
+        """Every row parsed, rendered and classified once, nothing kept: a bad row is named now."""
+        rows = kept = truncated = too_long = no_loss = 0
         for source in self.sources:
-            table, good = read_rows(source), []
-            for i in range(len(table)):
-                sample = self._encode(table, i)
+            for row in open_chat_rows(source):
+                if keep is not None and not keep(source, row.number):
+                    continue
+                sample = self._encode(row)
                 rows += 1
                 if sample is None:
                     too_long += 1
@@ -114,14 +118,13 @@ class ChatCorpus:
                     no_loss += 1
                 else:
                     truncated += len(sample[0]) < sample[2]
-                    good.append(i)
-            kept.append(np.asarray(good, dtype=np.int64))
-        return kept, ChatCounts(rows, sum(len(k) for k in kept), truncated, too_long, no_loss)
+                    kept += 1
+        return ChatCounts(rows, kept, truncated, too_long, no_loss)
 
-    def _encode(self, table, index: int) -> tuple[np.ndarray, np.ndarray, int] | None:
-        """Row ``index``'s ids and labels (cut to seq_len when truncating) and its full length; None: too long."""
-        where = table.where(index)
-        ids, assistant = self.template.encode(conversation(table[index], where), where, self.loss_on == "assistant")
+    def _encode(self, row: Row) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """The row's ids and labels (cut to seq_len when truncating) and its full length; None: too long."""
+        ids, assistant = self.template.encode(conversation(row.value, row.where), row.where,
+                                              self.loss_on == "assistant")
         length = len(ids)
         if length > self.seq_len:
             if self.overlong == "drop":
@@ -133,37 +136,38 @@ class ChatCorpus:
 
     # --- position ---------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict:
         """The position of the next sample: what a checkpoint stores."""
-        return {"epoch": self.epoch, "source": self.source, "sample": self.sample}
+        return self.rows.state_dict()
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        missing = [k for k in ("epoch", "source", "sample") if k not in state]
+    def load_state_dict(self, state: dict) -> None:
+        missing = [k for k in POSITION_KEYS if k not in state]
         if missing:
-            raise DataError(f"the checkpoint's chat-data position lacks {missing} (it has {sorted(state)})")
-        self.epoch, self.source, self.sample = int(state["epoch"]), int(state["source"]), int(state["sample"])
+            raise DataError(f"the checkpoint's chat-data position lacks {missing} (it has {sorted(state)}): it was "
+                            "written by an older oomb, which read data differently; resume it with that version")
+        self.rows.load_state_dict(state)
+        self._tokens = None
 
     # --- reading ----------------------------------------------------------------------------------
 
-    def _current(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """Ids and labels of the sample at the position; None once the current source is exhausted."""
-        key = (self.epoch, self.source)
-        if self._loaded is None or self._loaded[0] != key:
-            number = int(_permutation(len(self.sources), self.seed, self.epoch)[self.source])
-            rows = self.kept[number]
-            order = rows[_permutation(len(rows), self.seed, self.epoch, self.source)]
-            self._loaded = (key, read_rows(self.sources[number]), order)
-        _, table, order = self._loaded
-        if self.sample >= len(order):
-            return None
-        key = (self.epoch, self.source, self.sample)
-        if self._tokens is None or self._tokens[0] != key:
-            sample = self._encode(table, int(order[self.sample]))
-            if sample is None:  # kept by the check at startup: only a changed file renders differently
-                raise DataError(f"{table.where(int(order[self.sample]))} changed since the run started: keep the "
-                                "data files of a run as they are until it ends")
-            self._tokens = (key, sample[0], sample[1])
-        return self._tokens[1], self._tokens[2]
+    def _current(self) -> tuple[np.ndarray, np.ndarray]:
+        """Ids and labels of the next sample that trains (rows counted out at startup are passed over)."""
+        while True:
+            row = self.rows.current()
+            key = (self.rows.epoch, self.rows.source, self.rows.window, self.rows.index)
+            if self._tokens is None or self._tokens[0] != key:
+                sample = self._encode(row)
+                trains = sample is not None and bool((sample[1] != IGNORE_INDEX).any())
+                self._tokens = (key, sample[:2] if trains else None)
+            if self._tokens[1] is not None:
+                self._quiet_since = None
+                return self._tokens[1]
+            if self._quiet_since is None:
+                self._quiet_since = self.rows.epoch
+            elif self.rows.epoch >= self._quiet_since + 2:  # a whole epoch without a sample that trains
+                raise DataError("no sample can train any more: the data files changed since the run started; keep "
+                                "the data files of a run as they are until it ends")
+            self.rows.advance()
 
     def next_sequence(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The next ``seq_len`` tokens: ids, labels and document numbers (0, 1, ...; padding the last)."""
@@ -173,18 +177,13 @@ class ChatCorpus:
         filled = 0
         while filled < self.seq_len:
             sample = self._current()
-            if sample is None:  # next source; after the last one, the next epoch (some source has samples)
-                self.source, self.sample = self.source + 1, 0
-                if self.source == len(self.sources):
-                    self.epoch, self.source = self.epoch + 1, 0
-                continue
             if filled + len(sample[0]) > self.seq_len:
                 break  # the sample starts the next sequence, whole
             ids.append(sample[0])
             labels.append(sample[1])
             docs.append(np.full(len(sample[0]), len(docs), dtype=np.int64))
             filled += len(sample[0])
-            self.sample += 1
+            self.rows.advance()
         pad = self.seq_len - filled
         ids.append(np.full(pad, self.pad, dtype=np.int64))
         labels.append(np.full(pad, IGNORE_INDEX, dtype=np.int64))

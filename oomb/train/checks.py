@@ -14,6 +14,7 @@ from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import liger_available
 from oomb.kernels import BACKEND_NAMES, flash4_unavailable
 from oomb.train.config import Config, ConfigError, offload_gpu_bytes, page_selection
+from oomb.train.hub import model_folder
 from oomb.train.optim import wants_master_weights
 from oomb.train.presets import preset_names
 from oomb.train.reporting import check_report_to
@@ -101,6 +102,10 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"train.seed={t.seed} must be in [0, 2**63)")
     if cfg.lora.r < 0:
         raise ConfigError(f"lora.r={cfg.lora.r} must be >= 0 (0 = full fine-tuning, 8 to 64 for LoRA adapters)")
+    d = cfg.data
+    if not 0 <= d.val_fraction < 1 or t.val_every < 0 or t.val_batches < 1:
+        raise ConfigError(f"data.val_fraction must be in [0, 1), train.val_every >= 0 and train.val_batches >= 1, "
+                          f"got {d.val_fraction:g}, {t.val_every}, {t.val_batches}")
     if cfg.lora.alpha <= 0:
         raise ConfigError(f"lora.alpha={cfg.lora.alpha:g} must be > 0 (the adapters' update is scaled by alpha / r)")
 
@@ -134,13 +139,15 @@ def _check_fused_ops(cfg: Config) -> None:
 
 
 def check_model_path(cfg: Config) -> None:
-    """model.path is a Hugging Face folder whose code (if it ships any) the user said to trust."""
+    """model.path is a Hugging Face folder, or hub id, whose code (if it ships any) the user said to trust.
+
+    A hub id's config and tokenizer files are fetched into the cache here (not yet its weights).
+    """
     if cfg.model.path is None:
         return
-    path = Path(cfg.model.path)
+    path = model_folder(cfg.model.path, weights=False)
     if not path.is_dir():
-        state = "is a file" if path.exists() else "does not exist"
-        raise ConfigError(f"model.path={cfg.model.path!r} {state}: give a Hugging Face model folder")
+        raise ConfigError(f"model.path={cfg.model.path!r} is a file: give a Hugging Face model folder or hub id")
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path={cfg.model.path!r} has no config.json: not a Hugging Face model folder")
     check_remote_code(path, cfg.model.trust_remote_code)

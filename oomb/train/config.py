@@ -32,7 +32,7 @@ class ModelConfig:
     preset: str = "tiny"
     """Built-in architecture, random init (see `oomb train --list-presets`)."""
     path: str | None = None
-    """Local Hugging Face model directory; when set, it replaces `preset`."""
+    """Hugging Face model folder, or hub id where no such folder exists (cached in HF_HOME); replaces `preset`."""
     dtype: str = "auto"
     """Parameter dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16 or float32."""
     trust_remote_code: bool = False
@@ -69,7 +69,7 @@ class DataConfig:
     text_field: str = "text"
     """data.task=text: the field of a .jsonl line, or column of a .parquet/dataset, that holds the text."""
     tokenizer: str | None = None
-    """data.task=text or chat: tokenizer folder; null = the model folder's own (byte-level when it has none)."""
+    """data.task=text or chat: tokenizer folder or hub id; null = the model's own (byte-level when it has none)."""
     document_mask: bool = False
     """data.task=text: attention stays inside each packed document, and no token predicts the next document's start
     (data.task=chat always does this for its samples)."""
@@ -93,6 +93,10 @@ class DataConfig:
     suffixes: list[str] | None = None
     """data.task=text: more file suffixes that folders and glob patterns read as text (e.g. [.py, .rs]); a file
     named in data.paths is read whatever its suffix."""
+    val_paths: list[str] | None = None
+    """data.task=text or chat: held-out data for the validation loss, in data.paths' forms (e.g. owner/name:test)."""
+    val_fraction: float = 0.0
+    """data.task=text or chat: hold out this fraction of data.paths' rows (the same in every run) for validation."""
 
 
 @dataclass
@@ -146,6 +150,10 @@ class TrainConfig:
     """Where each step's metrics go: jsonl (<out_dir>/metrics.jsonl, always written: resume and the plot read it),
     tensorboard (<out_dir>/tensorboard) and wandb (a Weights & Biases run, `pip install 'oomb[wandb]'`; its id is kept
     in <out_dir>/wandb-run.json, so a resumed run continues it; WANDB_MODE=offline writes it under <out_dir>/wandb)."""
+    val_every: int = 0
+    """Validation loss every N steps and after the last; 0 = after the last where held-out data is given, else never."""
+    val_batches: int = 4
+    """Batches of train.batch_size held-out sequences in each validation, the same ones every time."""
     page_budget: int | None = None
     """Page-sparse attention: past pages each block of queries attends, plus its own chunk; null = dense (exact)."""
     select_block: int = 128

@@ -10,6 +10,7 @@ import torch
 from oomb.train.checkpoint import CheckpointError, find_checkpoint, load_weights
 from oomb.train.checks import check_remote_code
 from oomb.train.config import Config, ConfigError, load_config
+from oomb.train.hub import is_hub_id, model_folder, tokenizer_folder
 from oomb.train.presets import build_model, preset_names
 from oomb.train.rope import rope_is_scaled
 
@@ -72,6 +73,12 @@ def load_eval_model(spec: str, device: torch.device, dtype_name: str = "auto", *
         torch.manual_seed(0)
         model = build_model(spec, dtype=_dtype(dtype_name, device), device=device)
         return LoadedModel(model, "preset", spec, None, None)
+    if is_hub_id(spec):  # fetched into the Hugging Face cache, or found there
+        try:
+            folder = model_folder(spec, weights=True, key="model")
+        except ConfigError as e:
+            raise EvalError(f"{e}; nor is it a built-in preset ({', '.join(preset_names())})") from None
+        return _from_huggingface(spec, folder, device, _dtype(dtype_name, device), trust_remote_code)
     raise EvalError(f"model {spec!r}: no such folder, and not a built-in preset ({', '.join(preset_names())})")
 
 
@@ -102,18 +109,26 @@ def _from_checkpoint(spec: str, ckpt: Path, device: torch.device, dtype_name: st
     try:
         cfg = load_config(config_file)
         cfg.model.trust_remote_code = trust_remote_code  # the command line's, never the run folder's
-        if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
-            raise EvalError(f"checkpoint {ckpt} was trained from model.path={cfg.model.path!r}, which is not a "
-                            "folder any more; its weights are needed to build the model")
         if cfg.model.path is not None:
-            check_remote_code(Path(cfg.model.path), trust_remote_code, how="--trust-remote-code")
+            try:
+                folder = model_folder(cfg.model.path, weights=False)
+            except ConfigError as e:
+                raise EvalError(f"checkpoint {ckpt} was trained from model.path={cfg.model.path!r}, whose weights "
+                                f"are needed to build the model: {e}") from None
+            if not folder.is_dir():
+                raise EvalError(f"checkpoint {ckpt} was trained from model.path={cfg.model.path!r}, which is not a "
+                                "folder any more; its weights are needed to build the model")
+            check_remote_code(folder, trust_remote_code, how="--trust-remote-code")
         dtype = resolve_dtype(cfg.model.dtype, device) if dtype_name == "auto" else DTYPES[dtype_name]
         model = build(cfg, device, dtype)
         load_weights(ckpt, model)
     except (ConfigError, CheckpointError) as e:
         raise EvalError(f"cannot load checkpoint {ckpt}: {e}") from e
     tokenizer = cfg.data.tokenizer or cfg.model.path  # what the run tokenized with
-    tokenizer_dir = Path(tokenizer) if tokenizer is not None else None
+    try:
+        tokenizer_dir = tokenizer_folder(tokenizer) if tokenizer else None
+    except ConfigError as e:
+        raise EvalError(f"the tokenizer of checkpoint {ckpt}'s run: {e}") from None
     return LoadedModel(model, "checkpoint", spec, tokenizer_dir, cfg)
 
 

@@ -156,7 +156,8 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise EvalError(f"--out {out} already holds files; oomb never overwrites results. Choose another --out")
     if ppl_on:
-        from oomb.train.corpus import DataError, check_sources, find_sources
+        from oomb.train.corpus import DataError, find_sources
+        from oomb.train.rows import check_sources
 
         try:
             check_sources(find_sources(args.perplexity), args.text_field)  # every file read once, before the model
@@ -251,7 +252,8 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
 
 
 def _documents(paths: Sequence[str], text_field: str) -> Iterable[str]:
-    from oomb.train.corpus import DataError, iter_documents
+    from oomb.train.corpus import DataError
+    from oomb.train.rows import iter_documents
 
     try:
         yield from iter_documents(paths, text_field)

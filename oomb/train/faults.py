@@ -34,6 +34,7 @@ EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
 EXIT_OUT_OF_MEMORY = 4
 EXIT_WRITE = 5  # a checkpoint, the export or another file of the run
+EXIT_DATA = 6  # the data of a step could not be read (a file changed or gone, a stream unreachable)
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped on request, resumable
 EXIT_SIGINT = 130  # Ctrl-C before the first step: nothing to resume
 

@@ -17,15 +17,17 @@ from oomb.train.config import Config, ConfigError
 from oomb.train.corpus import (
     TEXT_SUFFIXES,
     DataError,
-    check_sources,
     check_tokenizer_fits,
     find_sources,
     has_tokenizer,
     load_tokenizer,
 )
 from oomb.train.data import NeedleTask, PasskeyTask
+from oomb.train.hub import model_folder, tokenizer_folder
 from oomb.train.packing import PackedCorpus
 from oomb.train.rope import apply_rope, describe_rope, rope_is_scaled
+from oomb.train.rows import check_sources
+from oomb.train.windows import held_out
 
 TASKS = ("passkey", "needle", "text", "chat")
 # data.loss_on: what each task accepts; the first is what "auto" means.
@@ -38,7 +40,7 @@ def model_config(cfg: Config):
         from transformers import AutoConfig
 
         try:
-            config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True,
+            config = AutoConfig.from_pretrained(model_folder(cfg.model.path, weights=False), local_files_only=True,
                                                 trust_remote_code=cfg.model.trust_remote_code)
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.path={cfg.model.path!r}: cannot read its config.json: {e}") from e
@@ -84,14 +86,32 @@ def wanted_tokenizer(cfg: Config):
     """
     try:
         if cfg.data.tokenizer is not None:
-            return load_tokenizer(cfg.data.tokenizer)
+            return load_tokenizer(tokenizer_folder(cfg.data.tokenizer))
+        folder = model_folder(cfg.model.path, weights=False) if cfg.model.path is not None else None
         if cfg.data.task in ("text", "chat"):
-            return load_tokenizer(cfg.model.path)
-        if cfg.model.path is not None and has_tokenizer(cfg.model.path):
-            return load_tokenizer(cfg.model.path)
+            return load_tokenizer(folder)
+        if folder is not None and has_tokenizer(folder):
+            return load_tokenizer(folder)
     except DataError as e:
         raise ConfigError(str(e)) from e
     return None
+
+
+def tokenizer_source(cfg: Config) -> str:
+    """Which tokenizer ``wanted_tokenizer`` gives, for messages."""
+    if cfg.data.tokenizer is not None:
+        return f"the tokenizer in {cfg.data.tokenizer}"
+    if cfg.model.path is not None and has_tokenizer(model_folder(cfg.model.path, weights=False)):
+        return f"the tokenizer of {cfg.model.path}"
+    return "the byte-level tokenizer"
+
+
+def training_rows(cfg: Config):
+    """The rows a run trains on: all, or (data.val_fraction) those not held out for validation."""
+    fraction = cfg.data.val_fraction
+    if fraction <= 0:
+        return None
+    return lambda source, number: not held_out(source, number, fraction)
 
 
 class SyntheticInputs:
@@ -129,7 +149,10 @@ class TextInputs:
     def load_state_dict(self, state: dict) -> None:
         if "corpus" not in state:
             raise ConfigError("the checkpoint holds no text-data position (was it written by a data.task=text run?)")
-        self.corpus.load_state_dict(state["corpus"])
+        try:
+            self.corpus.load_state_dict(state["corpus"])
+        except DataError as e:
+            raise ConfigError(str(e)) from e
 
 
 class ChatInputs(TextInputs):
@@ -182,11 +205,16 @@ def _check_task_keys(cfg: Config) -> None:
                                        ("text_field", d.text_field, "text", ("text",)),
                                        ("suffixes", d.suffixes, None, ("text",)),
                                        ("chat_template", d.chat_template, None, ("chat",)),
-                                       ("overlong", d.overlong, "drop", ("chat",))):
+                                       ("overlong", d.overlong, "drop", ("chat",)),
+                                       ("val_paths", d.val_paths, None, ("text", "chat")),
+                                       ("val_fraction", d.val_fraction, 0.0, ("text", "chat"))):
         if value != default and d.task not in tasks:
             shown = str(value).lower() if isinstance(value, bool) else value
             raise ConfigError(f"data.{key}={shown} needs data.task={' or data.task='.join(tasks)} (data.task is "
                               f"{d.task}); leave it at its default ({default!r})")
+    if d.val_paths and d.val_fraction:
+        raise ConfigError(f"data.val_paths and data.val_fraction={d.val_fraction:g} both choose held-out data: "
+                          "give one of them")
     if d.overlong not in ("drop", "truncate"):
         raise ConfigError(f"data.overlong={d.overlong!r}: choose drop (leave out samples longer than data.seq_len) "
                           "or truncate (keep their first data.seq_len tokens)")
@@ -220,17 +248,16 @@ def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs | ChatInpu
         raise ConfigError(f"data.paths is set but data.task={d.task!r} is a built-in task; set data.task=text or chat")
     tokenizer = wanted_tokenizer(cfg)
     if tokenizer is not None:
-        where = (f"the tokenizer in {d.tokenizer}" if d.tokenizer is not None
-                 else f"the tokenizer of {cfg.model.path}" if cfg.model.path and has_tokenizer(cfg.model.path)
-                 else "the byte-level tokenizer")
         try:
-            check_tokenizer_fits(tokenizer, vocab, where=where)
+            check_tokenizer_fits(tokenizer, vocab, where=tokenizer_source(cfg))
         except DataError as e:
             raise ConfigError(str(e)) from e
     if d.task == "text":
         try:
             corpus = PackedCorpus(d.paths, tokenizer, d.seq_len, text_field=d.text_field, seed=t.seed,
-                                  document_mask=d.document_mask, text_suffixes=text_suffixes(cfg))
+                                  document_mask=d.document_mask, text_suffixes=text_suffixes(cfg),
+                                  keep=training_rows(cfg))
+            corpus.rows.current()  # the first window: a held-out split that leaves nothing to train is named now
         except DataError as e:
             raise ConfigError(f"data.paths: {e}") from e
         return TextInputs(corpus, t.batch_size, t.grad_accum, tokenizer)
@@ -252,7 +279,7 @@ def _chat_corpus(cfg: Config, tokenizer, loss: str) -> ChatCorpus:
     try:
         template = read_template(d.chat_template) if d.chat_template is not None else None
         corpus = ChatCorpus(d.paths, tokenizer, d.seq_len, template=template, loss_on=loss, overlong=d.overlong,
-                            seed=cfg.train.seed)
+                            seed=cfg.train.seed, keep=training_rows(cfg))
     except DataError as e:  # its message names the file and row, or the key to change
         raise ConfigError(str(e)) from e
     if template is not None:

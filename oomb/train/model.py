@@ -9,6 +9,7 @@ import torch
 from oomb.engine.fused_ops import use_fused_ops
 from oomb.train import distributed
 from oomb.train.config import Config, ConfigError
+from oomb.train.hub import model_folder
 from oomb.train.inputs import model_config
 from oomb.train.presets import build_model
 from oomb.train.rope import pin_dynamic_rope
@@ -21,8 +22,9 @@ def build(cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.nn.Mod
     if cfg.model.path is not None:
         from transformers import AutoModelForCausalLM
 
+        folder = model_folder(cfg.model.path, weights=True)  # a hub id's weights are fetched now, into the cache
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.model.path, config=config, dtype=dtype, local_files_only=True,
+            folder, config=config, dtype=dtype, local_files_only=True,
             trust_remote_code=cfg.model.trust_remote_code,
         ).to(device)
     else:

@@ -24,7 +24,8 @@ PLOT = "training.png"
 TENSORBOARD = "tensorboard"
 WANDB_RUN = "wandb-run.json"  # the W&B run's id and project, so a resumed run continues it
 # Fields of a metrics record drawn as TensorBoard scalars (when present and not None).
-_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "host_rss_gib", "peak_gpu_gib", "pinned_host_gib")
+_SCALARS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "host_rss_gib", "peak_gpu_gib",
+            "pinned_host_gib")
 
 
 def memory_fields(device: torch.device, pinned_bytes: int | None = None) -> dict[str, float]:
@@ -109,7 +110,11 @@ def plot_run(out_dir: Path) -> Path | None:
 
     steps = [r["step"] for r in records]
     fig, (ax_loss, ax_mem) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    ax_loss.plot(steps, [r["loss"] for r in records], color="tab:blue")
+    ax_loss.plot(steps, [r["loss"] for r in records], color="tab:blue", label="training")
+    validated = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if validated:
+        ax_loss.plot(*zip(*validated, strict=True), "o-", color="tab:orange", label="validation")
+        ax_loss.legend()
     ax_loss.set_ylabel("loss")
     ax_loss.grid(alpha=0.3)
     for key, label in (("peak_gpu_gib", "peak GPU allocated"), ("host_rss_gib", "host RSS"),

@@ -8,11 +8,13 @@ the rest of a sequence continues in the next one::
     seq 0     [ d0 d0 d0 EOS d1 d1 ]          doc_ids [0 0 0 0 1 1]
     seq 1     [ d1 d1 d1 EOS d2 d2 ]          doc_ids [0 0 0 0 1 1]
 
-Order: each epoch visits the sources (files, saved datasets) in a permutation drawn
-from (seed, epoch), and the documents of each source in a permutation drawn from
-(seed, epoch, source number). The position in that order — epoch, source, document,
-token offset — is four integers; a checkpoint stores them and ``load_state_dict``
-continues with exactly the sequences an uninterrupted run would have read next.
+Documents come from oomb.train.windows.RowStream: sources in a seeded order each epoch,
+rows shuffled within windows, nothing read ahead of what is packed. A document is
+tokenised a piece (oomb.train.rows.PIECE_CHARS characters) at a time, so neither a 50 GB
+text file nor a long JSON string is ever held as token ids whole. The position — the
+stream's, the piece's start in the document and the tokens of the piece already packed —
+is what a checkpoint stores; ``load_state_dict`` continues with exactly the sequences an
+uninterrupted run would have read next.
 
 With ``document_mask=True`` each batch carries ``doc_ids`` (int64, non-decreasing along
 each row) for attention that stays inside a document, and the label of the first
@@ -22,14 +24,16 @@ start of an unrelated document.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from oomb.train.corpus import TEXT_SUFFIXES, DataError, find_sources, read_documents
+from oomb.train.corpus import TEXT_SUFFIXES, DataError, Source, find_sources
+from oomb.train.rows import TextFile, open_text_rows, text_of, text_piece
+from oomb.train.windows import POSITION_KEYS, WINDOW_CHARS, WINDOW_ROWS, RowStream
 
 IGNORE_INDEX = -100
 
@@ -41,12 +45,8 @@ class TextBatch:
     doc_ids: torch.Tensor | None  # [B, N] int64 document number per token (document_mask only)
 
 
-def _permutation(n: int, *seed: int) -> np.ndarray:
-    return np.random.default_rng(list(seed)).permutation(n)
-
-
 class PackedCorpus:
-    """An endless, seeded stream of packed sequences from local documents."""
+    """An endless, seeded stream of packed sequences from documents read as they are needed."""
 
     def __init__(
         self,
@@ -58,6 +58,10 @@ class PackedCorpus:
         seed: int = 0,
         document_mask: bool = False,
         text_suffixes: Sequence[str] = TEXT_SUFFIXES,
+        keep: Callable[[Source, int], bool] | None = None,
+        shuffle: bool = True,
+        window_rows: int = WINDOW_ROWS,
+        window_chars: int = WINDOW_CHARS,
     ) -> None:
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {seq_len}")
@@ -67,74 +71,78 @@ class PackedCorpus:
             raise DataError("the tokenizer has no end-of-text (eos) token, which packing puts between documents; "
                             "use a tokenizer that defines eos_token")
         self.tokenizer, self.seq_len, self.text_field = tokenizer, seq_len, text_field
-        self.seed, self.document_mask = seed, document_mask
-        self.epoch = self.source = self.document = self.offset = 0
-        self._loaded: tuple | None = None  # (epoch, source) -> (docs, order) of the source being read
-        self._tokens: tuple | None = None  # (epoch, source, document) -> token ids + EOS
+        self.document_mask = document_mask
+        self.rows = RowStream(self.sources, lambda source, at: open_text_rows(source, text_field, at), seed=seed,
+                              shuffle=shuffle, keep=keep, window_rows=window_rows, window_chars=window_chars)
+        self.piece = self.offset = 0  # where the current piece starts in the document; its tokens packed
+        self._tokens: tuple | None = None  # (position) -> the piece's token ids (+ EOS after the last piece)
+        self._quiet_since: int | None = None  # the epoch of the first of the last documents without a token
 
     # --- position -------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict:
         """The position of the next token: what a checkpoint stores."""
-        return {"epoch": self.epoch, "source": self.source, "document": self.document, "offset": self.offset}
+        return {**self.rows.state_dict(), "piece": self.piece, "offset": self.offset}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.source = int(state["epoch"]), int(state["source"])
-        self.document, self.offset = int(state["document"]), int(state["offset"])
+    def load_state_dict(self, state: dict) -> None:
+        missing = [k for k in (*POSITION_KEYS, "piece", "offset") if k not in state]
+        if missing:
+            raise DataError(f"the checkpoint's text-data position lacks {missing} (it has {sorted(state)}): it was "
+                            "written by an older oomb, which read data differently; resume it with that version")
+        self.rows.load_state_dict(state)
+        self.piece, self.offset = int(state["piece"]), int(state["offset"])
+        self._tokens = None
 
     # --- reading --------------------------------------------------------------------------------
 
-    def _source_docs(self) -> tuple[Sequence[str], np.ndarray]:
-        key = (self.epoch, self.source)
-        if self._loaded is None or self._loaded[0] != key:
-            order = _permutation(len(self.sources), self.seed, self.epoch)
-            docs = read_documents(self.sources[int(order[self.source])], self.text_field)
-            self._loaded = (key, docs, _permutation(len(docs), self.seed, self.epoch, self.source))
-        return self._loaded[1], self._loaded[2]
-
-    def _document_tokens(self) -> list[int] | None:
-        """Token ids (+ EOS) of the current document; None once the current source is exhausted."""
-        docs, order = self._source_docs()
-        if self.document >= len(docs):
-            return None
-        key = (self.epoch, self.source, self.document)
+    def _piece_tokens(self) -> tuple[np.ndarray, bool]:
+        """Token ids of the current piece (+ EOS after a document's last), and whether it ends the document."""
+        row = self.rows.current()
+        key = (self.rows.epoch, self.rows.source, self.rows.window, self.rows.index, self.piece)
         if self._tokens is None or self._tokens[0] != key:
-            text = docs[int(order[self.document])]
-            # verbose=False: documents longer than the tokenizer's model_max_length are expected here.
-            ids = self.tokenizer.encode(text, add_special_tokens=False, verbose=False) if text.strip() else []
-            self._tokens = (key, [*ids, self.eos] if ids else [])
-        return self._tokens[1]
-
-    def _advance_document(self) -> None:
-        self.document, self.offset = self.document + 1, 0
+            document = text_of(row, self.text_field)
+            text, self._piece_end, last = (document.piece(self.piece) if isinstance(document, TextFile)
+                                           else text_piece(document, self.piece))
+            if self.piece == 0 and last and (not text or text.isspace()):
+                ids = np.empty(0, dtype=np.int64)  # an empty document: no tokens, no EOS
+            else:
+                # verbose=False: documents longer than the tokenizer's model_max_length are expected here.
+                ids = np.asarray(self.tokenizer.encode(text, add_special_tokens=False, verbose=False), dtype=np.int64)
+                if last:
+                    ids = np.append(ids, self.eos)
+            self._tokens = (key, ids, last)
+        return self._tokens[1], self._tokens[2]
 
     def next_sequence(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next ``seq_len`` tokens and their per-row document numbers (0, 1, ...)."""
-        ids: list[int] = []
-        doc_ids: list[int] = []
-        doc = 0
-        sources_without_text = 0
-        while len(ids) < self.seq_len:
-            tokens = self._document_tokens()
-            if tokens is None:  # next source; after the last one, the next epoch
-                self.source, self.document, self.offset = self.source + 1, 0, 0
-                if self.source == len(self.sources):
-                    self.epoch, self.source = self.epoch + 1, 0
-                sources_without_text += 1
-                if sources_without_text > len(self.sources):  # a whole epoch gave no token
-                    raise DataError("the data holds no text: every document is empty")
-                continue
-            take = tokens[self.offset : self.offset + self.seq_len - len(ids)]
-            if take:
-                sources_without_text = 0
-                if ids and self.offset == 0:
+        ids: list[np.ndarray] = []
+        doc_ids: list[np.ndarray] = []
+        filled, doc = 0, 0
+        while filled < self.seq_len:
+            tokens, last = self._piece_tokens()
+            if len(tokens):
+                self._quiet_since = None
+            elif self._quiet_since is None:
+                self._quiet_since = self.rows.epoch
+            elif self.rows.epoch >= self._quiet_since + 2:  # all of an epoch between: no document has a token
+                raise DataError("the data holds no text: every document is empty")
+            take = tokens[self.offset : self.offset + self.seq_len - filled]
+            if len(take):
+                if filled and self.piece == 0 and self.offset == 0:
                     doc += 1
-                ids.extend(take)
-                doc_ids.extend([doc] * len(take))
+                ids.append(take)
+                doc_ids.append(np.full(len(take), doc, dtype=np.int64))
+                filled += len(take)
                 self.offset += len(take)
-            if self.offset >= len(tokens):
-                self._advance_document()
-        return torch.tensor(ids, dtype=torch.long), torch.tensor(doc_ids, dtype=torch.long)
+            if self.offset < len(tokens):
+                continue
+            if last:  # the document is done
+                self.rows.advance()
+                self.piece = 0
+            else:
+                self.piece = self._piece_end
+            self.offset = 0
+        return torch.from_numpy(np.concatenate(ids)), torch.from_numpy(np.concatenate(doc_ids))
 
     def batch(self, batch_size: int) -> TextBatch:
         """The next ``batch_size`` sequences as a batch (moves the position)."""

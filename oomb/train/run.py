@@ -27,7 +27,9 @@ from oomb.train.checkpoint import (
     save_checkpoint,
 )
 from oomb.train.config import Config, step_options
+from oomb.train.corpus import DataError
 from oomb.train.faults import (
+    EXIT_DATA,
     EXIT_INTERRUPTED,
     EXIT_NONFINITE,
     EXIT_OUT_OF_MEMORY,
@@ -80,6 +82,7 @@ class Run:
     skipped: int = 0  # non-finite steps skipped by this process (train.on_nonfinite=skip)
     loss_value: float = float("nan")  # the last step's loss
     started: float = 0.0  # perf_counter when the loop began
+    validation: object = None  # oomb.train.validation.Validation: the held-out batches, when the run has them
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -149,6 +152,27 @@ class Run:
         raise RunStopped(
             f"interrupted by {by} after step {done} of {self.cfg.train.steps} ({what}checkpoint {ckpt}).\n"
             f"Continue with:\n  {resume_command(self.out)}", EXIT_INTERRUPTED)
+
+    def read_batches(self, step: int, data_state: dict) -> list:
+        """Step ``step + 1``'s batches; data that cannot be read any more (read as the run goes: a file
+        removed, a streamed dataset unreachable) stops the run after saving step ``step``."""
+        try:
+            return self.inputs.batches(step)
+        except DataError as e:
+            self.stop_on_data_error(step, e, data_state)
+
+    def stop_on_data_error(self, step: int, error: Exception, data_state: dict):
+        """The data of step ``step + 1`` could not be read: keep step ``step`` (and the data position before)."""
+        if self.saved_step == step:
+            kept = f"The model and optimizer are as after step {step}; {self.newest_checkpoint()}."
+        elif self.ctx is not None:  # a save needs every rank
+            kept = f"Step {step} is not saved (under torchrun one rank cannot save alone); {self.newest_checkpoint()}."
+        else:
+            kept = f"The model and optimizer after step {step} were saved to {self.save(step, data_state)}."
+        raise RunStopped(
+            f"could not read the data of step {step + 1}: {error}\n{kept}\nFix what the message names, keeping the "
+            f"data as it was (the run resumes at the same row), then continue with:\n  {resume_command(self.out)}",
+            EXIT_DATA)
 
     def stop_out_of_memory(self, step: int, where: str, error: str, use, *, model_intact: bool = True,
                            data_state: dict | None = None):

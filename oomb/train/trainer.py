@@ -57,6 +57,7 @@ from oomb.train.rundir import (
     write_config,
 )
 from oomb.train.schedule import resolve_schedule
+from oomb.train.validation import build_validation, validate_if_due
 
 
 def train(cfg: Config, console: Console | None = None) -> Path:
@@ -84,6 +85,7 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
     dtype = resolve_dtype(cfg.model.dtype, device)
     check_optimizer(cfg.train.optimizer, device)
     inputs = _build_inputs(cfg, ctx, console)
+    validation = build_validation(cfg, inputs, ctx)  # the held-out batches, before the model is built
     plan, step_choice = _check_memory(cfg, device, dtype, console, ctx)
     out, created = prepare_out_dir(cfg) if ctx is None else distributed.prepare_out_dir(ctx, cfg, prepare_out_dir)
     if cfg.resume is None:
@@ -94,7 +96,8 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
     try:
         _start_wandb(reports, cfg, out, created, ctx)
         run = _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, f"{schedule}, {step_choice}")
-        for note in inputs.notes:  # e.g. how many chat samples were kept, cut or dropped
+        run.validation = validation
+        for note in (*inputs.notes, *(validation.notes if validation else ())):  # e.g. chat samples kept, dropped
             console.print(note, highlight=False)
         if plan is not None:
             console.print(plan.summary() + " (oomb plan prints the breakdown)")
@@ -261,7 +264,7 @@ def _train_steps(run: Run, console: Console, main_rank: bool, reports: Reports) 
     cfg = run.cfg
     columns = [
         TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+        TextColumn("loss {task.fields[loss]:.4f}{task.fields[val]}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
         TextColumn("{task.fields[memory]}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
     ]
     metrics = MetricsLog(run.out / METRICS if main_rank else None)
@@ -271,18 +274,21 @@ def _train_steps(run: Run, console: Console, main_rank: bool, reports: Reports) 
     try:
         with Progress(*columns, console=console) as progress:
             bar = progress.add_task("train", total=cfg.train.steps, completed=run.start, loss=float("nan"), tps=0.0,
-                                    memory="")
+                                    memory="", val="")
             for step in range(run.start, cfg.train.steps):
                 record = _train_step(run, step, stop)
+                validate_if_due(run, step + 1, record)  # val_loss into the record when due
+                val = f", val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
                 try:
                     metrics.append(record)
                 except OSError as e:
                     run.write_failed(f"{run.out / METRICS} (step {step + 1})", step + 1, e)
                 reports.log(record)  # TensorBoard, W&B: train.report_to
                 progress.update(bar, advance=1, loss=run.loss_value, tps=record["tokens_per_s"],
-                                memory=_memory_text(record))
-                if not console.is_terminal and (step + 1) % 10 == 0:
-                    console.print(f"step {step + 1}: loss {run.loss_value:.4f}, {record['tokens_per_s']:,.0f} tok/s")
+                                memory=_memory_text(record), **({"val": val} if val else {}))
+                if not console.is_terminal and ((step + 1) % 10 == 0 or val):
+                    console.print(f"step {step + 1}: loss {run.loss_value:.4f}{val}, "
+                                  f"{record['tokens_per_s']:,.0f} tok/s")
                 last = step + 1 == cfg.train.steps
                 if last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
                     run.save(step + 1)
@@ -297,7 +303,7 @@ def _train_step(run: Run, step: int, stop: StopRequest) -> dict:
     """One optimizer step (or a skipped one); returns its metrics record. Failures stop the run."""
     cfg, inputs, optimizer = run.cfg, run.inputs, run.optimizer
     data_before = inputs.state_dict()  # a dropped step's sequences are drawn again after a resume
-    batches = inputs.batches(step)
+    batches = run.read_batches(step, data_before)
     loss_tokens = sum(int((b.labels[:, 1:] != -100).sum()) for b in batches)  # the shifted targets
     if run.ctx is not None and run.ctx.data_parallel > 1:  # every rank here, before the step's collectives
         loss_tokens = distributed.sum_over_data_ranks(run.ctx, loss_tokens)
@@ -384,6 +390,8 @@ def _finish(run: Run, console: Console, main_rank: bool, started: float) -> None
              f"steps {run.start + 1}-{cfg.train.steps} of {cfg.train.steps} (resumed after step {run.start})"
              if ran else f"all {cfg.train.steps} steps were done before (resumed to finish)")
     loss = f"final loss {run.loss_value:.4f}; " if ran else ""
+    if run.validation is not None and run.validation.last is not None:
+        loss += f"validation loss {run.validation.last[1]:.4f} after step {run.validation.last[0]}; "
     console.print(f"done: {steps} in {time.perf_counter() - started:.1f} s; {loss}"
                   f"{f'non-finite steps skipped: {run.skipped}; ' if run.skipped else ''}metrics, "
                   f"checkpoints{' and export' if cfg.train.export else ''} in {out}")

@@ -210,3 +210,43 @@ def test_a_fine_tuning_learning_rate_resumes_and_applies(tmp_path, straight, cap
     assert json.loads((run / "config.json").read_text())["train"]["lr"] == 2e-05
     assert main(["train", f"resume={run}", "train.steps=7"]) == 0  # config.json written with 2e-05 reads back
     assert os.path.exists(run / "checkpoints" / "step-00000007")
+
+
+def test_data_that_goes_missing_during_the_run_stops_it_after_a_checkpoint_and_it_resumes_exactly(
+        tmp_path, capsys, monkeypatch):
+    """Files are read as the run goes: one removed mid-run stops it with the last step saved (exit 6)."""
+    from tiny_models import tiny_model
+
+    from oomb.train.faults import EXIT_DATA
+    from oomb.train.run import Run
+
+    model = tmp_path / "model"
+    tiny_model("llama", vocab_size=300).save_pretrained(model)
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(40):  # a file per document: each step opens files it has not read yet
+        (data / f"doc{i:02d}.txt").write_text(f"document {i}: " + "the quick brown fox. " * (3 + i % 5))
+    args = [f"model.path={model}", "data.task=text", f"data.paths=[{data}]", "train.steps=4", *RUN]
+    assert main(["train", f"out_dir={tmp_path / 'straight'}", *args]) == 0
+    saved = tmp_path / "saved"
+    shutil.copytree(data, saved)
+    save = Run.save
+
+    def save_then_lose_the_data(self, step, data_state=None):
+        ckpt = save(self, step, data_state)
+        if step == 2:
+            shutil.rmtree(data)  # a disk unmounted, a folder cleaned up by someone else
+        return ckpt
+
+    monkeypatch.setattr(Run, "save", save_then_lose_the_data)
+    run = tmp_path / "run"
+    assert main(["train", f"out_dir={run}", "train.save_every=2", *args]) == EXIT_DATA
+    out = " ".join(capsys.readouterr().out.split())
+    assert "could not read the data of step 3:" in out and "cannot be read" in out
+    assert "The model and optimizer are as after step 2" in out and f"oomb train resume={run}" in out
+    assert find_checkpoint(run).name == "step-00000002" and sorted(losses(run)) == [1, 2]
+
+    monkeypatch.setattr(Run, "save", save)
+    shutil.copytree(saved, data)  # the data back as it was
+    assert main(["train", f"resume={run}"]) == 0
+    assert losses(run) == losses(tmp_path / "straight")

@@ -16,7 +16,7 @@ from chat_tokenizer import (
 from tiny_models import tiny_model
 
 from oomb.cli import main
-from oomb.train.chat import ChatTemplate, conversation, read_rows
+from oomb.train.chat import ChatTemplate, conversation, open_chat_rows
 from oomb.train.chat_packing import ChatCorpus
 from oomb.train.checkpoint import find_checkpoint
 from oomb.train.config import load_config
@@ -92,7 +92,7 @@ def test_rows_of_every_form_and_file_kind(tmp_path):
     (tmp_path / "notes.txt").write_text("a folder's text files are not chat data")
     sources = find_sources(tmp_path, text_suffixes=())
     assert [s.kind for s in sources] == ["jsonl", "parquet", "dataset"]
-    rows = [(r.where(i), conversation(r[i], r.where(i))) for r in map(read_rows, sources) for i in range(len(r))]
+    rows = [(r.where, conversation(r.value, r.where)) for source in sources for r in open_chat_rows(source)]
     assert rows == [
         (f"{tmp_path / 'a.jsonl'}:1", CONVERSATION),
         (f"{tmp_path / 'a.jsonl'}:2",
@@ -102,7 +102,7 @@ def test_rows_of_every_form_and_file_kind(tmp_path):
         (f"{tmp_path / 'c_saved'} row 0", rows[1][1]),
     ]
     with pytest.raises(DataError, match="not text files"):
-        read_rows(find_sources(tmp_path / "notes.txt")[0])
+        open_chat_rows(find_sources(tmp_path / "notes.txt")[0])
 
 
 @pytest.mark.parametrize("line,match", [
@@ -222,8 +222,8 @@ def test_the_position_round_trips(tmp_path):
         for field in ("input_ids", "labels", "doc_ids"):
             assert torch.equal(getattr(a, field), getattr(b, field))
     assert straight.state_dict()["epoch"] >= 1
-    with pytest.raises(DataError, match=r"lacks \['sample'\]"):
-        resumed.load_state_dict({"epoch": 0, "source": 0})
+    with pytest.raises(DataError, match=r"lacks \['window', 'start', 'index'\].*older oomb"):
+        resumed.load_state_dict({"epoch": 0, "source": 0, "sample": 3})  # what oomb wrote before windows
 
 
 def test_a_packed_chat_batch_trains_each_sample_as_if_alone(tmp_path):
@@ -285,7 +285,7 @@ def test_chat_run_learns_counts_its_loss_tokens_and_resumes_exactly(tmp_path, ca
         assert r["loss_tokens"] == sum(int((b.labels[:, 1:] != -100).sum()) for b in batches)
         assert 0 < r["loss_tokens"] < 2 * 127
     state = json.loads((find_checkpoint(run) / "state.json").read_text())
-    assert set(state["data"]["chat"]) == {"epoch", "source", "sample"}
+    assert set(state["data"]["chat"]) == {"epoch", "source", "window", "start", "index"}
     exported = AutoTokenizer.from_pretrained(run / "export")
     assert exported.chat_template == PLAIN_TEMPLATE  # data.chat_template goes with the model
 

@@ -1,18 +1,11 @@
-"""Reading documents from local files and loading tokenizers (oomb/train/corpus.py)."""
+"""Finding and reading documents in local files, and loading tokenizers (oomb/train/corpus.py, rows.py)."""
 
 import json
 
 import pytest
 
-from oomb.train.corpus import (
-    DataError,
-    byte_level_tokenizer,
-    check_sources,
-    check_tokenizer_fits,
-    find_sources,
-    iter_documents,
-    load_tokenizer,
-)
+from oomb.train.corpus import DataError, byte_level_tokenizer, check_tokenizer_fits, find_sources, load_tokenizer
+from oomb.train.rows import check_sources, iter_documents
 
 
 def _write_corpus(root):

@@ -1,0 +1,154 @@
+"""Hugging Face hub ids for models and datasets, cached where transformers and datasets cache them.
+
+A name that is not a local path is tried as a hub id; a local path always wins::
+
+    model.path=Qwen/Qwen2.5-7B           snapshot in $HF_HOME/hub (HF_HUB_CACHE), then a local folder
+    data.paths=[HuggingFaceFW/fineweb-edu:sample-10BT:train]   datasets.load_dataset(..., streaming=True)
+
+Models resolve to the snapshot folder ``huggingface_hub.snapshot_download`` fills — the
+cache ``from_pretrained`` reads — in two steps: config and tokenizer files first (every
+check before the model is built reads them), the weights only when the model is built,
+so a run that its data or memory check refuses downloads no weights. Only top-level files
+are taken: safetensors weights, or ``.bin`` where a repository has none.
+
+Datasets stream: ``NAME[:CONFIG][:SPLIT]`` (split ``train`` by default) is read row by row
+from the hub, never prepared as a whole; a local folder holding a dataset repository
+(README.md with its configs, data/ files) is read the same way when its name carries a
+split (``./my-dataset:train``). Streams are not cached on disk: offline
+(``HF_HUB_OFFLINE=1``) a hub dataset needs a local copy (``hf download --repo-type
+dataset NAME --local-dir DIR``, then ``DIR:train``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from oomb.train.config import ConfigError
+
+# Files of a model repository that configure it, tokenize for it, or hold its remote code.
+_CONFIG_FILES = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py"]
+_TOP_LEVEL_ONLY = ["*/*"]  # fnmatch's * crosses "/": this leaves out every file in a subfolder
+_resolved: dict[tuple[str, bool], Path] = {}  # (id, with weights) -> snapshot folder, once per process
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` is spelled like a hub repository id (``owner/name`` or ``name``)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _cache() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def model_folder(name: str, *, weights: bool, key: str = "model.path", tokenizer_only: bool = False) -> Path:
+    """The local folder of a model: ``name`` itself when it exists, else its hub snapshot.
+
+    ``weights=False`` fetches the config and tokenizer files only; ``tokenizer_only`` takes a
+    repository without config.json (a tokenizer alone). Raises ConfigError, naming the setting
+    ``key``, saying what was tried (the local path, the cache, the hub) and what to change.
+    """
+    local = Path(name).expanduser()
+    if local.exists():
+        return local
+    if not is_hub_id(name):
+        raise ConfigError(f"{key}={name!r} does not exist: give a local Hugging Face model folder or a hub id "
+                          "such as Qwen/Qwen2.5-0.5B")
+    if (name, weights) in _resolved:
+        return _resolved[(name, weights)]
+    # Each call resolves the main branch again (a commit hash would make it list the repository even where the
+    # network is down and the files are cached); seconds apart, both calls find the same snapshot.
+    folder = _resolved.get((name, False)) or _snapshot(name, _CONFIG_FILES, key)
+    if weights:
+        folder = _snapshot(name, ["*.safetensors"], key)
+        if not any(folder.glob("*.safetensors")):
+            folder = _snapshot(name, ["*.bin"], key)
+        if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+            raise ConfigError(f"{key}={name!r}: the hub snapshot {folder} holds no weights (.safetensors or .bin), "
+                              "and none could be fetched: give a repository with transformers weights, or fetch "
+                              "them where huggingface.co is reachable (HF_HUB_OFFLINE unset)")
+    if not tokenizer_only and not (folder / "config.json").is_file():
+        raise ConfigError(f"{key}={name!r}: the hub repository has no config.json at its top level, so it is not "
+                          f"a transformers model (snapshot: {folder})")
+    _resolved[(name, weights)] = folder
+    return folder
+
+
+def tokenizer_folder(name: str, key: str = "data.tokenizer") -> Path:
+    """The local folder of a tokenizer (or of a model holding one): ``model_folder`` without weights."""
+    return model_folder(name, weights=False, key=key, tokenizer_only=True)
+
+
+def _snapshot(name: str, patterns: list[str], key: str) -> Path:
+    import httpx
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns, ignore_patterns=_TOP_LEVEL_ONLY))
+    except (RepositoryNotFoundError, GatedRepoError) as e:
+        raise ConfigError(f"{key}={name!r}: no local path {Path(name).absolute()}, and the Hugging Face hub has no "
+                          "model by that id that this machine may read (private or gated repositories need a "
+                          f"login: hf auth login, or HF_TOKEN) ({type(e).__name__})") from None
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, httpx.HTTPError) as e:
+        raise ConfigError(f"{key}={name!r}: {not_reachable(name, 'model', e)}") from None
+
+
+def not_reachable(name: str, kind: str, error: BaseException) -> str:
+    """What was tried for hub id ``name`` that is neither a local path nor reachable, and what to do."""
+    tried = f"no local path {Path(name).absolute()}"
+    cached = ("streamed, never cached" if kind == "dataset" else f"not in the cache {_cache()} (HF_HOME)")
+    download = ("hf download --repo-type dataset" if kind == "dataset" else "hf download") + f" {name} --local-dir DIR"
+    local = "DIR:train" if kind == "dataset" else "DIR"
+    if _offline():
+        return (f"{tried}; as a hub {kind} id it is {cached}, and HF_HUB_OFFLINE=1 forbids downloading it. "
+                f"Unset HF_HUB_OFFLINE, or copy it here ({download}) and give {local}")
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return (f"{tried}; as a hub {kind} id it is {cached}, and huggingface.co could not be reached "
+            f"({type(error).__name__}: {first}). Check the network (HF_ENDPOINT), or copy it here ({download}) "
+            f"and give {local}")
+
+
+# --- datasets --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DatasetRef:
+    """``NAME[:CONFIG][:SPLIT]``: a hub dataset id, or a local dataset repository folder."""
+
+    name: str
+    config: str | None
+    split: str
+
+    def __str__(self) -> str:
+        return ":".join(p for p in (self.name, self.config, self.split) if p is not None)
+
+
+def parse_dataset_ref(text: str) -> DatasetRef | None:
+    """``text`` as a dataset to stream, or None when it is neither a local folder with a split nor a hub id.
+
+    ``NAME`` (split train), ``NAME:SPLIT`` or ``NAME:CONFIG:SPLIT``. A bare local folder is
+    not a reference: folders are searched for files unless their name carries a split.
+    """
+    parts = text.split(":")
+    if len(parts) > 3 or not all(parts):
+        return None
+    name = parts[0]
+    config, split = (None, "train") if len(parts) == 1 else (None, parts[1]) if len(parts) == 2 else parts[1:]
+    if Path(name).expanduser().is_dir():
+        return DatasetRef(str(Path(name).expanduser()), config, split) if len(parts) > 1 else None
+    return DatasetRef(name, config, split) if is_hub_id(name) else None

@@ -1,0 +1,181 @@
+"""Hugging Face hub ids (oomb/train/hub.py) and datasets streamed through load_dataset, without a network.
+
+No machine of the test suite reaches huggingface.co, so the hub code paths run against what
+the hub leaves behind: a model snapshot in a Hugging Face cache (read offline, as from_pretrained
+reads it), and dataset repositories as local folders, streamed by datasets.load_dataset exactly
+as a hub id is.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from oomb.cli import main
+from oomb.train.config import ConfigError
+from oomb.train.corpus import DataError, byte_level_tokenizer, find_sources
+from oomb.train.hub import model_folder, parse_dataset_ref
+from oomb.train.packing import PackedCorpus
+from oomb.train.rows import check_sources
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["data.seq_len=128", "train.chunk_size=64", "train.page_size=32", "train.device=cpu", "train.lr=0.01",
+        "train.warmup_steps=1", "train.export=false"]
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _cached_model(cache: Path, repo_id: str) -> Path:
+    """A model snapshot laid out as huggingface_hub's cache holds one after a download."""
+    folder = cache / f"models--{repo_id.replace('/', '--')}"
+    tiny_model("llama", vocab_size=300).save_pretrained(folder / "snapshots" / COMMIT)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(COMMIT)
+    return folder / "snapshots" / COMMIT
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """What a machine without network sees: HF_HUB_OFFLINE=1 and a cache of its own (HF_HOME/hub)."""
+    import datasets
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def _dataset_repo(root: Path, rows: int = 60) -> Path:
+    """A dataset repository as the hub holds one (data/<split>-*.parquet), here a local folder."""
+    (root / "data").mkdir(parents=True)
+    texts = [f"row {i} " + "abcdefghij"[i % 10] * (3 + i % 17) for i in range(rows)]
+    pq.write_table(pa.table({"text": texts, "n": list(range(rows))}), root / "data" / "train-00000-of-00001.parquet",
+                   row_group_size=7)
+    pq.write_table(pa.table({"text": ["held out one", "held out two"], "n": [0, 1]}),
+                   root / "data" / "validation-00000-of-00001.parquet")
+    return root
+
+
+def test_dataset_names_are_local_paths_first_then_streams(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    repo = _dataset_repo(tmp_path / "repo")
+    assert parse_dataset_ref("owner/name").split == "train"
+    assert str(parse_dataset_ref("owner/name:validation")) == "owner/name:validation"
+    ref = parse_dataset_ref("owner/name:sample-10BT:train")
+    assert (ref.name, ref.config, ref.split) == ("owner/name", "sample-10BT", "train")
+    assert parse_dataset_ref("repo") is None  # a bare local folder is searched for files, not streamed
+    assert parse_dataset_ref("/no/such/folder") is None and parse_dataset_ref("a:b:c:d") is None
+    assert [s.kind for s in find_sources(["repo"])] == ["parquet", "parquet"]
+    (stream,) = find_sources(["repo:validation"])
+    assert (stream.kind, stream.key, stream.ref.name) == ("stream", "repo:validation", str(Path("repo")))
+    (hub,) = find_sources(["owner/name:test"])  # no such local path: a hub id, not read yet
+    assert (hub.kind, hub.ref.split) == ("stream", "test")
+    (tmp_path / "owner").mkdir()
+    (tmp_path / "owner" / "name.txt").write_text("local wins")
+    assert [s.kind for s in find_sources(["owner/name.txt"])] == ["text"]
+    assert repo.is_dir()
+
+
+def test_a_streamed_dataset_packs_exactly_as_its_file_does(tmp_path):
+    repo = _dataset_repo(tmp_path / "repo")
+    streamed = PackedCorpus(f"{repo}:train", byte_level_tokenizer(), 48, seed=3, window_rows=16)
+    direct = PackedCorpus(repo / "data" / "train-00000-of-00001.parquet", byte_level_tokenizer(), 48, seed=3,
+                          window_rows=16)
+    assert streamed.sources[0].kind == "stream" and direct.sources[0].kind == "parquet"
+    for _ in range(25):  # past the first epoch (the split holds ~1,100 tokens)
+        a, b = streamed.batch(2), direct.batch(2)
+        assert torch.equal(a.input_ids, b.input_ids)
+    assert streamed.rows.epoch >= 1
+
+
+def test_a_streamed_dataset_resumes_exactly_from_its_state_in_a_checkpoint(tmp_path):
+    repo = _dataset_repo(tmp_path / "repo")
+    straight = PackedCorpus(f"{repo}:train", byte_level_tokenizer(), 40, seed=1, window_rows=9)
+    for _ in range(5):
+        straight.batch(2)
+    state = json.loads(json.dumps(straight.state_dict()))  # as state.json holds it
+    assert state["window"] > 0 and state["start"]["state"]  # mid-split: the stream's own state
+    expected = [straight.batch(2) for _ in range(20)]  # across windows and the end of the epoch
+    resumed = PackedCorpus(f"{repo}:train", byte_level_tokenizer(), 40, seed=1, window_rows=9)
+    resumed.load_state_dict(state)
+    for want in expected:
+        assert torch.equal(resumed.batch(2).input_ids, want.input_ids)
+    assert straight.rows.epoch >= 1
+
+
+def test_stream_errors_say_what_was_tried(tmp_path, offline_hub):
+    repo = _dataset_repo(tmp_path / "repo")
+    with pytest.raises(DataError, match=r"repo:nope: the dataset folder .*Bad split: nope. Available splits: "
+                                        r"\['train', 'validation'\]"):
+        check_sources(find_sources([f"{repo}:nope"]))
+    with pytest.raises(DataError, match=r"someone/nothing:train: no local path .*someone/nothing; as a hub "
+                                        r"dataset id it is streamed, never cached, and HF_HUB_OFFLINE=1 forbids "
+                                        r"downloading it.*hf download --repo-type dataset someone/nothing"):
+        check_sources(find_sources(["someone/nothing"]))
+    with pytest.raises(DataError, match=r"data path /no/such/texts does not exist \(nor is it a Hugging Face"):
+        find_sources(["/no/such/texts"])
+    (tmp_path / "other" / "data").mkdir(parents=True)
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "other" / "data" / "train-00000-of-00001.parquet")
+    with pytest.raises(DataError, match=r"other:train has no column 'text' \(columns: \['body'\]\); set "
+                                        r"data.text_field"):
+        check_sources(find_sources([f"{tmp_path / 'other'}:train"]))
+
+
+def test_a_hub_model_id_loads_from_the_cache_offline_and_a_missing_one_says_where_it_looked(
+        tmp_path, offline_hub, capsys):
+    snapshot = _cached_model(offline_hub, "someone/tiny-a")
+    assert model_folder("someone/tiny-a", weights=False) == snapshot
+    assert model_folder("someone/tiny-a", weights=True) == snapshot
+    with pytest.raises(ConfigError, match=r"model.path='someone/missing': no local path .*; as a hub model id it is "
+                                          r"not in the cache .*hf/hub \(HF_HOME\), and HF_HUB_OFFLINE=1 forbids"):
+        model_folder("someone/missing", weights=False)
+    with pytest.raises(ConfigError, match=r"model.path='/no/such/model' does not exist: give a local"):
+        model_folder("/no/such/model", weights=False)
+    _cached_model(offline_hub, "someone/tiny-b")  # a snapshot with its config but without weights
+    (offline_hub / "models--someone--tiny-b" / "snapshots" / COMMIT / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"someone/tiny-b.*holds no weights"):
+        model_folder("someone/tiny-b", weights=True)
+
+    run = tmp_path / "run"
+    assert main(["train", f"out_dir={run}", "model.path=someone/missing", *FAST]) == 2
+    assert "HF_HUB_OFFLINE=1 forbids downloading it" in " ".join(capsys.readouterr().out.split())
+    assert not run.exists()
+
+
+def test_oomb_train_takes_a_hub_model_from_HF_HOME_and_a_streamed_dataset_and_resumes_exactly(tmp_path):
+    """The whole path in a fresh process, as a user runs it: HF_HOME and HF_HUB_OFFLINE in the environment."""
+    home = tmp_path / "hf"
+    _cached_model(home / "hub", "someone/tiny-c")
+    repo = _dataset_repo(tmp_path / "repo", rows=200)
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    run = tmp_path / "run"
+    args = ["model.path=someone/tiny-c", "data.task=text", f"data.paths=[{repo}:train]",
+            f"data.val_paths=[{repo}:validation]", "train.steps=4", "train.save_every=2", *FAST]
+    proc = subprocess.run([sys.executable, "-m", "oomb.cli", "train", f"out_dir={run}", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and "val_loss" in records[-1]
+    assert json.loads((run / "config.json").read_text())["model"]["path"] == "someone/tiny-c"  # as given
+
+    copy = tmp_path / "copy"  # what a crash after step 2 leaves
+    shutil.copytree(run, copy)
+    proc = subprocess.run([sys.executable, "-m", "oomb.cli", "train",
+                           f"resume={copy / 'checkpoints' / 'step-00000002'}"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    again = [json.loads(x) for x in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in again] == [r["loss"] for r in records]  # the same next batches after the resume
+    final = "checkpoints/step-00000004/model.safetensors"
+    assert (copy / final).read_bytes() == (run / final).read_bytes()
