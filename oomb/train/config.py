@@ -128,8 +128,8 @@ class TrainConfig:
     """Tokens per chunk of the chunk-recurrent step (a multiple of page_size), or auto: the memory plan picks the
     largest of 8192, 4096, 2048, ... (1024, ... on CPU; at most the sequence) with the attention cache where one fits
     (chunks of 1024 or more), else the largest without it. Longer chunks run faster on a large GPU and keep more
-    activations (Qwen2.5-7B on an H200 at 64K: 8192 -> 13.98 s, 82.7 GiB; 4096 -> 14.52 s, 65.8 GiB, both
-    cached; docs/benchmarks.md); `oomb plan` shows the choice and what a size costs."""
+    activations (Qwen2.5-7B on an H200 at 64K, Triton kernels: 8192 -> 14.01 s, 82.7 GiB; 4096 -> 14.52 s,
+    65.8 GiB, both cached; docs/benchmarks.md); `oomb plan` shows the choice and what a size costs."""
     page_size: int = 128
     """Tokens per page of the K/V store."""
     layer_checkpointing: bool = False

@@ -23,6 +23,7 @@ from rich.table import Table
 from oomb.engine.fused_ops import liger_available
 from oomb.engine.plan import MemoryPlan, largest_context, plan_first_fitting, plan_memory
 from oomb.engine.plan import format_bytes as _gib
+from oomb.engine.timing import H200_DENSE, predict_step_seconds
 from oomb.train.config import (
     Config,
     ConfigError,
@@ -118,8 +119,8 @@ def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dic
 # built-in tiny job) keep their speed and losses.
 AUTO_CHUNK_START = {"cuda": 8192, "cpu": 1024}
 # The smallest automatic chunk tried with the attention cache before the largest chunk without it. The cache
-# and long chunks each speed a step up (H200, Qwen2.5-7B, 64K: chunk 8192 cached 13.98 s, chunk 1024 uncached
-# 21.33 s; docs/benchmarks.md). Cached chunks below 1024 against long uncached ones were not measured: they
+# and long chunks each speed a step up (H200, Qwen2.5-7B: docs/benchmarks.md, "chunked_backward's defaults" and
+# "Chunks of 8192 tokens instead of 4096"). Cached chunks below 1024 against long uncached ones were not measured: they
 # run many more, smaller kernels per step, so the long chunk is preferred there.
 CACHE_MIN_CHUNK = 1024
 
@@ -294,6 +295,40 @@ def print_plan(plan: MemoryPlan, longest: int, console: Console, *, gpu_source: 
         console.print(f"note: {note}")
 
 
+def needs_and_time(cfg: Config, plan: MemoryPlan, device_type: str, dtype: torch.dtype, config) -> dict:
+    """What the asked length needs where it does not fit (GPU alone, or GPU and host with offload), and the
+    predicted seconds of a dense step on the GPU the step rates were measured on (None: not predicted)."""
+    n = cfg.data.seq_len
+    result = {"needs": None, "predicted_dense_step_s": None, "predicted_on": H200_DENSE.gpu}
+    if device_type != "cuda":
+        return result
+    if not plan.fits:
+        settings = {**_settings(cfg, device_type, dtype), **{k: plan.settings[k] for k in
+                    ("chunk_size", "cache_attention", "master_weights") if k in plan.settings}}
+        on_gpu = plan_memory(config, seq_len=n, **{**settings, "offload": False})
+        offloaded = plan_memory(config, seq_len=n, **{**settings, "offload": True, "cache_attention": False,
+                                                      "offload_gpu_bytes": 0})
+        result["needs"] = {"gpu_bytes_pages_on_gpu": on_gpu.gpu_bytes, "gpu_bytes_pages_on_host": offloaded.gpu_bytes,
+                           "host_bytes_pages_on_host": offloaded.host_bytes}
+    if cfg.train.page_budget is None:  # page-sparse steps: not predicted
+        result["predicted_dense_step_s"] = predict_step_seconds(config, n, cfg.train.batch_size)
+    return result
+
+
+def _needs_and_time_lines(cfg: Config, found: dict) -> list[str]:
+    lines = []
+    if (needs := found["needs"]) is not None:
+        lines.append(f"data.seq_len={cfg.data.seq_len:,} needs {_gib(needs['gpu_bytes_pages_on_gpu'])} of GPU memory "
+                     f"with every page on the GPU, or {_gib(needs['gpu_bytes_pages_on_host'])} of GPU memory and "
+                     f"{_gib(needs['host_bytes_pages_on_host'])} of host memory with the pages on the host "
+                     "(train.offload=true; more GPU memory keeps whole layers' pages there and needs less host memory)")
+    if (seconds := found["predicted_dense_step_s"]) is not None:
+        shown = f"{seconds:,.0f}" if seconds >= 100 else f"{seconds:.1f}"
+        lines.append(f"predicted dense step on an {found['predicted_on']}: {shown} s without the optimizer "
+                     "(oomb's fastest exact setting, from measured 64K and 128K steps; docs/memory.md)")
+    return lines
+
+
 def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memory: str | None,
              as_json: bool) -> int:
     """`oomb plan`: 0 when the run fits, 1 when it does not.
@@ -321,12 +356,15 @@ def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memo
     config = model_config(cfg)
     if as_json:
         warnings = [w for w in (positions_warning(cfg, config),) if w is not None]
-        print(json.dumps({**plan.to_dict(), "largest_seq_len": longest, "warnings": warnings}, indent=2))
+        print(json.dumps({**plan.to_dict(), "largest_seq_len": longest, "warnings": warnings,
+                          **needs_and_time(cfg, plan, device.type, dtype, config)}, indent=2))
     else:
         print_plan(plan, longest, console,
                    gpu_source="--gpu-memory" if gpu_memory is not None else f"free on {device}",
                    host_source="--host-memory" if host_memory is not None else "available on this machine")
         console.print(f"step: {describe_step_choice(cfg, auto, planned=True)}", highlight=False, soft_wrap=True)
+        for line in _needs_and_time_lines(cfg, needs_and_time(cfg, plan, device.type, dtype, config)):
+            console.print(line, highlight=False, soft_wrap=True)
         if (advice := offload_selection_note(cfg)) is not None:
             console.print(f"note: {advice}", highlight=False, soft_wrap=True)
         for line in position_notes(cfg, config):

@@ -8,6 +8,7 @@ import torch
 import oomb.train.memory as memory
 from oomb.cli import main
 from oomb.engine.plan import HOST_PROCESS_BYTES, largest_context, plan_memory
+from oomb.engine.timing import predict_step_seconds
 from oomb.train.config import ConfigError, offload_gpu_allowance
 from oomb.train.presets import preset_config
 from oomb.train.rundir import load_run_config
@@ -202,3 +203,23 @@ def test_offload_with_small_selection_blocks_gets_a_note(capsys):
     args = ["plan", "--host-memory", "64GiB", "data.seq_len=4096", "train.device=cpu", *base]
     assert main(args) == 0
     assert "note: train.offload with train.select_block=128" in capsys.readouterr().out.replace("\n", "")
+
+
+def test_plan_says_what_a_length_that_does_not_fit_needs_and_predicts_the_dense_step(capsys):
+    # 4M tokens of Qwen2.5-7B on an H200 with 125.8 GiB of host memory: the pages (112 KiB per token) do not fit.
+    args = ["plan", "train.device=cuda", "model.preset=qwen2.5-7b", "train.offload=true", "data.seq_len=4194304",
+            "--gpu-memory", "141GiB", "--host-memory", "125.8GiB", "--json"]
+    assert main(args) == 1
+    got = json.loads(capsys.readouterr().out)
+    needs = got["needs"]
+    pages = 4194304 * 112 * 1024  # K, V and their gradients, 28 layers x 4 KV heads x 128 x 2 B each
+    assert pages <= needs["host_bytes_pages_on_host"] <= pages + 16 * 2**30  # the pages, the process, the mean keys
+    assert needs["gpu_bytes_pages_on_gpu"] >= pages > needs["gpu_bytes_pages_on_host"]
+    # The prediction is the fitted model's, and a length that fits gets no "needs".
+    assert got["predicted_dense_step_s"] == pytest.approx(predict_step_seconds(preset_config("qwen2.5-7b"), 4194304))
+    assert main([*args[:4], "data.seq_len=65536", *args[5:]]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["needs"] is None and 10 < got["predicted_dense_step_s"] < 14
+    # Page-sparse steps are not predicted (their rate was measured at a few lengths only).
+    assert main([*args[:4], "data.seq_len=65536", "train.page_budget=64", *args[5:]]) == 0
+    assert json.loads(capsys.readouterr().out)["predicted_dense_step_s"] is None

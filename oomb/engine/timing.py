@@ -1,0 +1,60 @@
+"""How long one exact (dense) training step takes, predicted from steps measured on a GPU.
+
+A step's time has two parts: the matmuls and elementwise work of the layers and the LM head, linear
+in the context (6 x tokens x matmul parameters FLOPs, counted without recomputation), and causal
+attention, quadratic in it (6 x tokens^2 x layers x heads x head_dim FLOPs, forward and backward).
+Each part runs at its own rate on a given GPU; two measured steps of different lengths give both
+rates. The rates below were fitted on the H200 to oomb's fastest exact setting (FlashAttention-4
+kernels, chunks of 8192 with the attention cache, liger's fused ops) — the steps of
+benchmarks/results/core-7b-vs-transformers-64k.json and core-7b-vs-transformers-128k.json, without
+an optimizer; tests/engine/test_timing.py refits them from those records. The prediction is for
+that setting and GPU: other settings (shorter chunks, no cache, offload) and page-sparse attention
+are slower or faster by amounts measured only at some lengths (docs/benchmarks.md). Every layer is
+counted as attending the whole context (sliding-window layers attend less).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from oomb.engine.sizes import ModelShape
+
+__all__ = ["H200_DENSE", "StepRates", "predict_step_seconds", "step_flops"]
+
+
+@dataclass(frozen=True)
+class StepRates:
+    """Seconds per FLOP of the linear part and of the attention part of a step, on one GPU."""
+
+    gpu: str
+    linear_s_per_flop: float
+    attention_s_per_flop: float
+    basis: str
+
+
+H200_DENSE = StepRates(
+    gpu="NVIDIA H200",
+    linear_s_per_flop=2.3094e-15,  # 433 TFLOP/s of 6·N·P (the recompute forward included in the time)
+    attention_s_per_flop=1.9943e-15,  # 501 TFLOP/s of 6·N²·L·H·D
+    basis="Qwen2.5-7B steps at 64K and 128K tokens, fa4 kernels, chunk 8192, attention cache, fused ops "
+          "(benchmarks/results/core-7b-vs-transformers-64k.json, core-7b-vs-transformers-128k.json)",
+)
+
+
+def step_flops(model_config, seq_len: int, batch_size: int = 1) -> tuple[float, float]:
+    """(linear, attention) FLOPs of one training step over ``batch_size`` sequences of ``seq_len`` tokens,
+    counted as full-sequence training without recomputation counts them."""
+    shape = ModelShape.from_config(model_config)
+    h, d, kv, hidden = shape.heads, shape.head_dim, shape.kv_heads, shape.hidden
+    mlp = 3 * hidden * shape.intermediate * max(1, shape.experts_per_token)
+    layer = hidden * d * (h + 2 * kv) + h * d * hidden + mlp
+    matmul_params = shape.num_layers * layer + shape.vocab * hidden
+    linear = 6.0 * batch_size * seq_len * matmul_params
+    attention = 6.0 * batch_size * seq_len**2 * shape.num_layers * h * d
+    return linear, attention
+
+
+def predict_step_seconds(model_config, seq_len: int, batch_size: int = 1, rates: StepRates = H200_DENSE) -> float:
+    """Predicted seconds of one exact step (no optimizer step) at ``rates``' setting and GPU."""
+    linear, attention = step_flops(model_config, seq_len, batch_size)
+    return linear * rates.linear_s_per_flop + attention * rates.attention_s_per_flop

@@ -1,0 +1,40 @@
+"""The step-time model: its rates refit from the records they came from, and its shape."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from oomb.engine.timing import H200_DENSE, predict_step_seconds, step_flops
+from oomb.train.presets import preset_config
+
+RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"
+
+
+def _fa4_cached_step(record: str) -> tuple[int, float]:
+    rows = json.loads((RESULTS / record).read_text())["results"]
+    row = next(r for r in rows if r["system"].startswith("oomb+cached-attn") and r["backend"] == "fa4")
+    assert row["chunk_size"] == 8192 and row["options"]["cache_attention"] is True
+    return row["seq_len"], row["step_s"]
+
+
+def test_the_h200_rates_are_the_fit_of_the_records_they_cite():
+    config = preset_config("qwen2.5-7b")
+    steps = [_fa4_cached_step(r) for r in ("core-7b-vs-transformers-64k.json", "core-7b-vs-transformers-128k.json")]
+    flops = torch.tensor([step_flops(config, n) for n, _ in steps], dtype=torch.float64)
+    seconds = torch.tensor([s for _, s in steps], dtype=torch.float64)
+    linear, attention = torch.linalg.solve(flops, seconds).tolist()
+    assert linear == pytest.approx(H200_DENSE.linear_s_per_flop, rel=1e-3)
+    assert attention == pytest.approx(H200_DENSE.attention_s_per_flop, rel=1e-3)
+    for n, s in steps:
+        assert predict_step_seconds(config, n) == pytest.approx(s, rel=1e-3)
+
+
+def test_flops_are_linear_plus_quadratic_in_the_context():
+    config = preset_config("qwen2.5-7b")
+    (l1, a1), (l2, a2) = step_flops(config, 1 << 16), step_flops(config, 1 << 17)
+    assert l2 == 2 * l1 and a2 == 4 * a1
+    assert step_flops(config, 1 << 16, batch_size=2) == (2 * l1, 2 * a1)
+    # 6 x tokens x matmul parameters: Qwen2.5-7B's 7.07e9 (the embedding is a lookup, the LM head a matmul)
+    assert l1 / (6 * (1 << 16)) == pytest.approx(7.07e9, rel=1e-3)
