@@ -108,6 +108,13 @@ def test_train_refuses_bad_settings_before_work(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
     assert main(["train", "model.preset=nope"]) == 2
     assert "unknown model preset 'nope'" in capsys.readouterr().out
+    # Attention kernels: a name that is not one, and FlashAttention-4 where it cannot run, with the way out.
+    assert main(["train", f"out_dir={tmp_path / 'r'}", "train.attention=flash"]) == 2
+    assert "train.attention='flash': use one of auto, torch, triton, fa4" in capsys.readouterr().out
+    assert main(["train", f"out_dir={tmp_path / 'r'}", "train.attention=fa4", "train.device=cpu"]) == 2
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "train.attention=fa4" in out and "needs a CUDA device" in out and "train.attention=auto" in out
+    assert not (tmp_path / "r").exists()
 
 
 def test_layer_checkpointing_gives_the_same_run(tmp_path):
