@@ -1,4 +1,6 @@
-"""Paged attention kernels against torch SDPA (cuDNN, FLASH), Qwen2.5-7B heads, on a GPU.
+"""Paged attention kernels against torch SDPA (cuDNN, FLASH), Qwen2.5-7B heads, on a GPU; where flash-attn-4
+runs, also oomb's fa4 backend over the pages against FlashAttention-4 on contiguous K/V (what its gather and
+scatter cost).
 
     python -m benchmarks.attention --out out/attention.json
     python -m benchmarks.attention --contexts 16384 --page-size 64
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import do_bench_s, int_list, run_benchmark
+from oomb.kernels import flash4_unavailable
 
 H, H_KV, D, C = 28, 4, 128, 4096
 
@@ -59,10 +62,11 @@ def paged_inputs(kv_len: int, page_size: int, device, *, h: int = H, h_kv: int =
     return q, k, v, to_pool(k), to_pool(v), page_table
 
 
-def _ours(q, k_pool, v_pool, page_table, kv_len) -> dict:
-    from oomb.kernels.backward import paged_attention_backward
-    from oomb.kernels.forward import paged_attention_forward
+def _ours(q, k_pool, v_pool, page_table, kv_len, backend: str = "triton") -> dict:
+    from oomb.kernels import get_backend
 
+    kernels = get_backend(backend, "cuda")
+    paged_attention_forward, paged_attention_backward = kernels.forward, kernels.backward
     scale = D**-0.5
     dk_pool, dv_pool = torch.zeros_like(k_pool), torch.zeros_like(v_pool)
     d_out = torch.randn_like(q)
@@ -77,9 +81,32 @@ def _ours(q, k_pool, v_pool, page_table, kv_len) -> dict:
 
     flops = attention_flops(C, kv_len)
     t_fwd, t_all = do_bench_s(fwd), do_bench_s(fwd_bwd)
-    return {"system": "oomb-triton-paged", "mode": "paged", "fwd_s": t_fwd, "fwd_bwd_s": t_all,
+    return {"system": f"oomb-{kernels.name}-paged", "mode": "paged", "fwd_s": t_fwd, "fwd_bwd_s": t_all,
             "fwd_tflops": flops / t_fwd / 1e12, "fwd_bwd_tflops": 3.5 * flops / t_all / 1e12,
             "out": fwd()[0]}
+
+
+def _fa4_contiguous(q, k, v, kv_len) -> dict:
+    """FlashAttention-4 itself on the same work with contiguous K/V (no pages): what the fa4 backend's
+    gather and scatter are measured against (its forward and backward functions, as the backend calls them)."""
+    from flash_attn.cute import interface as fa
+
+    scale = D**-0.5
+    qf, kf, vf = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [1, T, H, D]
+    d_out = torch.randn_like(qf)
+
+    def fwd():
+        return fa._flash_attn_fwd(qf, kf, vf, softmax_scale=scale, causal=True, return_lse=True)[:2]
+
+    def fwd_bwd():
+        out, lse = fwd()
+        fa._flash_attn_bwd(qf, kf, vf, out, d_out, lse, softmax_scale=scale, causal=True)
+
+    flops = attention_flops(C, kv_len)
+    t_fwd, t_all = do_bench_s(fwd), do_bench_s(fwd_bwd)
+    return {"system": "flash-attn-4-contiguous", "mode": "dense", "fwd_s": t_fwd, "fwd_bwd_s": t_all,
+            "fwd_tflops": flops / t_fwd / 1e12, "fwd_bwd_tflops": 3.5 * flops / t_all / 1e12,
+            "out": fwd()[0].transpose(1, 2)}
 
 
 def _time_sdpa(backend, q, k, v, mask, full: bool) -> tuple[float, float, torch.Tensor]:
@@ -167,10 +194,14 @@ def _sdpa_split(backend_name, q, k, v, kv_len) -> dict:
 
 def run(args) -> dict:
     device = torch.device("cuda")
+    if args.fa4 and (reason := flash4_unavailable()) is not None:
+        raise SystemExit(f"--fa4: {reason}")
     results = []
     for kv_len in args.contexts:
         q, k, v, k_pool, v_pool, page_table = paged_inputs(kv_len, args.page_size, device)
         rows = [_ours(q, k_pool, v_pool, page_table, kv_len)]
+        if args.fa4:  # the fa4 backend over the same pages, and FA4 on contiguous K/V
+            rows += [_ours(q, k_pool, v_pool, page_table, kv_len, "fa4"), _fa4_contiguous(q, k, v, kv_len)]
         for backend in ("cudnn", "flash"):
             rows.append(_sdpa(backend, q, k, v, kv_len))
             rows.append(_sdpa_split(backend, q, k, v, kv_len))
@@ -224,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int_list, default=[16384, 65536, 131072], help="kv_len values")
     p.add_argument("--page-size", type=int, default=128)
+    p.add_argument("--fa4", action="store_true",
+                   help="also time oomb's fa4 backend over the pages and FlashAttention-4 on contiguous K/V")
     p.add_argument("--out", default=None, help="write the JSON report here")
     return run_benchmark("attention", p.parse_args(argv), run, _print_table)
 

@@ -73,7 +73,9 @@ job attention-tiles-16k 'python3 -m benchmarks.tune_attention --kv-len 16384 \
   --candidates default,fwd-n64,fwd-2st,fwd-4st,fwd-m64-w4'
 job attention-dkdv-layouts-64k 'python3 -m benchmarks.tune_attention --kv-len 65536 \
   --candidates default,interleaved-m32,head-major-m32,head-major-m64-4st,head-major-m64-2st'
-part attention 'attention-kernels attention-tiles-64k attention-tiles-16k attention-dkdv-layouts-64k'
+# The fa4 backend over the pages against FlashAttention-4 on contiguous K/V (needs the flash-attn-4 wheels).
+job attention-fa4 'python3 -m benchmarks.attention --contexts 65536,131072 --fa4'
+part attention 'attention-fa4 attention-kernels attention-tiles-64k attention-tiles-16k attention-dkdv-layouts-64k'
 
 # sparse: page-sparse attention against dense, kernels and steps, and where a sparse step's time goes.
 job sparse-kernels "python3 -m benchmarks.sparse --contexts 65536,131072,262144 --lengths ''"
