@@ -60,6 +60,14 @@ job train-7b-auto 'python3 -m benchmarks.train_steps --lengths 65536,131072 --st
 part core 'train-7b-auto core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops core-7b-vs-transformers-64k
   core-7b-vs-transformers-128k core-7b-lean-64k core-7b-sparse-vs-transformers-128k'
 
+# qlora: `oomb train` with bf16 LoRA against QLoRA (NF4 base) on Qwen2.5-7B at 128K, adapters on every linear layer,
+# each in its own process, the rest as oomb train picks it: step time and peak GPU memory. Needs peft and
+# bitsandbytes (wheels in .whl/ where the machine lacks them); a variant that cannot start is recorded as failed.
+job train-7b-qlora-vs-lora-128k 'python3 -m benchmarks.train_steps --lengths 131072 --steps 3 --timeout 270 \
+  --variant lora "lora.r=16 lora.targets=all-linear" \
+  --variant qlora "lora.r=16 lora.targets=all-linear model.quantize=nf4" --out "$OUT/train-7b-qlora-vs-lora-128k.json"'
+part qlora 'train-7b-qlora-vs-lora-128k'
+
 # memory: GPU memory against context, 16K to 256K (where transformers runs out).
 job core-7b-memory "$C --lengths 16384,32768,65536,131072 --ckpt-lengths 65536 --hf-lengths 16384,32768 --fused-ops none"
 job core-7b-256k "$C --lengths 16384,262144 --hf-lengths 65536,262144 --fused-ops none"

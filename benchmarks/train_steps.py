@@ -9,6 +9,15 @@ then is killed: a 7B run would otherwise write a ~45 GB checkpoint at its end. T
 step's seconds and peak GPU memory as `oomb train` reports them in metrics.jsonl (its first step
 compiles kernels and grows the allocator's pools), the settings from its config.json and its
 startup lines.
+
+``--variant NAME "KEY=VALUE ..."`` (repeatable) runs each length once per variant, its keys added to
+the command, in the same invocation and one process each, e.g. bf16 LoRA against QLoRA:
+
+    python -m benchmarks.train_steps --lengths 131072 --steps 3 --out out/train-7b-qlora-vs-lora-128k.json \
+        --variant lora "lora.r=16 lora.targets=all-linear" \
+        --variant qlora "lora.r=16 lora.targets=all-linear model.quantize=nf4"
+
+Each row then names its variant and the keys it added.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -27,7 +37,8 @@ from benchmarks.common import int_list, machine_description
 
 
 def record_of(run: Path, log: Path, seq_len: int) -> dict:
-    """One length's entry from a run folder (metrics.jsonl, config.json) and its console log."""
+    """One length's entry from a run folder (metrics.jsonl, config.json) and its console log (the LoRA rank and
+    model.quantize of the run too: what a variant changed)."""
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     cfg = json.loads((run / "config.json").read_text())
     warm = [m["seconds"] for m in metrics[1:]]
@@ -37,6 +48,8 @@ def record_of(run: Path, log: Path, seq_len: int) -> dict:
         "cache_attention": cfg["train"]["cache_attention"],
         "master_weights": cfg["train"]["master_weights"],
         "attention": cfg["train"].get("attention"),  # the key's value; the startup line names the kernels it chose
+        "lora_r": cfg.get("lora", {}).get("r"),
+        "quantize": cfg.get("model", {}).get("quantize", "none"),
         "steps": [{k: m.get(k) for k in ("step", "seconds", "loss", "peak_gpu_gib")} for m in metrics],
         "warm_step_s": sum(warm) / len(warm) if warm else None,  # the steps after the first
         "startup": [line for line in log.read_text().splitlines() if line.startswith(("oomb train", "note:", "fused"))
@@ -44,12 +57,15 @@ def record_of(run: Path, log: Path, seq_len: int) -> dict:
     }
 
 
-def run_length(preset: str, seq_len: int, steps: int, folder: Path, timeout: float) -> dict:
-    run, log = folder / f"run{seq_len}", folder / f"run{seq_len}.log"
+def run_length(preset: str, seq_len: int, steps: int, folder: Path, timeout: float,
+               variant: tuple[str, str] | None = None) -> dict:
+    """One `oomb train` process at ``seq_len``; ``variant``: (name, "KEY=VALUE ...") added to its command."""
+    name, keys = variant if variant is not None else ("", "")
+    run, log = folder / f"run{name}{seq_len}", folder / f"run{name}{seq_len}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "oomb.cli", "train", f"model.preset={preset}",
                                  f"data.seq_len={seq_len}", "train.steps=1000", "train.export=false",
-                                 f"out_dir={run}"], stdout=out, stderr=subprocess.STDOUT)
+                                 f"out_dir={run}", *shlex.split(keys)], stdout=out, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout
         metrics = run / "metrics.jsonl"
         while proc.poll() is None and time.time() < deadline:
@@ -58,7 +74,11 @@ def run_length(preset: str, seq_len: int, steps: int, folder: Path, timeout: flo
             time.sleep(1)
         proc.send_signal(signal.SIGKILL)  # no final checkpoint: what is measured is the steps
         proc.wait()
-    return record_of(run, log, seq_len)
+    if (run / "metrics.jsonl").is_file():
+        row = record_of(run, log, seq_len)
+    else:  # refused or failed before its first step (e.g. a package missing): the record says why, the rest runs
+        row = {"seq_len": seq_len, "warm_step_s": None, "error": log.read_text().strip().splitlines()[-3:]}
+    return row if variant is None else {"variant": name, "keys": keys, **row}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,11 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int_list, default=[3, 2], help="steps to log at each length (the first warms up)")
     p.add_argument("--timeout", type=float, default=300, help="seconds allowed per length")
     p.add_argument("--out", required=True, help="write the record here")
+    p.add_argument("--variant", nargs=2, action="append", metavar=("NAME", "KEYS"), default=None,
+                   help='run each length once more per variant with these oomb train keys, e.g. --variant qlora '
+                        '"lora.r=16 model.quantize=nf4" (repeatable; default: the keys at their defaults)')
     p.add_argument("--from-runs", nargs="+", metavar="RUN=LOG", default=None,
                    help="build the record from run folders and their logs made earlier (no training)")
     args = p.parse_args(argv)
     if len(args.steps) != len(args.lengths):
         p.error("--steps needs one count per length")
+    if args.variant is not None and args.from_runs is not None:
+        p.error("--from-runs builds a record of runs without variants")
     if args.from_runs is None:
         import torch
 
@@ -80,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             print("the train_steps benchmark needs a CUDA GPU", file=sys.stderr)
             return 2
         folder = Path(tempfile.mkdtemp(prefix="train_steps-"))
-        rows = [run_length(args.preset, n, k, folder, args.timeout) for n, k in zip(args.lengths, args.steps,
-                                                                                      strict=True)]
+        variants = [tuple(v) for v in args.variant] if args.variant is not None else [None]
+        rows = [run_length(args.preset, n, k, folder, args.timeout, variant)
+                for n, k in zip(args.lengths, args.steps, strict=True) for variant in variants]
         machine = machine_description()
     else:
         pairs = [item.split("=", 1) for item in args.from_runs]
@@ -92,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
               "machine": machine, "preset": args.preset, "results": rows}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     for r in rows:
-        print(f"{r['seq_len']:>9} tokens: chunk {r['chunk_size']}, cache {r['cache_attention']}, "
-              f"step after the first {r['warm_step_s']:.2f} s")
+        warm = f"{r['warm_step_s']:.2f} s" if r["warm_step_s"] is not None else "not reached"
+        what = (f"chunk {r['chunk_size']}, cache {r['cache_attention']}, step after the first {warm}"
+                if "error" not in r else f"failed: {' / '.join(r['error'])}")
+        print(f"{r.get('variant', ''):>8}{r['seq_len']:>9} tokens: {what}")
     return 0
 
 

@@ -6,7 +6,7 @@
 
 What a step holds at its peak (stage 2, the recompute forward + backward of one chunk):
 
-    parameters + gradients + optimizer states          (fixed)
+    parameters + gradients + optimizer states          (fixed; a 4-bit base: oomb/engine/quantize.py)
     + fp32 master weights of 16-bit parameters          (master_weights=True)
     paged store: K, V, dK, dV pages + mean keys        (grows with the context: StoreSpec's page math)
     sparse page lists of every chunk                   (kept from stage 1 to stage 2)
@@ -36,6 +36,7 @@ from oomb.engine.activations import (
     saved_bytes_per_token,
 )
 from oomb.engine.prepare import require_int
+from oomb.engine.quantize import QUANTIZE_KINDS, nf4_weight_bytes
 from oomb.engine.sizes import (
     OPTIMIZER_KINDS,
     ModelShape,
@@ -162,6 +163,7 @@ def plan_memory(
     tensor_parallel: int = 1,
     attention: str = "triton",
     fused_ops: bool = False,
+    quantize: str = "none",
 ) -> MemoryPlan:
     """Predict the peak bytes of one training step of ``model_config`` (a transformers config).
 
@@ -181,6 +183,9 @@ def plan_memory(
     gradients during the step; a no-op when the trainable parameters are fp32 (LoRA adapters).
     ``attention``: the attention backend; "fa4" adds the keys and values it reads gathered out of the pages.
     ``fused_ops``: liger's RMSNorm and SwiGLU replace transformers' (oomb.engine.fused_ops), which keep less.
+    ``quantize="nf4"`` (QLoRA, with ``lora_r`` > 0): the linear layers transformers' bitsandbytes quantizer
+    replaces hold NF4 weights (oomb.engine.quantize.nf4_weight_bytes, about 0.516 B per value), the rest
+    stays in ``dtype``; a layer's backward also holds one weight dequantized to ``dtype``.
     """
     arguments = dict(locals())  # the parameters, for the "auto" GPU allowance's second plan
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("chunk_size", chunk_size),
@@ -193,6 +198,11 @@ def plan_memory(
         raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
     if optimizer not in OPTIMIZER_KINDS:
         raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_KINDS)}")
+    if quantize not in QUANTIZE_KINDS:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_KINDS)}, got {quantize!r}")
+    if quantize != "none" and (lora_r == 0 or tensor_parallel > 1):
+        raise ValueError("a 4-bit base (quantize='nf4') trains LoRA adapters (lora_r > 0) in one process "
+                         "(tensor_parallel=1)")
     if offload_gpu_bytes == "auto":
         settings = {k: v for k, v in arguments.items() if k not in ("model_config", "offload_gpu_bytes")}
         base = plan_memory(model_config, **settings)
@@ -212,9 +222,11 @@ def plan_memory(
     chunk = min(chunk_size, seq_len)
     tokens = batch_size * chunk  # rows of one chunk
 
-    counts = count_parameters(model_config, lora_r, tuple(lora_targets) if lora_r > 0 else ())
+    counts = count_parameters(model_config, lora_r, tuple(lora_targets) if lora_r > 0 else (),
+                              quantized=quantize != "none")
     rank_tensors = counts.per_rank(tensor_parallel)  # = counts.tensors in one process
-    params = sum(rank_tensors) * s
+    four_bit = [n for n, q in zip(rank_tensors, counts.quantized, strict=True) if q] if quantize != "none" else []
+    params = (sum(rank_tensors) - sum(four_bit)) * s + sum(nf4_weight_bytes(n) for n in four_bit)
     # peft keeps adapters of a bf16/fp16 model in float32 (autocast_adapter_dtype=True).
     lora_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     if lora_r > 0:
@@ -272,6 +284,8 @@ def plan_memory(
         # layer's K and V gathered out of the pages, dK and dV, and fp32 dK/dV accumulators (GQA): 8 copies of
         # [seq_len, H_kv, D] in 16-bit units, beside the layer's own backward.
         layer_ws += 8 * batch_size * seq_len * (shape.kv_heads // tensor_parallel) * shape.head_dim * s
+    if four_bit:  # bitsandbytes dequantizes a 4-bit weight to the compute dtype for each matmul, forward and backward
+        layer_ws += max(four_bit) * s
     workspace = max(loss_ws, layer_ws)
     activations = saved + workspace
 
@@ -296,8 +310,8 @@ def plan_memory(
     trainable_note = (f"LoRA r={lora_r}: {sum(trainable):,} trainable ({dtype_name(train_dtype)})" if lora_r > 0
                       else f"{sum(trainable):,} trainable ({dtype_name(train_dtype)})")
     items = [
-        item("parameters", params, f"{sum(rank_tensors):,} x {dtype_name(dtype)}"
-             + (" + adapters" if lora_r > 0 else "")
+        item("parameters", params, (f"{sum(four_bit):,} in NF4 (4-bit) + " if four_bit else "")
+             + f"{sum(rank_tensors) - sum(four_bit):,} x {dtype_name(dtype)}" + (" + adapters" if lora_r > 0 else "")
              + (f" (one of {tensor_parallel} tensor parallel ranks)" if tensor_parallel > 1 else "")),
         item("gradients", grads, trainable_note),
         item("optimizer states", states, f"{optimizer} ({dtype_name(step_dtype)} moments)" if optimizer == "adamw"
@@ -315,7 +329,7 @@ def plan_memory(
              "out + lse of every stage-1 chunk and layer (train.cache_attention)"),
         item("saved activations", saved, saved_note),
         item("chunk workspace", workspace, f"larger of fused loss {format_bytes(loss_ws)} and layer "
-             f"backward {format_bytes(layer_ws)}"),
+             f"backward {format_bytes(layer_ws)}" + (" (with a dequantized weight)" if four_bit else "")),
         item("optimizer update", update_extra, f"{format_bytes(update)} workspace"
              + (" (with the step's fp32 gradients)" if masters else "") + ", counted beyond the chunk's activations"),
     ]
@@ -334,7 +348,7 @@ def plan_memory(
         "layer_checkpointing": layer_checkpointing, "offload": offload,
         "offload_gpu_bytes": offload_gpu_bytes if offload else 0, "offload_resident_layers": resident,
         "cache_attention": cache_attention,
-        "device_type": device_type, "tensor_parallel": tensor_parallel,
+        "device_type": device_type, "tensor_parallel": tensor_parallel, "quantize": quantize,
     }
     return MemoryPlan(items=items, settings=settings, device_type=device_type,
                       device_total_bytes=device_total_bytes if gpu else None,

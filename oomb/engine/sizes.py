@@ -4,7 +4,8 @@
     store_spec / paged_store_bytes     the paged store: its spec (what the engine allocates) and its
                                        bytes on the device and, offloaded, in host memory
     page_list_bytes                    sparse page lists kept from stage 1 to stage 2
-    count_parameters                   parameters (meta device) and the LoRA adapters peft would add
+    count_parameters                   parameters (meta device), the LoRA adapters peft would add and which
+                                       weights a 4-bit base quantizes (oomb/engine/quantize.py)
     optimizer_state_bytes              AdamW / bitsandbytes 8-bit states
 
 The memory planner (oomb/engine/plan.py) adds these up with the activations into one plan.
@@ -21,6 +22,7 @@ import torch
 
 from oomb.attention import check_model_config
 from oomb.cache import StoreSpec
+from oomb.engine.quantize import quantized_linear_names
 
 OPTIMIZER_KINDS = ("adamw", "adamw8bit", "paged_adamw8bit")
 # bitsandbytes 8-bit optimizers: tensors of at least this many values get 8-bit states with
@@ -159,6 +161,7 @@ class ParameterCounts:
     tensors: tuple[int, ...]  # numel of each parameter tensor
     lora: tuple[int, ...] = ()  # numel of each LoRA adapter tensor (A and B per targeted linear)
     split: tuple[bool, ...] = ()  # per tensor: split over tensor parallel ranks (oomb.engine.tensor_parallel)
+    quantized: tuple[bool, ...] = ()  # per tensor: a weight a 4-bit base holds in NF4 (counted when asked)
 
     def per_rank(self, tensor_parallel: int) -> tuple[int, ...]:
         """numel of each parameter tensor on one of ``tensor_parallel`` ranks."""
@@ -170,7 +173,8 @@ _SPLIT = re.compile(r"self_attn\.([qkv]_proj\.(weight|bias)|o_proj\.weight|sinks
 
 
 @functools.lru_cache(maxsize=16)
-def _count_parameters(config_json: str, model_type: str, lora_r: int, lora_targets: tuple[str, ...]) -> ParameterCounts:
+def _count_parameters(config_json: str, model_type: str, lora_r: int, lora_targets: tuple[str, ...],
+                      quantized: bool) -> ParameterCounts:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = json.loads(config_json)
@@ -184,17 +188,22 @@ def _count_parameters(config_json: str, model_type: str, lora_r: int, lora_targe
     named = list(model.named_parameters())
     tensors = tuple(p.numel() for _, p in named)
     split = tuple(bool(_SPLIT.search(name)) for name, _ in named)
+    four_bit = {f"{name}.weight" for name in quantized_linear_names(model)} if quantized else set()
     lora: list[int] = []
     if lora_r > 0:
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets:
                 lora += [lora_r * module.in_features, module.out_features * lora_r]
-    return ParameterCounts(total=sum(tensors), tensors=tensors, lora=tuple(lora), split=split)
+    return ParameterCounts(total=sum(tensors), tensors=tensors, lora=tuple(lora), split=split,
+                           quantized=tuple(name in four_bit for name, _ in named) if quantized else ())
 
 
-def count_parameters(config, lora_r: int = 0, lora_targets: tuple[str, ...] = ()) -> ParameterCounts:
-    """Parameters of ``config``'s causal LM and of the LoRA adapters peft would add."""
-    return _count_parameters(config.to_json_string(use_diff=False), config.model_type, lora_r, tuple(lora_targets))
+def count_parameters(config, lora_r: int = 0, lora_targets: tuple[str, ...] = (), *,
+                     quantized: bool = False) -> ParameterCounts:
+    """Parameters of ``config``'s causal LM and of the LoRA adapters peft would add; ``quantized``: also which
+    weights a 4-bit base holds in NF4 (ParameterCounts.quantized)."""
+    return _count_parameters(config.to_json_string(use_diff=False), config.model_type, lora_r, tuple(lora_targets),
+                             quantized)
 
 
 def optimizer_state_bytes(kind: str, numels: tuple[int, ...], dtype: torch.dtype) -> int:

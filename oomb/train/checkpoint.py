@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from oomb.train.optim import MASTER_WEIGHTS_KEY, MasterWeights
+from oomb.train.quantize import is_quantized, merged_export_model
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -404,10 +405,13 @@ def export_model(model, out_dir: Path, *, merge_lora: bool = True, tokenizer=Non
     A LoRA (peft) model is exported with its adapters merged into a copy of the weights,
     or, with ``merge_lora=False``, as the adapter folder peft loads on top of the base, whose
     adapter_config.json names ``base_model`` (an absolute path or a hub id; peft would record the
-    path as the run was given it, relative to where it started).
+    path as the run was given it, relative to where it started). A 4-bit base (QLoRA) is merged as
+    oomb.train.quantize.merged_export_model says: dequantized, in the model's dtype, no bitsandbytes needed.
     """
     peft_configs = getattr(model, "peft_config", None)
-    if merge_lora and callable(getattr(model, "merge_and_unload", None)):
+    if merge_lora and is_quantized(model):  # QLoRA: the 4-bit base dequantized, the adapters merged in
+        model = merged_export_model(model)
+    elif merge_lora and callable(getattr(model, "merge_and_unload", None)):
         import copy
 
         model = copy.deepcopy(model).merge_and_unload()  # the training model keeps its adapters

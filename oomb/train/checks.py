@@ -17,6 +17,7 @@ from oomb.train.config import Config, ConfigError, offload_gpu_bytes, page_selec
 from oomb.train.hub import model_folder
 from oomb.train.optim import wants_master_weights
 from oomb.train.presets import preset_names
+from oomb.train.quantize import check_quantize
 from oomb.train.reporting import check_report_to
 from oomb.train.rope import check_rope
 from oomb.train.schedule import check_schedule_values
@@ -73,6 +74,7 @@ def check_config(cfg: Config) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     page_selection(cfg)  # page-sparse attention settings
+    check_quantize(cfg)  # model.quantize: needs LoRA, one process
     if not (t.cache_attention is True or t.cache_attention is False or t.cache_attention == "auto"):
         raise ConfigError(f"train.cache_attention={t.cache_attention!r}: use auto (on where the memory plan fits "
                           "with it), true or false")

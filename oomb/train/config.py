@@ -35,6 +35,9 @@ class ModelConfig:
     """Hugging Face model folder, or hub id where no such folder exists (cached in HF_HOME); replaces `preset`."""
     dtype: str = "auto"
     """Parameter dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16 or float32."""
+    quantize: str = "none"
+    """none, or nf4 (QLoRA, with lora.r > 0): the base's linear layers in 4 bits (bitsandbytes NF4, double
+    quantization) computing in model.dtype; embeddings, norms and the LM head stay in model.dtype."""
     trust_remote_code: bool = False
     """Run Python code shipped in model.path (auto_map in its config.json); read that code before setting true.
     A resumed run takes it from the command line only: a run folder's config.json never turns it on."""
@@ -52,7 +55,7 @@ class LoraConfig:
     """Comma-separated names of the linear layers that get adapters (default: attention's four projections), or
     all-linear (peft's name: every linear layer but the LM head)."""
     merge_on_export: bool = True
-    """Export the base model with the adapters merged in (else the adapter folder alone)."""
+    """Export the base model with the adapters merged in (a 4-bit base dequantized first), else the adapter folder."""
 
 
 @dataclass

@@ -61,7 +61,7 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
         tensor_parallel=t.tensor_parallel,
         # auto on a GPU plans for FlashAttention-4's gathered keys whether or not it is installed (a margin otherwise)
         attention="fa4" if t.attention == "fa4" or (t.attention == "auto" and device_type == "cuda") else t.attention,
-        fused_ops=plans_fused_ops(cfg, device_type),
+        fused_ops=plans_fused_ops(cfg, device_type), quantize=cfg.model.quantize,
     )
 
 
@@ -100,6 +100,8 @@ def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dic
         candidates.append(("train.master_weights=false", {"master_weights": False}))
     if cfg.lora.r == 0:
         candidates.append(("lora.r=16", {"lora_r": 16}))
+    elif cfg.model.quantize == "none" and t.tensor_parallel == 1:  # the base in 4 bits: QLoRA
+        candidates.append(("model.quantize=nf4", {"quantize": "nf4"}))
     if device_type == "cuda" and not t.offload:
         candidates.append(("train.offload=true" + (" train.cache_attention=false" if t.cache_attention is True else ""),
                            {"offload": True, "cache_attention": False}))
@@ -271,6 +273,7 @@ def print_plan(plan: MemoryPlan, longest: int, console: Console, *, gpu_source: 
                   f"x {plan.settings['batch_size']}, chunk {plan.settings['chunk_size']}, "
                   f"{plan.settings['dtype']}, {plan.settings['optimizer']}"
                   + (" on fp32 master weights" if plan.settings.get("master_weights") else "")
+                  + (", NF4 base (QLoRA)" if plan.settings.get("quantize", "none") != "none" else "")
                   + (", layer checkpointing" if plan.settings["layer_checkpointing"] else "")
                   + (f", one of {plan.settings['tensor_parallel']} tensor parallel ranks"
                      if plan.settings.get("tensor_parallel", 1) > 1 else ""))

@@ -12,23 +12,33 @@ from oomb.train.config import Config, ConfigError
 from oomb.train.hub import model_folder
 from oomb.train.inputs import model_config
 from oomb.train.presets import build_model
+from oomb.train.quantize import bnb_config, finish_quantized, quantize_linears
 from oomb.train.rope import pin_dynamic_rope
 
 
 def build(cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """The configured model (model.rope applied; LoRA adapters when lora.r > 0), seeded by train.seed."""
+    """The configured model (model.rope applied; its linear layers in NF4 with model.quantize=nf4; LoRA adapters
+    when lora.r > 0), seeded by train.seed."""
     torch.manual_seed(cfg.train.seed)
     config = model_config(cfg)
+    four_bit = cfg.model.quantize == "nf4"  # QLoRA: oomb.train.quantize
     if cfg.model.path is not None:
         from transformers import AutoModelForCausalLM
 
         folder = model_folder(cfg.model.path, weights=True)  # a hub id's weights are fetched now, into the cache
+        # A 4-bit load quantizes each weight as it is read, on the device (a bitsandbytes model cannot be moved).
+        placed = dict(quantization_config=bnb_config(dtype), device_map={"": _indexed(device)}) if four_bit else {}
         model = AutoModelForCausalLM.from_pretrained(
             folder, config=config, dtype=dtype, local_files_only=True,
-            trust_remote_code=cfg.model.trust_remote_code,
-        ).to(device)
+            trust_remote_code=cfg.model.trust_remote_code, **placed,
+        )
+        model = model if four_bit else model.to(device)
     else:
         model = build_model(cfg.model.preset, dtype=dtype, device=device, config=config)
+        if four_bit:
+            quantize_linears(model, dtype)
+    if four_bit:
+        finish_quantized(model)
     try:
         pin_dynamic_rope(model, cfg.data.seq_len)
     except ValueError as e:
@@ -36,6 +46,13 @@ def build(cfg: Config, device: torch.device, dtype: torch.dtype) -> torch.nn.Mod
     if cfg.lora.r > 0:
         model = add_lora(model, cfg)
     return model
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:N`` of the current device (a device map names one device); others as they are."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def base_model_name(cfg: Config) -> str | None:

@@ -43,6 +43,7 @@ from oomb.train.memory import check_memory, describe_step_choice
 from oomb.train.model import build, prepare_for_training
 from oomb.train.monitor import memory_fields, plot_run
 from oomb.train.optim import MasterWeights, build_optimizer, check_optimizer, wants_master_weights
+from oomb.train.quantize import check_quantize_runs
 from oomb.train.reporting import Reports
 from oomb.train.run import Run, write_failure
 from oomb.train.rundir import (
@@ -84,6 +85,7 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
     device = ctx.device if ctx is not None else resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     check_optimizer(cfg.train.optimizer, device)
+    check_quantize_runs(cfg, device)  # model.quantize=nf4: bitsandbytes runs 4-bit layers on this device
     inputs = _build_inputs(cfg, ctx, console)
     validation = build_validation(cfg, inputs, ctx)  # the held-out batches, before the model is built
     plan, step_choice = _check_memory(cfg, device, dtype, console, ctx)
@@ -215,7 +217,8 @@ def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, choic
     n_params = sum(p.numel() for p in params)
     masters = isinstance(optimizer, MasterWeights)
     console.print(
-        f"[bold]oomb train[/]: {cfg.model.path or cfg.model.preset} ({n_params / 1e6:.2f}M params, {dtype}) on "
+        f"[bold]oomb train[/]: {cfg.model.path or cfg.model.preset} ({n_params / 1e6:.2f}M params, {dtype}"
+        f"{', base in NF4' if cfg.model.quantize == 'nf4' else ''}) on "
         f"{device}; {cfg.train.steps} steps x {cfg.train.grad_accum * cfg.train.batch_size} x {cfg.data.seq_len} "
         f"tokens ({cfg.data.task}), {cfg.train.optimizer} "
         f"{'on fp32 master weights' if masters else 'without master weights'}, "

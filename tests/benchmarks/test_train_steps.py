@@ -33,3 +33,15 @@ def test_a_record_is_built_from_runs_made_earlier(tmp_path):
     assert main(["--lengths", "65536", "--steps", "2", "--out", str(out), "--from-runs", f"{run}={log}"]) == 0
     report = json.loads(out.read_text())
     assert report["bench"] == "train_steps" and report["results"][0]["warm_step_s"] == 14.0
+
+
+def test_a_variant_adds_its_keys_to_the_run_and_a_refused_one_is_recorded(tmp_path):
+    from benchmarks.train_steps import run_length
+
+    cpu = "train.device=cpu train.page_size=64 train.chunk_size=128"
+    row = run_length("tiny", 256, 2, tmp_path, 120, ("qlora", f"{cpu} lora.r=8 model.quantize=nf4"))
+    assert (row["variant"], row["lora_r"], row["quantize"]) == ("qlora", 8, "nf4")
+    assert len(row["steps"]) >= 2 and row["warm_step_s"] is not None
+    assert "base in NF4" in row["startup"][0]  # the startup line of `oomb train`
+    refused = run_length("tiny", 256, 2, tmp_path, 120, ("nolora", f"{cpu} model.quantize=nf4"))
+    assert refused["warm_step_s"] is None and "lora.r" in " ".join(refused["error"])
