@@ -77,8 +77,9 @@ def check_quantize_runs(cfg: Config, device: torch.device) -> None:
                           "quantizer, which needs accelerate: pip install accelerate (or pip install 'oomb[qlora]')")
     if device.type not in _RUNS_ON:
         try:
-            layer = bnb.nn.Linear4bit(128, 64, bias=False, compute_dtype=torch.float32, **_NF4).to(device)
-            x = torch.randn(2, 128, device=device, requires_grad=True)
+            with torch.random.fork_rng(devices=[]):  # the layer's init draws from the CPU generator: not the run's
+                layer = bnb.nn.Linear4bit(128, 64, bias=False, compute_dtype=torch.float32, **_NF4).to(device)
+            x = torch.linspace(-1, 1, 256, device=device).reshape(2, 128).requires_grad_()
             layer(x).sum().backward()
             _RUNS_ON[device.type] = None if x.grad is not None else "no gradient reached the layer's input"
         except (RuntimeError, NotImplementedError, ValueError, AssertionError) as e:

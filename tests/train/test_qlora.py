@@ -154,6 +154,24 @@ def test_an_evaluation_pass_leaves_training_gradients_intact():
     assert after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before)
 
 
+def test_fused_ops_keep_the_4_bit_projections():
+    # liger's modules (their kernels need CUDA: tests/engine/test_gpu_qlora.py runs them) call the same projections.
+    from oomb.engine.fused_ops import liger_available, swap_fused_modules
+
+    if not liger_available():
+        pytest.skip("liger-kernel is not installed")
+    model = build(load_config(None, QLORA), torch.device("cpu"), torch.float32)
+    before = dict(model.named_parameters())
+    mlps = {name: (m.gate_proj, m.up_proj, m.down_proj) for name, m in model.named_modules() if name.endswith("mlp")}
+    assert swap_fused_modules(model)
+    assert dict(model.named_parameters()).keys() == before.keys()
+    for name, projections in mlps.items():
+        swapped = model.get_submodule(name)
+        assert type(swapped).__name__ == "LigerSwiGLUMLP"
+        assert (swapped.gate_proj, swapped.up_proj, swapped.down_proj) == projections
+        assert isinstance(swapped.up_proj.get_base_layer(), bnb.nn.Linear4bit)
+
+
 def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
