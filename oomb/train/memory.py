@@ -313,7 +313,7 @@ def needs_and_time(cfg: Config, plan: MemoryPlan, device_type: str, dtype: torch
                                                       "offload_gpu_bytes": 0})
         result["needs"] = {"gpu_bytes_pages_on_gpu": on_gpu.gpu_bytes, "gpu_bytes_pages_on_host": offloaded.gpu_bytes,
                            "host_bytes_pages_on_host": offloaded.host_bytes}
-    if cfg.train.page_budget is None:  # page-sparse steps: not predicted
+    if cfg.train.page_budget is None and cfg.model.quantize == "none":  # page-sparse, 4-bit (QLoRA): not measured
         result["predicted_dense_step_s"] = predict_step_seconds(config, n, cfg.train.batch_size)
     return result
 
