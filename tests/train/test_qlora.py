@@ -176,6 +176,14 @@ def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def _trained(run):
+    """The run's model as it trained: built from its config, its last checkpoint's adapters loaded."""
+    cfg = load_config(run / "config.json")
+    model = build(cfg, torch.device("cpu"), torch.float32)
+    load_weights(find_checkpoint(run), model)
+    return model.eval()
+
+
 def test_a_preset_run_learns_resumes_exactly_and_exports_a_plain_model(tmp_path):
     run = tmp_path / "run"
     assert main(["train", f"out_dir={run}", *QLORA, "train.steps=3", "train.save_every=1", *FAST]) == 0
@@ -192,14 +200,9 @@ def test_a_preset_run_learns_resumes_exactly_and_exports_a_plain_model(tmp_path)
     assert "quantization_config" not in config
     exported = AutoModelForCausalLM.from_pretrained(run / "export")
     assert not any(isinstance(m, bnb.nn.Linear4bit) for m in exported.modules())
-
-
-def _trained(run, tmp_path):
-    """The run's model as it trained: built from its config, its last checkpoint's adapters loaded."""
-    cfg = load_config(run / "config.json")
-    model = build(cfg, torch.device("cpu"), torch.float32)
-    load_weights(find_checkpoint(run), model)
-    return model.eval()
+    ids = torch.randint(0, 64, (1, 64))
+    with torch.no_grad():  # the tied embeddings and LM head included
+        assert rel_err(exported(input_ids=ids).logits, _trained(run)(input_ids=ids).logits) <= 1e-5
 
 
 @pytest.mark.parametrize("merge", [True, False])
@@ -210,7 +213,7 @@ def test_a_folder_run_exports_what_it_trained(tmp_path, merge):
                  f"lora.merge_on_export={str(merge).lower()}", *FAST]) == 0
     ids = torch.randint(0, 257, (1, 64))
     with torch.no_grad():
-        want = _trained(run, tmp_path)(input_ids=ids).logits
+        want = _trained(run)(input_ids=ids).logits
         if merge:  # a plain model: the dequantized base with the adapters merged, no bitsandbytes needed
             got = AutoModelForCausalLM.from_pretrained(run / "export")(input_ids=ids).logits
             assert rel_err(got, want) <= 1e-5
