@@ -90,3 +90,10 @@ def test_package_files_stay_readable_in_one_sitting():
 def test_every_package_declares_what_it_exports():
     missing = [str(p.relative_to(ROOT)) for p in (ROOT / "oomb").rglob("__init__.py") if "__all__" not in p.read_text()]
     assert not missing, missing
+
+
+def test_test_file_names_are_unique():
+    # pytest imports test files by basename (rootdir mode, no packages): two files of one name in different
+    # folders stop the whole collection ("import file mismatch").
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
