@@ -14,6 +14,7 @@ from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import liger_available
 from oomb.kernels import BACKEND_NAMES, flash4_unavailable
 from oomb.train.config import Config, ConfigError, offload_gpu_bytes, page_selection
+from oomb.train.demo import settle_shape
 from oomb.train.hub import model_folder
 from oomb.train.optim import wants_master_weights
 from oomb.train.presets import preset_names
@@ -49,10 +50,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def check_config(cfg: Config) -> None:
     """Everything that can be checked before a model is built (floats are finite already: load_config)."""
+    settle_shape(cfg)  # a Config built in Python: its auto sizes (load_config settles them too)
     t = cfg.train
+    if t.final_eval_samples != "auto" and (isinstance(t.final_eval_samples, str) or t.final_eval_samples < 0):
+        raise ConfigError(f"train.final_eval_samples={t.final_eval_samples!r}: use auto (100, fewer for a short run), "
+                          "a number of held-out sequences, or 0 for none")
     for name, value in (("train.steps", t.steps), ("train.batch_size", t.batch_size),
                         ("train.grad_accum", t.grad_accum), ("train.page_size", t.page_size),
-                        ("data.seq_len", cfg.data.seq_len), ("train.tensor_parallel", t.tensor_parallel)):
+                        ("data.seq_len", cfg.data.seq_len), ("train.tensor_parallel", t.tensor_parallel),
+                        ("data.passkey_digits", cfg.data.passkey_digits)):
+        if isinstance(value, str):  # the keys whose auto is settled by now
+            raise ConfigError(f"{name}={value!r}: use a whole number or auto")
         if value <= 0:
             raise ConfigError(f"{name} must be positive, got {value}")
     if t.chunk_size != "auto":

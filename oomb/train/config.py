@@ -63,8 +63,8 @@ class DataConfig:
     task: str = "passkey"
     """Training data: passkey or needle (built-in synthetic retrieval), text (the files in data.paths) or chat
     (conversations in data.paths, packed whole, loss on the assistant's tokens; docs/chat.md)."""
-    seq_len: int = 4096
-    """Tokens per sequence."""
+    seq_len: int | str = "auto"
+    """Tokens per sequence, or auto: 4096, and 256 for the built-in demo (oomb/train/demo.py)."""
     paths: list[str] | None = None
     """data.task=text: .txt/.md/.jsonl/.parquet files (a named file of any suffix is text), folders (searched
     recursively), globs or save_to_disk folders; data.task=chat: .jsonl/.parquet files, folders or save_to_disk
@@ -76,8 +76,8 @@ class DataConfig:
     document_mask: bool = False
     """data.task=text: attention stays inside each packed document, and no token predicts the next document's start
     (data.task=chat always does this for its samples)."""
-    passkey_digits: int = 5
-    """Digits of the passkey (or of the needle's value) to retrieve."""
+    passkey_digits: int | str = "auto"
+    """Digits of the passkey (or of the needle's value) to retrieve, or auto: 5, and 1 for the built-in demo."""
     depth: float | None = None
     """Where the passkey or needle sits, as a fraction of the sequence; null = random per sequence."""
     needles: int = 1
@@ -86,7 +86,7 @@ class DataConfig:
     loss_on: str = "auto"
     """Which tokens carry loss: all (language modelling of the whole sequence), answer (passkey/needle: the digits
     only; the LM head then runs on those positions alone) or assistant (chat: the assistant messages' tokens);
-    auto = assistant for chat, all otherwise."""
+    auto = assistant for chat, answer for the built-in demo, all otherwise."""
     chat_template: str | None = None
     """data.task=chat: a Jinja chat template, or the path of a file holding one; null = the tokenizer's own. The
     export's tokenizer carries it."""
@@ -104,10 +104,10 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 60
+    steps: int = 150
     """Optimizer steps."""
-    batch_size: int = 1
-    """Sequences per chunked_backward call."""
+    batch_size: int | str = "auto"
+    """Sequences per chunked_backward call, or auto: 1, and 32 for the built-in demo."""
     grad_accum: int = 1
     """chunked_backward calls per optimizer step (their gradients add up; the loss is averaged over all targets)."""
     optimizer: str = "adamw"
@@ -147,6 +147,9 @@ class TrainConfig:
     """Keep only the newest N checkpoints, deleting older ones after each save (0 = keep all)."""
     on_nonfinite: str = "stop"
     """A NaN/inf loss or gradient: stop (exit, checkpoints untouched) or skip (no update for that step, logged)."""
+    final_eval_samples: int | str = "auto"
+    """Passkey/needle runs: the last line's retrieval accuracy on this many held-out sequences at data.seq_len
+    (<out_dir>/retrieval.json); auto = 100, or a tenth of the sequences trained where fewer; 0 = none."""
     export: bool = True
     """After the last step, write <out_dir>/export (model and tokenizer), a folder from_pretrained loads."""
     report_to: list[str] = field(default_factory=lambda: ["jsonl"])
@@ -226,6 +229,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: the value is not plain YAML: {str(e).splitlines()[0]}") from e
         _apply(cfg, nested, prefix="", source="command line", raw_text=raw)
+    from oomb.train.demo import settle_shape  # the auto sizes: the built-in demo's or any other run's
+
+    settle_shape(cfg)
     return cfg
 
 

@@ -23,6 +23,7 @@ from oomb.train.corpus import (
     load_tokenizer,
 )
 from oomb.train.data import NeedleTask, PasskeyTask
+from oomb.train.demo import demo_note
 from oomb.train.hub import model_folder, tokenizer_folder
 from oomb.train.packing import PackedCorpus
 from oomb.train.rope import apply_rope, describe_rope, rope_is_scaled
@@ -270,7 +271,9 @@ def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs | ChatInpu
         raise ConfigError(f"data: {e}") from e
     if vocab < task.vocab_size:
         raise ConfigError(f"the model's vocabulary ({vocab}) is smaller than the {d.task} task's ({task.vocab_size})")
-    return SyntheticInputs(task, t.batch_size, t.grad_accum, tokenizer)
+    inputs = SyntheticInputs(task, t.batch_size, t.grad_accum, tokenizer)
+    inputs.notes = tuple(note for note in (demo_note(cfg),) if note is not None)
+    return inputs
 
 
 def _chat_corpus(cfg: Config, tokenizer, loss: str) -> ChatCorpus:

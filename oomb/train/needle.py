@@ -236,9 +236,10 @@ def text_needle_grid(task: TextNeedleTask, score: Scorer, *, lengths: Sequence[i
                     logprobs += logprob.sum(dim=1).tolist()
             acc = sum(hits) / samples
             accuracy[i][j] = acc
+            tokens = len(token_hits)
             cells.append({"length": length, "depth": depth, "samples": samples, "accuracy": acc,
-                          "token_accuracy": sum(token_hits) / len(token_hits),
-                          "answer_logprob": sum(logprobs) / samples, "answer_mean_nll": -sum(logprobs) / len(token_hits),
+                          "token_accuracy": sum(token_hits) / tokens, "answer_logprob": sum(logprobs) / samples,
+                          "answer_mean_nll": -sum(logprobs) / tokens,
                           "needle_positions": [s.needle_start for s in batch],
                           "needle_depth": sum(s.needle_depth for s in batch) / samples})
             if on_cell is not None:

@@ -45,6 +45,7 @@ from oomb.train.monitor import memory_fields, plot_run
 from oomb.train.optim import MasterWeights, build_optimizer, check_optimizer, wants_master_weights
 from oomb.train.quantize import check_quantize_runs
 from oomb.train.reporting import Reports
+from oomb.train.retrieval_report import final_retrieval
 from oomb.train.run import Run, write_failure
 from oomb.train.rundir import (
     METRICS,
@@ -398,6 +399,8 @@ def _finish(run: Run, console: Console, main_rank: bool, started: float) -> None
     console.print(f"done: {steps} in {time.perf_counter() - started:.1f} s; {loss}"
                   f"{f'non-finite steps skipped: {run.skipped}; ' if run.skipped else ''}metrics, "
                   f"checkpoints{' and export' if cfg.train.export else ''} in {out}")
+    if main_rank and run.ctx is None and (retrieval := final_retrieval(cfg, run.model, out, console)):
+        console.print(retrieval, highlight=False)  # passkey/needle runs: held-out retrieval, the last line
 
 
 def _memory_text(record: dict) -> str:

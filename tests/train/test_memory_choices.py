@@ -159,10 +159,12 @@ def test_chunk_size_auto_in_the_config():
 
 def test_the_cpu_default_keeps_its_chunk_and_cache(capsys):
     cfg, plan, _ = _resolve([], "cpu", torch.float32, gpu_bytes=None, host_bytes=16 * GiB)
+    assert (cfg.train.chunk_size, cfg.train.cache_attention, plan.fits) == (256, True, True)  # the demo: one chunk
+    cfg, plan, _ = _resolve(["data.seq_len=4096"], "cpu", torch.float32, gpu_bytes=None, host_bytes=16 * GiB)
     assert (cfg.train.chunk_size, cfg.train.cache_attention, plan.fits) == (1024, True, True)
     cfg, _, _ = _resolve(["train.offload=true"], "cpu", torch.float32, gpu_bytes=None, host_bytes=16 * GiB)
     assert cfg.train.cache_attention is False  # never with offload (nothing is offloaded on CPU, still refused)
-    assert main(["plan", "train.device=cpu", "--host-memory", "16GiB"]) == 0
+    assert main(["plan", "train.device=cpu", "data.seq_len=4096", "--host-memory", "16GiB"]) == 0
     text = _printed(capsys)
     assert "chunk 1024," in text and "step: chunk 1024, attention cache on (chosen by the memory plan)" in text
     # `oomb plan` for a GPU: the 7B's chunk at 64K, and a chunk set by hand is named as such.

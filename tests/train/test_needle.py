@@ -107,8 +107,10 @@ def _bpe_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = [f"The pass key is {n}. Remember it. {s}" for n, s in zip(range(10000, 99999, 97), builtin_sentences())]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    numbers = range(10000, 99999, 97)
+    corpus = [f"The pass key is {n}. Remember it. {s}" for n, s in zip(numbers, builtin_sentences(), strict=False)]
+    trainer = trainers.BpeTrainer(vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=2**62)
 
 
