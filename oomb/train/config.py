@@ -104,10 +104,10 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 150
+    steps: int = 120
     """Optimizer steps."""
     batch_size: int | str = "auto"
-    """Sequences per chunked_backward call, or auto: 1, and 32 for the built-in demo."""
+    """Sequences per chunked_backward call, or auto: 1, and 16 for the built-in demo."""
     grad_accum: int = 1
     """chunked_backward calls per optimizer step (their gradients add up; the loss is averaged over all targets)."""
     optimizer: str = "adamw"

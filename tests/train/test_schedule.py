@@ -23,7 +23,7 @@ def model_dir(tmp_path):
     (["model.path=m", "train.steps=1000"], 1e-5, 30, "full fine-tune of a pretrained model"),
     (["model.path=m", "lora.r=16", "train.steps=100"], 2e-4, 3, "LoRA on a pretrained model"),
     ([], 3e-3, 5, "the built-in tiny model"),  # the README's main job keeps its toy values
-    (["model.preset=qwen2.5-7b"], 3e-4, 5, "a random-init qwen2.5-7b model"),  # 3e-3 diverged it on the H200
+    (["model.preset=qwen2.5-7b"], 3e-4, 4, "a random-init qwen2.5-7b model"),  # 3e-3 diverged it on the H200
     (["model.preset=qwen2.5-0.5b", "lora.r=8", "train.steps=10"], 2e-4, 1, "LoRA on a random-init qwen2.5-0.5b"),
 ])
 def test_auto_values_follow_what_is_trained(overrides, lr, warmup, why):
