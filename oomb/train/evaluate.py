@@ -311,9 +311,10 @@ def _text_task(args, loaded, vocab: int, lengths: Sequence[int], digits: int, se
         task = TextNeedleTask(tokenizer, sentences, digits=digits, seed=seed, prompt=args.prompt)
     except (DataError, ValueError) as e:
         raise EvalError(f"--task text: {e}") from e
-    if min(lengths) < task.min_length():
+    shortest = task.min_length(args.samples)
+    if min(lengths) < shortest:
         raise EvalError(f"--task text: length {min(lengths)} is too short for the needle prompt with this "
-                        f"tokenizer: give --lengths of at least {task.min_length()}")
+                        f"tokenizer: give --lengths of at least {shortest}")
     return task
 
 

@@ -151,9 +151,10 @@ class TextNeedleTask:
     def needle_ids(self, passkey: str) -> list[int]:
         return self._ids(NEEDLE.format(key=passkey))
 
-    def min_length(self) -> int:
-        """The shortest length every sample fits in (the longest passkey, one haystack token)."""
-        return max(self.fixed_tokens(str(10 ** (self.digits - 1))), self.fixed_tokens("9" * self.digits)) + 1
+    def min_length(self, samples: int = 1) -> int:
+        """The shortest length samples 0 .. ``samples`` - 1 fit in, with one haystack token (keys tokenize to
+        more or fewer tokens)."""
+        return max(self.fixed_tokens(self.passkey(i)[0]) for i in range(samples)) + 1
 
     def passkey(self, index: int) -> tuple[str, torch.Generator]:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
@@ -170,8 +171,8 @@ class TextNeedleTask:
         tail, answer_tokens = self.answer(key)
         body = length - self.fixed_tokens(key)
         if body < 1:
-            raise ValueError(f"length {length} is too short for the needle prompt with this tokenizer (needs >= "
-                             f"{self.min_length()} tokens)")
+            raise ValueError(f"length {length} is too short for the needle prompt with this tokenizer (sample "
+                             f"{index} needs >= {self.fixed_tokens(key) + 1} tokens)")
         first = int(torch.randint(self.sentences, (1,), generator=gen))  # where this sample's haystack starts
         period = self.haystack.numel()
         offset = int(self.starts[first])

@@ -41,7 +41,7 @@ def _haystack_of(task, sample):
 @pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
 def test_lengths_and_needle_places_are_exact(length, depth):
     task = _task()
-    length = length or task.min_length()
+    length = length or task.min_length(samples=4)
     sample = task.sample(length, depth, index=3)
     ids = sample.input_ids.tolist()
     assert len(ids) == length
@@ -124,6 +124,12 @@ def test_answer_tokens_follow_the_tokenizers_merges():
         assert answer.strip() == sample.passkey  # the merged " 4" (space and digit) counts as answer
         assert tok.decode(sample.input_ids).endswith(f"What is the pass key?\n{ANSWER_PREFIX} {sample.passkey}")
     assert len(task.answer("48213")[0]) < len(ANSWER_PREFIX) + 6  # merges happened
+    # Keys tokenize to more or fewer tokens: min_length(n) is the shortest length samples 0..n-1 all fit in.
+    shortest = task.min_length(samples=8)
+    longest_key = max(range(8), key=lambda i: task.fixed_tokens(task.passkey(i)[0]))
+    assert task.sample(shortest, 0.5, longest_key).input_ids.numel() == shortest
+    with pytest.raises(ValueError, match=f"sample {longest_key} needs >= {shortest} tokens"):
+        task.sample(shortest - 1, 0.5, longest_key)
 
 
 def _oracle(task, shift=0):
