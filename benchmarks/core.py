@@ -38,6 +38,7 @@ from benchmarks.tune_attention import CANDIDATES
 from oomb.engine import linear_cross_entropy_sum, store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import use_fused_ops
+from oomb.engine.timing import step_flops
 from oomb.kernels import get_backend
 from oomb.kernels import tiles as kernel_tiles
 from oomb.sparse import DEFAULT_SCORE, SCORES, PageSelection
@@ -45,16 +46,9 @@ from oomb.train.presets import build_model, preset_config
 
 
 def model_flops(config, seq_len: int) -> float:
-    """Training FLOPs of one sequence without recomputation: 6*N*P (matmuls) + causal attention.
-
-    Causal attention forward per layer = 2 matmuls * 2 FLOPs * N^2/2 * H * D = 2 N^2 H D;
-    forward + backward = 3x that.
-    """
-    h, kv, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
-    d = getattr(config, "head_dim", None) or hidden // h
-    layer_params = hidden * d * (h + 2 * kv) + h * d * hidden + 3 * hidden * config.intermediate_size
-    matmul_params = config.num_hidden_layers * layer_params + config.vocab_size * hidden
-    return 6.0 * seq_len * matmul_params + config.num_hidden_layers * 6.0 * seq_len**2 * h * d
+    """Training FLOPs of one sequence without recomputation: 6*N*P (matmuls) + causal attention
+    (6*N^2*H*D per layer, forward and backward), as the planner's step-time model counts them."""
+    return sum(step_flops(config, seq_len))
 
 
 def _hf_step(model, ids):
