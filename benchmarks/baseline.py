@@ -25,6 +25,7 @@ import sys
 import torch
 
 from benchmarks.common import int_list, time_steps
+from benchmarks.timeline import step_profile
 
 STACKS = {"fa4": "flash_attention_4", "sdpa": "sdpa"}
 
@@ -87,10 +88,12 @@ def run(args) -> list[dict]:
             times = time_steps(lambda ids=ids: step(ids), args.repeats)
             row.update(step_s=statistics.median(times), step_times_s=times,
                        peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30)
+            if n in args.profile_lengths:  # after the timed steps, so the profiler never touches their times
+                row["profile"] = step_profile(lambda ids=ids: step(ids))
         except torch.OutOfMemoryError as e:
             row["error"] = f"out of memory: {str(e).splitlines()[0]}"
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "step_times_s"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("step_times_s", "profile")}), flush=True)
         torch.cuda.empty_cache()
         if "error" in row:
             break  # longer sequences need more
@@ -103,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="qwen2.5-7b")
     p.add_argument("--lengths", type=int_list, required=True)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--profile-lengths", type=int_list, default=[],
+                   help="at these lengths, one more step under torch.profiler: where its GPU time goes")
     p.add_argument("--out", required=True, help="write the rows as JSON here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -34,6 +34,7 @@ import torch
 
 import oomb
 from benchmarks.common import int_list, machine_description, run_benchmark, time_steps
+from benchmarks.timeline import format_profile, step_profile
 from benchmarks.tune_attention import CANDIDATES
 from oomb.engine import linear_cross_entropy_sum, store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
@@ -67,7 +68,8 @@ def run_baselines(args) -> list[dict]:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             proc = subprocess.run([sys.executable, "-m", "benchmarks.baseline", "--stack", stack, "--preset",
                                    args.preset, "--lengths", ",".join(map(str, args.baseline_lengths)),
-                                   "--repeats", str(max(2, args.repeats)), "--out", out.name])
+                                   "--repeats", str(max(2, args.repeats)), "--out", out.name,
+                                   "--profile-lengths", ",".join(map(str, args.profile_lengths))])
             if proc.returncode != 0:
                 rows += [{"system": f"transformers-{stack}", "seq_len": n, "error": f"exit {proc.returncode}"}
                          for n in args.baseline_lengths]
@@ -148,7 +150,7 @@ def run(args) -> dict:
             row["error"] = error
         row.update(extra or {})
         results.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "step_times_s"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("step_times_s", "profile")}), flush=True)
 
     vocab = cfg.vocab_size
     warmed = False
@@ -182,6 +184,7 @@ def run(args) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             times = time_steps(step, args.repeats)
+            profile = {"profile": step_profile(step)} if n in args.profile_lengths else {}
             # No local name for the store: a live reference would keep its pools through the next length.
             record(system, n, times, extra={
                 "chunk_size": options["chunk_size"], "page_size": options["page_size"],
@@ -190,7 +193,7 @@ def run(args) -> dict:
                 "store_gib": store_for_model(model).nbytes() / 2**30,
                 "store_bytes_per_token": store_for_model(model).spec.bytes_per_token(),
                 "params_plus_grads_gib": 2 * param_bytes / 2**30,
-                "fused_ops_modules": len(fused), "tiles": args.tiles,
+                "fused_ops_modules": len(fused), "tiles": args.tiles, **profile,
             })
         except torch.OutOfMemoryError as e:
             record(system, n, error=f"out of memory: {str(e).splitlines()[0]}")
@@ -262,6 +265,8 @@ def _print_table(report: dict) -> None:
             continue
         print(f"{r['system']:<24}{r['seq_len']:>9}{r['step_s']:>9.2f}{r['tokens_per_s']:>9.0f}"
               f"{r['model_tflops']:>9.1f}{r['peak_gpu_gib']:>10.2f}{r.get('store_gib', 0):>10.2f}")
+        if "profile" in r:
+            print(f"{'':<24}{format_profile(r['profile'])}")
     for v in report.get("versus_baseline", []):
         print(f"{v['system']:<24}{v['seq_len']:>9}  {v['time_ratio']:.2f}x the time, {v['peak_ratio']:.2f}x the peak "
               f"memory of {v['baseline']}")
@@ -293,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
                         "these lengths, each in its own process, and print oomb's ratios to the faster")
     p.add_argument("--auto-lengths", type=int_list, default=[],
                    help="time the configuration `oomb train` picks by itself at these lengths")
+    p.add_argument("--profile-lengths", type=int_list, default=[],
+                   help="at these lengths, one more step of every row (the baselines' too) under torch.profiler: "
+                        "GPU time per kernel group, the top kernels and the GPU's idle time, in the row's profile")
     p.add_argument("--warm-each", action="store_true",
                    help="a warm-up step before every row, at its length (default: one, before the first row)")
     p.add_argument("--chunk", type=int, default=4096)

@@ -48,6 +48,9 @@ job core-7b-vs-transformers-64k "$C --lengths '' --baseline-lengths 65536 --cach
   --fused-ops auto --warm-each --repeats 2 --backend fa4,triton"
 job core-7b-vs-transformers-128k "$C --lengths '' --baseline-lengths 131072 --cache-lengths 131072 --chunk 8192 \
   --fused-ops auto --warm-each --repeats 2 --backend fa4"
+# Where a 64K step's GPU time goes, oomb's fastest setting beside the baseline stacks (one profiled step each).
+job core-7b-profile-64k "$C --lengths '' --baseline-lengths 65536 --cache-lengths 65536 --chunk 8192 \
+  --fused-ops auto --warm-each --repeats 2 --backend fa4 --profile-lengths 65536"
 # The lean setting: no attention cache, short chunks (less memory than the baseline).
 job core-7b-lean-64k "$C --lengths 65536 --baseline-lengths 65536 --chunk 2048 --fused-ops auto --warm-each --repeats 2 \
   --backend fa4"
@@ -184,6 +187,8 @@ if ls .whl/cu13.part.* .whl2/cu13.part.* >/dev/null 2>&1; then
   cat .whl/cu13.part.* .whl2/cu13.part.* | xz -d | tar x -C /tmp/site \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages  # pip --target skips its .pth
 fi
+# bitsandbytes for QLoRA (the image lacks it): its wheel unpacked with the CUDA 13 libraries only (7 MB of 43).
+if [ -f .whl2/bnb.tar.xz ]; then xz -dc .whl2/bnb.tar.xz | tar x -C /tmp/site; fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; free -b | head -2
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
   git rev-parse HEAD; git status --porcelain; } > "$OUT/machine.txt" 2>&1

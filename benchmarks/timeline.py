@@ -22,9 +22,14 @@ _KERNEL = "kernel"
 _COPIES = ("gpu_memcpy", "gpu_memset")
 _HOST_CALLS = ("cuda_runtime", "cuda_driver")  # the host's CUDA API calls (with ProfilerActivity.CPU)
 # Kernel name -> group, first match wins (lower-cased substrings). Our Triton kernels keep their
-# Python names (oomb/kernels/forward.py, dq.py, dkdv.py, ..., oomb/offload/copy.py); cuBLAS/CUTLASS matmuls
-# are named nvjet_*, sm90_xmma_*, cutlass*, *gemm*.
+# Python names (oomb/kernels/forward.py, dq.py, dkdv.py, ..., oomb/offload/copy.py); FlashAttention-4's
+# CuTe kernels carry their class names (FlashAttentionForwardSm90, ...Backward..., flash_bwd_*);
+# cuBLAS/CUTLASS matmuls are named nvjet_*, sm90_xmma_*, cutlass*, *gemm*; liger's kernels
+# _rms_norm_*, _swiglu_*, _triton_rope; PyTorch's indexing index_*/gather/scatter kernels.
 KERNEL_GROUPS = (
+    ("attention forward (FA4)", ("attentionforward", "flash_fwd")),
+    ("attention backward (FA4)", ("attentionbackward", "flash_bwd")),
+    ("attention other (FA4)", ("flash",)),
     ("attention forward", ("_fwd_kernel",)),
     ("attention dq", ("_bwd_dq_kernel",)),
     ("attention dk/dv", ("_bwd_dkdv",)),
@@ -33,6 +38,12 @@ KERNEL_GROUPS = (
     ("page selection", ("select", "topk", "radix", "sort")),
     ("matmul", ("nvjet", "gemm", "xmma", "cutlass", "cublas")),
     ("loss", ("cross_entropy", "liger")),
+    ("norm", ("rms_norm", "layer_norm")),
+    ("swiglu", ("swiglu", "silu")),
+    ("rope", ("rope", "rotary")),
+    ("gather/scatter", ("index", "gather", "scatter")),
+    ("fill", ("fill",)),
+    ("copy/cast", ("copy_kernel", "catarray", "cat_")),
     ("elementwise", ("elementwise", "vectorized", "unrolled")),
     ("reduction", ("reduce",)),
 )
@@ -218,3 +229,20 @@ def profile_streams(fn: Callable[[], object], *, trace_path: str | None = None, 
     finally:
         os.unlink(tmp)
     return stream_summary(trace.get("traceEvents", []))
+
+
+def step_profile(fn: Callable[[], object], top: int = 25) -> dict:
+    """Where one step's GPU time goes: ``profile_streams`` of one call of ``fn``, the parts a report keeps
+    (wall, the compute stream's busy and idle time, kernel groups, the ``top`` kernels, host CUDA calls)."""
+    s = profile_streams(fn)
+    return {"wall_ms": s["wall_ms"], "compute_busy_ms": s["compute_busy_ms"], "compute_idle_ms": s["compute_idle_ms"],
+            "kernel_groups": s["kernel_groups"], "top_kernels": s["top_kernels"][:top],
+            "host_calls": s["host_calls"][:10]}
+
+
+def format_profile(profile: dict) -> str:
+    """One line: wall, idle and each kernel group's milliseconds."""
+    groups = ", ".join(f"{g} {v['ms']:.0f}" for g, v in profile["kernel_groups"].items())
+    return (f"profiled step {profile['wall_ms']:.0f} ms, GPU idle {profile['compute_idle_ms']:.0f} ms; "
+            f"kernels (ms): {groups}")
+

@@ -40,6 +40,13 @@ def test_kernel_groups_name_our_kernels_and_library_matmuls():
     assert kernel_group("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNN") == "matmul"
     assert kernel_group("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
     assert kernel_group("some_new_kernel") == "other"
+    assert kernel_group("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_0") == \
+        "attention forward (FA4)"
+    assert kernel_group("kernel_flash_attn_cute_FlashAttentionBackwardSm90_object") == "attention backward (FA4)"
+    assert kernel_group("_rms_norm_forward_kernel") == "norm"
+    assert kernel_group("_triton_rope") == "rope"
+    assert kernel_group("void at::native::index_elementwise_kernel<128, 4, ...>") == "gather/scatter"
+    assert kernel_group("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "fill"
 
 
 def test_overlapping_spans_count_once():
