@@ -11,6 +11,7 @@ What a step holds at its peak (stage 2, the recompute forward + backward of one 
     paged store: K, V, dK, dV pages + mean keys        (grows with the context: StoreSpec's page math)
     sparse page lists of every chunk                   (kept from stage 1 to stage 2)
     saved activations of one chunk, all layers         (formula below, measured per family)
+      recompute="layer": of one layer, and every layer's input of the whole sequence (GPU or host)
     + max(fused loss workspace, one layer's backward temporaries)
     optimizer update workspace, where larger than the chunk's activations (they are freed by then)
     CUDA context allowance
@@ -35,6 +36,7 @@ from oomb.engine.activations import (
     measure_saved_activations,
     saved_bytes_per_token,
 )
+from oomb.engine.layer_recompute import RECOMPUTE_MODES
 from oomb.engine.prepare import require_int
 from oomb.engine.quantize import QUANTIZE_KINDS, nf4_weight_bytes
 from oomb.engine.sizes import (
@@ -164,6 +166,7 @@ def plan_memory(
     attention: str = "triton",
     fused_ops: bool = False,
     quantize: str = "none",
+    recompute: str = "chunk",
 ) -> MemoryPlan:
     """Predict the peak bytes of one training step of ``model_config`` (a transformers config).
 
@@ -186,6 +189,10 @@ def plan_memory(
     ``quantize="nf4"`` (QLoRA, with ``lora_r`` > 0): the linear layers transformers' bitsandbytes quantizer
     replaces hold NF4 weights (oomb.engine.quantize.nf4_weight_bytes, about 0.516 B per value), the rest
     stays in ``dtype``; a layer's backward also holds one weight dequantized to ``dtype``.
+    ``recompute`` as in chunked_backward: "layer" keeps every decoder layer's input (and the last output) of
+    the whole sequence on the GPU, "layer-host" in pinned host memory with two of one chunk's on the GPU,
+    and stage 2 rebuilds one layer's activations at a time; stage 1 runs the last chunk too, so the
+    attention cache holds every chunk.
     """
     arguments = dict(locals())  # the parameters, for the "auto" GPU allowance's second plan
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("chunk_size", chunk_size),
@@ -200,6 +207,11 @@ def plan_memory(
         raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_KINDS)}")
     if quantize not in QUANTIZE_KINDS:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_KINDS)}, got {quantize!r}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+    if recompute != "chunk" and (offload or layer_checkpointing):
+        raise ValueError(f"recompute={recompute!r} rebuilds one layer at a time from kept inputs: not with "
+                         "offload or layer_checkpointing")
     if quantize != "none" and (lora_r == 0 or tensor_parallel > 1):
         raise ValueError("a 4-bit base (quantize='nf4') trains LoRA adapters (lora_r > 0) in one process "
                          "(tensor_parallel=1)")
@@ -257,17 +269,25 @@ def plan_memory(
         model_config, spec, batch_size=batch_size, seq_len=seq_len, chunk_size=chunk_size, page_budget=page_budget,
         select_block=select_block, per_head_selection=per_head_selection)
 
+    by_layer = recompute != "chunk"
     attention_outputs = 0
     if cache_attention:
         # chunked_backward(cache_attention=True): out [B, H, C, D] in the model's dtype and lse [B, H, C]
-        # float32 of every attention layer for every chunk of stage 1 (all but the last), until stage 2.
-        stage1_tokens = batch_size * (-(-seq_len // chunk) - 1) * chunk
+        # float32 of every attention layer for every chunk of stage 1 (all but the last; by layer: all), until
+        # stage 2.
+        stage1_tokens = batch_size * (seq_len if by_layer else (-(-seq_len // chunk) - 1) * chunk)
         heads = shape.heads // tensor_parallel  # one rank's query heads
         attention_outputs = stage1_tokens * shape.num_layers * heads * (shape.head_dim * s + 4)
 
     lora_shape = LoraShape(lora_r, tuple(lora_targets), lora_dtype) if lora_r > 0 else None
     per_layer, per_model = saved_bytes_per_token(shape, dtype, lora_shape, fused_ops=fused_ops)
-    if layer_checkpointing:
+    # recompute="layer": each decoder layer's input and the last layer's output of every token, in the model's dtype.
+    kept_inputs = batch_size * seq_len * (shape.num_layers + 1) * shape.hidden * s if by_layer else 0
+    if by_layer:
+        saved = tokens * (per_layer + per_model)  # the layer being rebuilt, and the model's own (final norm, RoPE)
+        rebuilt = 2 * tokens * shape.hidden * s if recompute == "layer-host" else 0  # the input in use, the next
+        saved_note = f"{per_layer} B/token of the one layer rebuilt + {per_model} B/token, {tokens} tokens"
+    elif layer_checkpointing:
         ck_layer, ck_model = checkpointed_bytes_per_token(shape, dtype, fused_ops=fused_ops)
         saved = tokens * (shape.num_layers * ck_layer + ck_model)
         rebuilt = tokens * per_layer  # the layer whose backward runs, recomputed with all its tensors
@@ -327,6 +347,9 @@ def plan_memory(
              f"budget {page_budget}, block {select_block}"),
         item("attention output cache", attention_outputs, "off" if not cache_attention else
              "out + lse of every stage-1 chunk and layer (train.cache_attention)"),
+        item("kept layer inputs", kept_inputs, "off (recompute=chunk)" if not by_layer else
+             f"{shape.num_layers + 1} x {shape.hidden} values per token, {batch_size} x {seq_len} tokens"
+             + (" (pinned host memory)" if recompute == "layer-host" else ""), host_always=recompute == "layer-host"),
         item("saved activations", saved, saved_note),
         item("chunk workspace", workspace, f"larger of fused loss {format_bytes(loss_ws)} and layer "
              f"backward {format_bytes(layer_ws)}" + (" (with a dequantized weight)" if four_bit else "")),
@@ -347,7 +370,7 @@ def plan_memory(
         "master_weights": masters,
         "layer_checkpointing": layer_checkpointing, "offload": offload,
         "offload_gpu_bytes": offload_gpu_bytes if offload else 0, "offload_resident_layers": resident,
-        "cache_attention": cache_attention,
+        "cache_attention": cache_attention, "recompute": recompute,
         "device_type": device_type, "tensor_parallel": tensor_parallel, "quantize": quantize,
     }
     return MemoryPlan(items=items, settings=settings, device_type=device_type,

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 
 from oomb.attention import StepContext, check_attention_support
 from oomb.cache import KVStore, PagedKVStore
+from oomb.engine.layer_recompute import RECOMPUTE_MODES
 from oomb.engine.loss import IGNORE_INDEX, LOSS_IMPLS
 from oomb.engine.sizes import store_spec
 from oomb.engine.tensor_parallel import tensor_parallel_group
@@ -56,7 +57,7 @@ class StepOptions:
     """How a chunk-recurrent pass runs: ``chunked_backward``'s settings in one object, checked when made.
 
     The same object given to ``chunked_backward``, ``chunked_eval`` and ``locate_nonfinite`` makes
-    them run the same store and the same attention (``cache_attention`` and ``loss_impl`` apply to
+    them run the same store and the same attention (``cache_attention``, ``recompute`` and ``loss_impl`` apply to
     training steps only).
     """
 
@@ -70,6 +71,8 @@ class StepOptions:
     offload: bool = False  # K, V and their gradient pages in host memory (oomb.offload)
     offload_gpu_bytes: int = 0  # with offload: device bytes for keeping the first layers' pages whole
     cache_attention: bool = False  # stage 2 reuses stage 1's attention outputs (device memory; not with offload)
+    recompute: str = "chunk"  # stage 2 rebuilds a chunk's activations: "chunk", "layer" or "layer-host"
+    # (oomb.engine.layer_recompute; not with offload)
 
     def __post_init__(self) -> None:
         require_int("chunk_size", self.chunk_size, minimum=1)
@@ -103,6 +106,11 @@ class StepOptions:
         if self.offload_gpu_bytes and not self.offload:
             raise ValueError("offload_gpu_bytes sets how much of an offloaded store stays on the GPU: "
                              "it needs offload=True")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute={self.recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}")
+        if self.recompute != "chunk" and self.offload:
+            raise ValueError(f"recompute={self.recompute!r} keeps every layer's input for the whole sequence, "
+                             "against offload=True's purpose (the longest contexts): use recompute='chunk'")
         if self.cache_attention and self.offload:
             raise ValueError("cache_attention=True keeps attention outputs on the device, against offload=True's "
                              "purpose: choose one")

@@ -10,12 +10,14 @@ the sequence is the store (K, V and their gradient pages).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel
 
 from oomb.attention import STEP_KWARG, StepContext, oomb_attention
+from oomb.engine.layer_recompute import LayerInputs, check_layer_recompute, layer_recompute
 from oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy_sum
 from oomb.engine.prepare import StepOptions, options_from_keywords, prepare_step
 from oomb.sparse import PageSelection
@@ -37,6 +39,7 @@ def chunked_backward(
     offload: bool = False,
     offload_gpu_bytes: int = 0,
     cache_attention: bool = False,
+    recompute: str = "chunk",
     loss_divisor: float | None = None,
     before_last_backward: Callable[[], None] | None = None,
     options: StepOptions | None = None,
@@ -71,6 +74,12 @@ def chunked_backward(
             layer (the same result), for H * (D * itemsize + 4) bytes per token per layer of device
             memory until the chunk's backward (Qwen2.5-7B in bf16: 200 KiB per token, 1.8x the
             paged store). Not with ``offload``.
+        recompute: how stage 2 rebuilds a chunk's activations for its backward: "chunk" (all layers
+            with autograd at once: the chunk's activations of every layer alive together), "layer"
+            (stage 1 keeps every layer's input, (L + 1) x hidden values per token of the sequence on
+            the device, and stage 2 rebuilds one layer at a time: one layer's activations alive) or
+            "layer-host" (the same with the kept inputs in pinned host memory). The same gradients;
+            "layer" runs one more forward of the last chunk. Not with ``offload`` (oomb.engine.layer_recompute).
         loss_divisor: what the summed token loss is divided by (default: the number of target
             tokens of ``input_ids``). Data parallel training passes the target count of every
             rank's batches, so that the gradients of all ranks add up to the global mean's.
@@ -90,7 +99,7 @@ def chunked_backward(
     options = options_from_keywords(
         options, chunk_size=chunk_size, page_size=page_size, backend=backend, grad_dtype=grad_dtype,
         loss_impl=loss_impl, page_budget=page_budget, selection=selection, offload=offload,
-        offload_gpu_bytes=offload_gpu_bytes, cache_attention=cache_attention,
+        offload_gpu_bytes=offload_gpu_bytes, cache_attention=cache_attention, recompute=recompute,
     )
     if loss_divisor is not None and not loss_divisor > 0:
         raise ValueError(f"loss_divisor must be positive, got {loss_divisor}")
@@ -103,20 +112,37 @@ def chunked_backward(
     def run_decoder(start: int, end: int) -> torch.Tensor:
         return run_chunk(model, step, input_ids, start, end)
 
+    by_layer = options.recompute != "chunk"
+    if by_layer:
+        check_layer_recompute(model)
+        hidden_size = model.get_input_embeddings().weight.shape[1]
+        inputs = LayerInputs(model.config.num_hidden_layers, input_ids.shape[0], input_ids.shape[1], hidden_size,
+                             model.get_input_embeddings().weight.dtype, input_ids.device,
+                             on_host=options.recompute == "layer-host")
+        layers = layer_recompute(model, inputs, step.layers_seen)
+    else:
+        layers = contextlib.nullcontext()
+
     total = torch.zeros((), dtype=torch.float32, device=input_ids.device)
     try:
-        with oomb_attention(model):
-            # Stage 1: fill the store with the K/V of every chunk but the last.
+        with oomb_attention(model), layers as replay:
+            # Stage 1: fill the store with the K/V of every chunk but the last (recompute="layer": of every
+            # chunk, keeping each layer's input).
             step.stage = "fill"
             with torch.no_grad():
-                for start, end in bounds[:-1]:
+                for start, end in bounds if by_layer else bounds[:-1]:
                     store.append_chunk(end - start)
+                    if by_layer:
+                        replay.begin_chunk("fill", start, end)
                     run_decoder(start, end)
 
             # Stage 2: newest chunk first; recompute with autograd, loss, backward, free.
             step.stage = "recompute"
-            store.append_chunk(bounds[-1][1] - bounds[-1][0])
+            if not by_layer:
+                store.append_chunk(bounds[-1][1] - bounds[-1][0])
             for (start, end), count in zip(reversed(bounds), reversed(counts), strict=True):
+                if by_layer:
+                    replay.begin_chunk("recompute", start, end)
                 hidden = run_decoder(start, end)
                 hidden = hidden.reshape(-1, hidden.shape[-1])
                 chunk_targets = targets[:, start:end].reshape(-1)
@@ -130,6 +156,8 @@ def chunked_backward(
                     before_last_backward()
                 loss.backward()
                 total += loss.detach()
+                if by_layer:
+                    inputs.release(start)
                 step.drop_page_lists(start)
                 store.free_last_chunk()
     finally:

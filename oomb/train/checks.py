@@ -12,6 +12,7 @@ import torch
 
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import liger_available
+from oomb.engine.layer_recompute import RECOMPUTE_MODES
 from oomb.kernels import BACKEND_NAMES, flash4_unavailable
 from oomb.train.config import Config, ConfigError, offload_gpu_bytes, page_selection
 from oomb.train.demo import settle_shape
@@ -90,6 +91,11 @@ def check_config(cfg: Config) -> None:
     _check_fused_ops(cfg)
     _check_attention(cfg)
     check_report_to(cfg)
+    if t.recompute not in ("auto", *RECOMPUTE_MODES):
+        raise ConfigError(f"train.recompute={t.recompute!r}: use auto, {', '.join(RECOMPUTE_MODES)}")
+    if t.recompute in ("layer", "layer-host") and (t.offload or t.layer_checkpointing):
+        raise ConfigError(f"train.recompute={t.recompute} rebuilds one layer at a time from the inputs stage 1 kept: "
+                          "not with train.offload=true or train.layer_checkpointing=true (set train.recompute=chunk)")
     if t.cache_attention is True and t.offload:
         raise ConfigError("train.cache_attention=true keeps attention outputs on the GPU and train.offload=true moves "
                           "pages off it: choose one")

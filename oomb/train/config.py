@@ -184,6 +184,10 @@ class TrainConfig:
     """Keep stage 1's attention outputs for stage 2 (one attention forward less per chunk; same gradients; GPU
     memory H*(2D+4) B per token per layer in bf16, 200 KiB/token for Qwen2.5-7B); not with offload. auto: on
     where the memory plan fits with it (off with train.offload or train.memory_check=false)."""
+    recompute: str = "auto"
+    """How stage 2 rebuilds a chunk for its backward: chunk (every layer at once), layer (from every layer's input,
+    kept by stage 1 on the GPU: one layer's activations at a time) or layer-host (those inputs in pinned host
+    memory); same gradients; not with offload. auto: chunk, or layer-host where the plan fits only with it."""
     attention: str = "auto"
     """Attention kernels: auto (FlashAttention-4 where flash-attn-4 is installed and the GPU is Hopper or Blackwell,
     else the Triton kernels on CUDA, PyTorch on CPU), fa4, triton or torch. fa4 hands page-sparse selections and
@@ -462,8 +466,7 @@ def offload_gpu_bytes(value: str) -> int | str:
 
 
 def offload_gpu_allowance(cfg: Config) -> int:
-    """The offloaded store's GPU allowance for chunked_backward (train.offload_gpu_memory as settled by
-    the memory plan; 0 without train.offload, or where "auto" was never settled)."""
+    """train.offload_gpu_memory as the memory plan settled it (0 without offload or where never settled)."""
     value = offload_gpu_bytes(cfg.train.offload_gpu_memory)
     return value if cfg.train.offload and value != "auto" else 0
 
@@ -489,7 +492,7 @@ def step_options(cfg: Config) -> StepOptions:
     return StepOptions(chunk_size=settled_chunk_size(cfg), page_size=t.page_size, selection=page_selection(cfg),
                        offload=t.offload, offload_gpu_bytes=offload_gpu_allowance(cfg),
                        cache_attention=t.cache_attention is True,  # "auto" not settled by a memory plan: off
-                       backend=t.attention)
+                       recompute="chunk" if t.recompute == "auto" else t.recompute, backend=t.attention)
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -57,6 +57,7 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
         page_budget=t.page_budget, select_block=t.select_block, per_head_selection=t.select_per_head,
         select_score=t.select_score,
         offload=t.offload and device_type == "cuda", cache_attention=t.cache_attention is True,
+        recompute="chunk" if t.recompute == "auto" else t.recompute,
         offload_gpu_bytes=offload_gpu_bytes(t.offload_gpu_memory),
         tensor_parallel=t.tensor_parallel,
         # auto on a GPU plans for FlashAttention-4's gathered keys whether or not it is installed (a margin otherwise)
@@ -88,8 +89,10 @@ def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dic
     candidates: list[tuple[str, dict]] = []
     if t.cache_attention is True:  # costs only speed
         candidates.append(("train.cache_attention=false", {"cache_attention": False}))
+    if t.recompute == "chunk" and layer_recompute_possible(cfg, device_type):
+        candidates.append(("train.recompute=layer-host", {"recompute": "layer-host"}))
     if not t.layer_checkpointing:
-        candidates.append(("train.layer_checkpointing=true", {"layer_checkpointing": True}))
+        candidates.append(("train.layer_checkpointing=true", {"layer_checkpointing": True, "recompute": "chunk"}))
     chunk = t.chunk_size // 2
     while chunk >= t.page_size and chunk % t.page_size == 0:
         candidates.append((f"train.chunk_size={chunk}", {"chunk_size": chunk}))
@@ -104,7 +107,7 @@ def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dic
         candidates.append(("model.quantize=nf4", {"quantize": "nf4"}))
     if device_type == "cuda" and not t.offload:
         candidates.append(("train.offload=true" + (" train.cache_attention=false" if t.cache_attention is True else ""),
-                           {"offload": True, "cache_attention": False}))
+                           {"offload": True, "cache_attention": False, "recompute": "chunk"}))
     found, chunk_found = [], False
     for text, change in candidates:
         if "chunk_size" in change and chunk_found:
@@ -149,8 +152,10 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
 
     fp32 master weights first (train.master_weights=auto: precision), then speed: the largest chunk
     (train.chunk_size=auto) with the attention cache (train.cache_attention=auto; never with offload),
-    then the largest chunk without it. Each choice names all three settings, fixed ones as set; the
-    offload GPU allowance (train.offload_gpu_memory=auto) is settled by each choice's own plan.
+    then the largest chunk without it; with train.recompute=auto, all of these again with recompute=layer-host
+    (every layer's input in host memory, one layer's activations on the GPU), where the run trains in one
+    process without offload or layer checkpointing. Each choice names all four settings, fixed ones as set;
+    the offload GPU allowance (train.offload_gpu_memory=auto) is settled by each choice's own plan.
     ``seq_len``: the chunks for that length (None: every chunk auto may take, for the longest context).
     """
     t = cfg.train
@@ -162,7 +167,19 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
         speed = [(c, True) for c in chunks if c >= floor] + [(c, False) for c in chunks]
     else:
         speed = [(c, t.cache_attention is True) for c in chunks]
-    return [dict(master_weights=m, chunk_size=c, cache_attention=k) for m in masters for c, k in speed]
+    modes = ["chunk" if t.recompute == "auto" else t.recompute]
+    if t.recompute == "auto" and layer_recompute_possible(cfg, device_type):
+        modes.append("layer-host")  # measured on the GPU after chunk: only where chunk does not fit (docs/memory.md)
+    return [dict(master_weights=m, chunk_size=c, cache_attention=k, recompute=r)
+            for r in modes for m in masters for c, k in speed]
+
+
+def layer_recompute_possible(cfg: Config, device_type: str) -> bool:
+    """Whether train.recompute=auto may choose layer-host: one process (FSDP under torchrun replays no layers),
+    no offload, no transformers layer checkpointing (oomb.engine.layer_recompute)."""
+    t = cfg.train
+    torchrun = t.tensor_parallel > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return not (torchrun or t.offload or t.layer_checkpointing) and device_type == "cuda"  # on a CPU: the same memory
 
 
 def resolve_auto_settings(cfg: Config, device_type: str, dtype: torch.dtype, *, gpu_bytes: int | None,
@@ -192,6 +209,8 @@ def resolve_auto_settings(cfg: Config, device_type: str, dtype: torch.dtype, *, 
         t.cache_attention = plan.settings["cache_attention"]
     if t.chunk_size == "auto":
         t.chunk_size = plan.settings["chunk_size"]
+    if t.recompute == "auto":
+        t.recompute = plan.settings["recompute"]
     if offload_gpu_bytes(t.offload_gpu_memory) == "auto":
         t.offload_gpu_memory = str(plan.settings["offload_gpu_bytes"])  # what the chosen plan settled
     return plan, longest
@@ -214,10 +233,12 @@ def describe_step_choice(cfg: Config, auto: set[str] | frozenset[str], *, planne
     cache_why = "not with train.offload" if t.offload else why
     chunk = f"chunk {t.chunk_size}"
     cache = f"attention cache {'on' if t.cache_attention is True else 'off'}"
+    by_layer = "" if t.recompute in ("chunk", "auto") else (
+        f", recompute {t.recompute}" + (f" ({why})" if "recompute" in auto else ""))
     if {"chunk_size", "cache_attention"} <= auto and cache_why == why:
-        return f"{chunk}, {cache} ({why})"
+        return f"{chunk}, {cache} ({why})" + by_layer
     return (chunk + (f" ({why})" if "chunk_size" in auto else "") + ", "
-            + cache + (f" ({cache_why})" if "cache_attention" in auto else ""))
+            + cache + (f" ({cache_why})" if "cache_attention" in auto else "") + by_layer)
 
 
 def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, *, torchrun: bool = False
@@ -232,6 +253,8 @@ def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, *, torch
     if not cfg.train.memory_check:
         if cfg.train.cache_attention == "auto":
             cfg.train.cache_attention = False
+        if cfg.train.recompute == "auto":
+            cfg.train.recompute = "chunk"
         cfg.train.chunk_size = settled_chunk_size(cfg)
         if offload_gpu_bytes(cfg.train.offload_gpu_memory) == "auto":
             cfg.train.offload_gpu_memory = "0"  # no plan, no allowance
@@ -275,6 +298,8 @@ def print_plan(plan: MemoryPlan, longest: int, console: Console, *, gpu_source: 
                   + (" on fp32 master weights" if plan.settings.get("master_weights") else "")
                   + (", NF4 base (QLoRA)" if plan.settings.get("quantize", "none") != "none" else "")
                   + (", layer checkpointing" if plan.settings["layer_checkpointing"] else "")
+                  + (f", recompute {plan.settings['recompute']}" if plan.settings.get("recompute", "chunk") != "chunk"
+                     else "")
                   + (f", one of {plan.settings['tensor_parallel']} tensor parallel ranks"
                      if plan.settings.get("tensor_parallel", 1) > 1 else ""))
     table.add_column("item")
@@ -310,7 +335,7 @@ def needs_and_time(cfg: Config, plan: MemoryPlan, device_type: str, dtype: torch
                     ("chunk_size", "cache_attention", "master_weights") if k in plan.settings}}
         on_gpu = plan_memory(config, seq_len=n, **{**settings, "offload": False})
         offloaded = plan_memory(config, seq_len=n, **{**settings, "offload": True, "cache_attention": False,
-                                                      "offload_gpu_bytes": 0})
+                                                      "offload_gpu_bytes": 0, "recompute": "chunk"})
         result["needs"] = {"gpu_bytes_pages_on_gpu": on_gpu.gpu_bytes, "gpu_bytes_pages_on_host": offloaded.gpu_bytes,
                            "host_bytes_pages_on_host": offloaded.host_bytes}
     if cfg.train.page_budget is None and cfg.model.quantize == "none":  # page-sparse, 4-bit (QLoRA): not measured
@@ -354,7 +379,7 @@ def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memo
     gpu_here, host_here = available_memory(device if cuda_here else torch.device("cpu"))
     gpu = parse_bytes(gpu_memory) if gpu_memory is not None else gpu_here if on_cuda else None
     host = parse_bytes(host_memory) if host_memory is not None else host_here
-    auto = {k for k in ("chunk_size", "cache_attention") if getattr(cfg.train, k) == "auto"}
+    auto = {k for k in ("chunk_size", "cache_attention", "recompute") if getattr(cfg.train, k) == "auto"}
     plan, longest = resolve_auto_settings(cfg, device.type, dtype, gpu_bytes=gpu, host_bytes=host)
     config = model_config(cfg)
     if as_json:

@@ -187,7 +187,7 @@ def _check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, console
     the attention cache.
     """
     master_setting = cfg.train.master_weights
-    auto = frozenset(k for k in ("chunk_size", "cache_attention") if getattr(cfg.train, k) == "auto")
+    auto = frozenset(k for k in ("chunk_size", "cache_attention", "recompute") if getattr(cfg.train, k) == "auto")
     plan = check_memory(cfg, device, dtype, torchrun=ctx is not None)
     if master_setting != cfg.train.master_weights:  # auto, and only the run without fp32 copies fits
         console.print(

@@ -89,7 +89,7 @@ def test_the_chunk_and_cache_for_7b_on_an_h200(monkeypatch, seq_len, chunk, cach
     # The choice is the first in the order of preference that fits: nothing preferred to it does.
     choices = memory.auto_choices(cfg := load_config(None, ["model.preset=qwen2.5-7b", f"data.seq_len={seq_len}"]),
                                   "cuda", seq_len)
-    chosen = choices.index(dict(master_weights=False, chunk_size=chunk, cache_attention=cache))
+    chosen = choices.index(dict(master_weights=False, chunk_size=chunk, cache_attention=cache, recompute="chunk"))
     settings = memory._settings(cfg, "cuda", torch.bfloat16)
     for choice in choices[:chosen]:
         assert not plan_memory(preset_config("qwen2.5-7b"), seq_len=seq_len, **{**settings, **choice},
@@ -98,7 +98,11 @@ def test_the_chunk_and_cache_for_7b_on_an_h200(monkeypatch, seq_len, chunk, cach
 
 def test_auto_chunk_order_smaller_gpus_and_short_sequences():
     cfg = load_config(None, ["data.seq_len=65536", "train.master_weights=false"])
-    speed = [(c["chunk_size"], c["cache_attention"]) for c in memory.auto_choices(cfg, "cuda", 65536)]
+    choices = memory.auto_choices(cfg, "cuda", 65536)
+    speed = [(c["chunk_size"], c["cache_attention"]) for c in choices if c["recompute"] == "chunk"]
+    # recompute=layer-host after every chunk-recompute choice, in the same order (only where none of those fits)
+    assert [c["recompute"] for c in choices] == ["chunk"] * len(speed) + ["layer-host"] * len(speed)
+    assert [(c["chunk_size"], c["cache_attention"]) for c in choices[len(speed):]] == speed
     assert speed == [(8192, True), (4096, True), (2048, True), (1024, True),
                      (8192, False), (4096, False), (2048, False), (1024, False), (512, False), (256, False),
                      (128, False)]
@@ -125,12 +129,18 @@ def test_an_explicit_chunk_is_kept(monkeypatch):
                              "train.fused_ops=none"])
     assert cfg.train.chunk_size == 2048 and plan.settings["chunk_size"] == 2048 and cfg.train.cache_attention is True
     # Kept where it does not fit either: refused, with smaller chunks offered, not changed silently.
-    cfg = load_config(None, ["model.preset=qwen2.5-7b", "data.seq_len=65536", "train.chunk_size=8192",
-                             "train.fused_ops=none"])
+    asked = ["model.preset=qwen2.5-7b", "data.seq_len=65536", "train.chunk_size=8192", "train.fused_ops=none"]
+    cfg = load_config(None, [*asked, "train.recompute=chunk"])
     monkeypatch.setattr(memory, "available_memory", lambda device: (110 * GiB, 100 * GiB))
-    with pytest.raises(ConfigError, match=r"or train.chunk_size=4096 \(90.54 GiB\)"):  # 8192 needs 115 GiB uncached
+    with pytest.raises(ConfigError, match=r"set train.recompute=layer-host \(78.94 GiB\); .*or train.chunk_size=4096 "
+                                          r"\(90.54 GiB\)"):  # 8192 needs 115 GiB uncached
         memory.check_memory(cfg, torch.device("cuda"), torch.bfloat16)
     assert cfg.train.chunk_size == 8192 and cfg.train.cache_attention is False
+    # With train.recompute=auto the chunk is kept and the layers' inputs go to the host: one layer's activations
+    cfg = load_config(None, asked)
+    plan = memory.check_memory(cfg, torch.device("cuda"), torch.bfloat16)
+    assert (cfg.train.chunk_size, cfg.train.recompute) == (8192, "layer-host") and plan.fits
+    assert plan.settings["recompute"] == "layer-host"
     cfg = load_config(None, ["model.preset=qwen2.5-7b", "data.seq_len=65536", "train.fused_ops=none"])  # auto
     assert memory.check_memory(cfg, torch.device("cuda"), torch.bfloat16).fits
     assert (cfg.train.chunk_size, cfg.train.cache_attention) == (4096, True)  # 102 GiB with the cache
