@@ -99,7 +99,8 @@ def auto_settings(args) -> dict[int, dict]:
         gpu, host = available_memory(torch.device("cuda"))
         resolve_auto_settings(cfg, "cuda", torch.bfloat16, gpu_bytes=gpu, host_bytes=host)
         picked[n] = {"chunk_size": cfg.train.chunk_size, "page_size": cfg.train.page_size,
-                     "cache_attention": cfg.train.cache_attention is True, "fused_ops": cfg.train.fused_ops}
+                     "cache_attention": cfg.train.cache_attention is True, "fused_ops": cfg.train.fused_ops,
+                     "recompute": cfg.train.recompute}
     return picked
 
 
@@ -157,7 +158,8 @@ def run(args) -> dict:
     # (tokens, row name, layer checkpointing, chunked_backward options)
     sparse = {"selection": PageSelection(page_budget=args.budget, score=args.select_score)}
     runs = ([(n, "oomb-auto", False, {"chunk_size": a["chunk_size"], "page_size": a["page_size"],
-                                       "cache_attention": a["cache_attention"]}) for n, a in auto.items()]
+                                       "cache_attention": a["cache_attention"], "recompute": a["recompute"]})
+               for n, a in auto.items()]
             + [(n, "oomb", False, {}) for n in args.lengths]
             + [(n, "oomb+layer-ckpt", True, {}) for n in args.ckpt_lengths]
             + [(n, "oomb+cached-attn", False, {"cache_attention": True}) for n in args.cache_lengths]
@@ -165,8 +167,11 @@ def run(args) -> dict:
             + [(n, "oomb-sparse+cached-attn", False, {**sparse, "cache_attention": True})
                for n in args.sparse_cache_lengths])
     backends = args.backend.split(",")  # several: each row once per backend, named system[backend]
-    runs = [(n, system if len(backends) == 1 else f"{system}[{b}]", layer_ckpt, options, b)
-            for n, system, layer_ckpt, options in runs for b in backends]
+    modes = args.recompute.split(",")  # several: each row once per mode, named system{mode}
+    runs = [(n, system + ("" if len(backends) == 1 else f"[{b}]") + ("" if len(modes) == 1 else f"{{{m}}}"),
+             layer_ckpt, {"recompute": m, **options}, b)
+            for n, system, layer_ckpt, options in runs for b in backends for m in modes
+            if not (layer_ckpt and m != "chunk")]
     for n, system, layer_ckpt, options, backend in runs:
         ids = torch.randint(0, vocab, (1, n), device=device)
         if layer_ckpt:  # transformers' per-layer checkpointing inside each chunk
@@ -307,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page", type=int, default=128)
     p.add_argument("--backend", default="auto",
                    help="attention backend of oomb's rows; a comma list times each row once per backend")
+    p.add_argument("--recompute", default="chunk",
+                   help="how stage 2 rebuilds a chunk in oomb's rows (chunk, layer, layer-host; "
+                        "oomb.engine.layer_recompute); a comma list times each row once per mode")
     p.add_argument("--fused-ops", default="auto", choices=FUSED_OPS_MODES,
                    help="liger's fused RMSNorm/SwiGLU in oomb's rows (oomb.engine.fused_ops); transformers' rows never")
     p.add_argument("--tiles", default="default", choices=[name for name, _ in CANDIDATES],
