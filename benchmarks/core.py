@@ -163,6 +163,7 @@ def run(args) -> dict:
             + [(n, "oomb", False, {}) for n in args.lengths]
             + [(n, "oomb+layer-ckpt", True, {}) for n in args.ckpt_lengths]
             + [(n, "oomb+cached-attn", False, {"cache_attention": True}) for n in args.cache_lengths]
+            + [(n, "oomb+host-cached-attn", False, {"cache_attention": "host"}) for n in args.cache_host_lengths]
             + [(n, "oomb-sparse", False, sparse) for n in args.sparse_lengths]
             + [(n, "oomb-sparse+cached-attn", False, {**sparse, "cache_attention": True})
                for n in args.sparse_cache_lengths])
@@ -290,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time oomb with per-layer checkpointing inside chunks at these lengths")
     p.add_argument("--cache-lengths", type=int_list, default=[],
                    help="also time oomb with cache_attention=True (stage 1 outputs reused) at these lengths")
+    p.add_argument("--cache-host-lengths", type=int_list, default=[],
+                   help="also time oomb with cache_attention='host' (stage 1 outputs in pinned host memory)")
     p.add_argument("--sparse-lengths", type=int_list, default=[], help="also time page-sparse oomb (--budget)")
     p.add_argument("--sparse-cache-lengths", type=int_list, default=[],
                    help="also time page-sparse oomb with cache_attention=True")

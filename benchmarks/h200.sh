@@ -51,11 +51,11 @@ job core-7b-vs-transformers-128k "$C --lengths '' --baseline-lengths 131072 --ca
 # Where a 64K step's GPU time goes, oomb's fastest setting beside the baseline stacks (one profiled step each).
 job core-7b-profile-64k "$C --lengths '' --baseline-lengths 65536 --cache-lengths 65536 --chunk 8192 \
   --fused-ops auto --warm-each --repeats 2 --backend fa4 --profile-lengths 65536"
-# Stage 2 one layer at a time (train.recompute): every layer's input kept on the GPU or in host memory, beside
-# the whole-chunk recompute, with and without the attention cache, against the baseline stacks.
-job core-7b-recompute-64k "$C --lengths 65536 --cache-lengths 65536 --baseline-lengths 65536 --chunk 8192 \
-  --recompute chunk,layer,layer-host --fused-ops auto --warm-each --repeats 2 --backend fa4"
-job core-7b-recompute-128k "$C --lengths 131072 --cache-lengths 131072 --baseline-lengths 131072 --chunk 16384 \
+# Stage 2 one layer at a time (train.recompute): every layer's input kept in host memory, beside the whole-chunk
+# recompute, without the attention cache, with it on the GPU and in host memory, against the baseline stacks.
+job core-7b-recompute-64k "$C --lengths 65536 --cache-lengths 65536 --cache-host-lengths 65536 \
+  --baseline-lengths 65536 --chunk 8192 --recompute chunk,layer-host --fused-ops auto --warm-each --repeats 2 --backend fa4"
+job core-7b-recompute-128k "$C --lengths 131072 --cache-host-lengths 131072 --baseline-lengths 131072 --chunk 16384 \
   --recompute layer-host --fused-ops auto --warm-each --repeats 2 --backend fa4"
 # The lean setting: no attention cache, short chunks (less memory than the baseline).
 job core-7b-lean-64k "$C --lengths 65536 --baseline-lengths 65536 --chunk 2048 --fused-ops auto --warm-each --repeats 2 \
@@ -66,7 +66,7 @@ job core-7b-sparse-vs-transformers-128k "$C --lengths '' --baseline-lengths 1310
 # What `oomb train` picks by itself and the step time it reports (optimizer step included), killed after
 # the steps are logged (no 45 GB final checkpoint).
 job train-7b-auto 'python3 -m benchmarks.train_steps --lengths 65536,131072 --steps 3,3 --out "$OUT/train-7b-auto.json"'
-part core 'train-7b-auto core-7b-recompute-64k core-7b-recompute-128k core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops core-7b-vs-transformers-64k
+part core 'train-7b-auto core-7b-recompute-64k core-7b-recompute-128k core-7b-profile-64k core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops core-7b-vs-transformers-64k
   core-7b-vs-transformers-128k core-7b-lean-64k core-7b-sparse-vs-transformers-128k'
 
 # qlora: `oomb train` with bf16 LoRA against QLoRA (NF4 base) on Qwen2.5-7B at 128K, adapters on every linear layer,

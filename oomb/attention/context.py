@@ -7,6 +7,7 @@ call; the names ``cache`` and ``past_key_values`` belong to its own cache).
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,9 +40,10 @@ class StepContext:
     # pages each layer reads (what an offloaded store brings to the device), dropped after the chunk.
     page_lists: PageLists = field(init=False)
     # Attention outputs kept from stage 1 for stage 2 (same keys -> (out, lse)), when on: stage 2's
-    # forward then reuses them instead of attending again (the pages and queries are the same).
+    # forward then reuses them instead of attending again (the pages and queries are the same). A dict on
+    # the device, or the engine's mapping over host memory (item assignment, pop, iteration, deletion).
     cache_attention: bool = False
-    attention_outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    attention_outputs: MutableMapping[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Tensor parallel: the process group the heads are split over (None = one process). Page
     # selection combines the scores of every rank's heads so all ranks attend the same pages.
     tp_group: torch.distributed.ProcessGroup | None = None

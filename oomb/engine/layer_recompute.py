@@ -33,8 +33,9 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-RECOMPUTE_MODES = ("chunk", "layer", "layer-host")
+from oomb.engine.host_stash import HostStash, region_bytes
 
+RECOMPUTE_MODES = ("chunk", "layer", "layer-host")
 
 def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
     """The decoder's layers, in order; raises where they cannot be recomputed one at a time."""
@@ -64,83 +65,53 @@ def check_layer_recompute(model: PreTrainedModel) -> None:
 
 
 class LayerInputs:
-    """Every decoder layer's input (and the last layer's output) of every chunk of one step.
+    """Every decoder layer's input (and the last layer's output) of every chunk of one step, by (chunk start,
+    slot); slot l is layer l's input, slot L the last layer's output.
 
-    On the device, the tensors stage 1 computed are kept as they are (no copy) and each chunk's are
-    freed after its backward. On the host (``on_host``), they are copied into one pinned buffer
-    [L + 1, B, N, hidden] on a side stream, and copied back one layer ahead of the backward that reads
-    them.
+    On the device, the tensors stage 1 computed are kept as they are (no copy) and each is freed when its
+    backward has read it. On the host (``stash``), they go to a ``HostStash`` and come back one layer ahead
+    of the backward that reads them.
     """
 
-    def __init__(self, num_layers: int, batch: int, seq_len: int, hidden: int, dtype: torch.dtype,
-                 device: torch.device, *, on_host: bool) -> None:
-        self.num_layers = num_layers
-        self.on_host = on_host
-        self.device = device
-        self._kept: dict[tuple[int, int], torch.Tensor] = {}  # (chunk start, slot) -> tensor, on the device
-        self._fetched: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.Event | None]] = {}
-        self._host = self._stream = None
-        if on_host:
-            shape = (num_layers + 1, batch, seq_len, hidden)
-            cuda = device.type == "cuda"
-            if cuda:
-                from oomb.offload.copy import pinned_empty
+    def __init__(self, stash: HostStash | None = None) -> None:
+        self._kept: dict[tuple[int, int], torch.Tensor] = {}
+        self._stash = stash
 
-                self._host = pinned_empty(shape, dtype)
-                self._stream = torch.cuda.Stream(device)
-            else:
-                self._host = torch.empty(shape, dtype=dtype)
+    @classmethod
+    def on_host(cls, model: torch.nn.Module, num_layers: int, chunks: list[tuple[int, int]], batch: int,
+                hidden: int, dtype: torch.dtype, device: torch.device) -> LayerInputs:
+        nbytes = sum((num_layers + 1) * region_bytes((batch, end - start, hidden), dtype) for start, end in chunks)
+        return cls(HostStash.for_model(model, "layer inputs", nbytes, device))
 
     def keep(self, slot: int, start: int, x: torch.Tensor) -> None:
-        """Stage 1: ``x`` [B, C, hidden] is slot ``slot``'s value (layer ``slot``'s input) of the chunk at ``start``."""
-        if not self.on_host:
+        """Stage 1: ``x`` [B, C, hidden] is slot ``slot``'s value of the chunk at ``start``."""
+        if self._stash is None:
             self._kept[(start, slot)] = x
-            return
-        target = self._host[slot, :, start:start + x.shape[1]]
-        if self._stream is None:
-            target.copy_(x)
-            return
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # x is computed
-        with torch.cuda.stream(self._stream):
-            target.copy_(x, non_blocking=True)
-        x.record_stream(self._stream)  # its memory is not reused before the copy is done
+        else:
+            self._stash.keep((start, slot), x)
 
-    def prefetch(self, slot: int, start: int, end: int) -> None:
-        """Stage 2, host: start copying slot ``slot`` of the chunk [start, end) back to the device."""
-        if not self.on_host or (start, slot) in self._fetched or slot < 0:
-            return
-        source = self._host[slot, :, start:end]
-        x = torch.empty(source.shape, dtype=source.dtype, device=self.device)
-        if self._stream is None:
-            self._fetched[(start, slot)] = (x.copy_(source), None)
-            return
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # x's memory is free to write
-        with torch.cuda.stream(self._stream):
-            x.copy_(source, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        self._fetched[(start, slot)] = (x, done)
+    def prefetch(self, slot: int, start: int) -> None:
+        """Stage 2, host: start bringing slot ``slot`` of the chunk at ``start`` back (slot -1: nothing)."""
+        if self._stash is not None and slot >= 0:
+            self._stash.prefetch((start, slot))
 
-    def take(self, slot: int, start: int, end: int) -> torch.Tensor:
-        """Stage 2: slot ``slot`` of the chunk [start, end) on the device (each slot is taken once)."""
-        if not self.on_host:
+    def take(self, slot: int, start: int) -> torch.Tensor:
+        """Stage 2: slot ``slot`` of the chunk at ``start`` on the device (each slot is taken once)."""
+        if self._stash is None:
             return self._kept.pop((start, slot))
-        self.prefetch(slot, start, end)
-        x, done = self._fetched.pop((start, slot))
-        if done is not None:
-            torch.cuda.current_stream(self.device).wait_event(done)
-        return x
+        return self._stash.take((start, slot))
 
     def release(self, start: int) -> None:
-        """Drop what is left of the chunk at ``start`` (after its backward, or after an error)."""
+        """Drop what is left of the chunk at ``start`` (after its backward)."""
         for key in [k for k in self._kept if k[0] == start]:
             del self._kept[key]
-        for key in [k for k in self._fetched if k[0] == start]:
-            del self._fetched[key]
+        if self._stash is not None:
+            self._stash.forget(lambda key: key[0] != start)
 
     def clear(self) -> None:
         self._kept.clear()
-        self._fetched.clear()
+        if self._stash is not None:
+            self._stash.reset()
 
 
 class _ReplayLayer(torch.autograd.Function):
@@ -155,8 +126,9 @@ class _ReplayLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         replay, layer = ctx.replay, ctx.layer
-        x = replay.inputs.take(layer, *replay.chunk)
-        replay.inputs.prefetch(layer - 1, *replay.chunk)  # the next backward's input, while this one runs
+        start = replay.chunk[0]
+        x = replay.inputs.take(layer, start)
+        replay.inputs.prefetch(layer - 1, start)  # the next backward's input, while this one runs
         x = x.detach().requires_grad_(ctx.needs_input_grad[0])
         with torch.enable_grad():
             y = ctx.run(x)
@@ -207,7 +179,7 @@ class LayerRecompute:
                 self._anchor = torch.zeros((), device=hidden.device, requires_grad=True)
             self.layers_seen.add(layer)
             if last:
-                self.inputs.prefetch(layer, start, end)  # read first by this layer's backward
+                self.inputs.prefetch(layer, start)  # read first by this layer's backward
             out = _ReplayLayer.apply(hidden, self._anchor, run, self, layer)
         self._previous = out
         return out
@@ -216,7 +188,7 @@ class LayerRecompute:
         """What layer ``layer`` hands on in stage 2: the last layer's kept output (the loss reads it), else a
         placeholder of the right shape that no one reads (the next layer's replay ignores its input)."""
         if layer == len(self.layers) - 1:
-            return self.inputs.take(layer + 1, *self.chunk)
+            return self.inputs.take(layer + 1, self.chunk[0])
         return hidden.new_zeros(1).expand(hidden.shape)
 
     def begin_chunk(self, stage: str, start: int, end: int) -> None:

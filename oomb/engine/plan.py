@@ -157,7 +157,7 @@ def plan_memory(
     layer_checkpointing: bool = False,
     offload: bool = False,
     offload_gpu_bytes: int | str = 0,
-    cache_attention: bool = False,
+    cache_attention: bool | str = False,
     device_type: str = "cuda",
     loss_impl: str = "auto",
     device_total_bytes: int | None = None,
@@ -189,10 +189,11 @@ def plan_memory(
     ``quantize="nf4"`` (QLoRA, with ``lora_r`` > 0): the linear layers transformers' bitsandbytes quantizer
     replaces hold NF4 weights (oomb.engine.quantize.nf4_weight_bytes, about 0.516 B per value), the rest
     stays in ``dtype``; a layer's backward also holds one weight dequantized to ``dtype``.
-    ``recompute`` as in chunked_backward: "layer" keeps every decoder layer's input (and the last output) of
-    the whole sequence on the GPU, "layer-host" in pinned host memory with two of one chunk's on the GPU,
-    and stage 2 rebuilds one layer's activations at a time; stage 1 runs the last chunk too, so the
-    attention cache holds every chunk.
+    ``cache_attention="host"`` keeps the attention outputs in pinned host memory, with two layers' of one chunk
+    on the GPU at a time. ``recompute`` as in chunked_backward: "layer" keeps every decoder layer's input (and
+    the last output) of the whole sequence on the GPU, "layer-host" in pinned host memory with two of one
+    chunk's on the GPU, and stage 2 rebuilds one layer's activations at a time; stage 1 runs the last chunk
+    too, so the attention cache holds every chunk.
     """
     arguments = dict(locals())  # the parameters, for the "auto" GPU allowance's second plan
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("chunk_size", chunk_size),
@@ -306,6 +307,8 @@ def plan_memory(
         layer_ws += 8 * batch_size * seq_len * (shape.kv_heads // tensor_parallel) * shape.head_dim * s
     if four_bit:  # bitsandbytes dequantizes a 4-bit weight to the compute dtype for each matmul, forward and backward
         layer_ws += max(four_bit) * s
+    if cache_attention == "host":  # the next layer's outputs on their way back from the host
+        layer_ws += tokens * (shape.heads // tensor_parallel) * (shape.head_dim * s + 4)
     workspace = max(loss_ws, layer_ws)
     activations = saved + workspace
 
@@ -346,7 +349,8 @@ def plan_memory(
         item("sparse page lists", page_lists, "dense" if page_budget is None else
              f"budget {page_budget}, block {select_block}"),
         item("attention output cache", attention_outputs, "off" if not cache_attention else
-             "out + lse of every stage-1 chunk and layer (train.cache_attention)"),
+             "out + lse of every stage-1 chunk and layer (train.cache_attention)"
+             + (" in pinned host memory" if cache_attention == "host" else ""), host_always=cache_attention == "host"),
         item("kept layer inputs", kept_inputs, "off (recompute=chunk)" if not by_layer else
              f"{shape.num_layers + 1} x {shape.hidden} values per token, {batch_size} x {seq_len} tokens"
              + (" (pinned host memory)" if recompute == "layer-host" else ""), host_always=recompute == "layer-host"),

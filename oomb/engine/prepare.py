@@ -26,6 +26,8 @@ from transformers import PreTrainedModel
 
 from oomb.attention import StepContext, check_attention_support
 from oomb.cache import KVStore, PagedKVStore
+from oomb.engine import host_stash
+from oomb.engine.host_stash import HostAttentionCache, HostStash
 from oomb.engine.layer_recompute import RECOMPUTE_MODES
 from oomb.engine.loss import IGNORE_INDEX, LOSS_IMPLS
 from oomb.engine.sizes import store_spec
@@ -70,7 +72,8 @@ class StepOptions:
     selection: PageSelection | None = None  # page-sparse attention (its page_budget included); None = dense
     offload: bool = False  # K, V and their gradient pages in host memory (oomb.offload)
     offload_gpu_bytes: int = 0  # with offload: device bytes for keeping the first layers' pages whole
-    cache_attention: bool = False  # stage 2 reuses stage 1's attention outputs (device memory; not with offload)
+    cache_attention: bool | str = False  # stage 2 reuses stage 1's attention outputs: True (device memory) or
+    # "host" (pinned host memory, oomb.engine.host_stash); not with offload
     recompute: str = "chunk"  # stage 2 rebuilds a chunk's activations: "chunk", "layer" or "layer-host"
     # (oomb.engine.layer_recompute; not with offload)
 
@@ -101,7 +104,8 @@ class StepOptions:
                 require_int(f"selection.{name}", getattr(self.selection, name), minimum=0)
             _require_bool("selection.per_head", self.selection.per_head)
         _require_bool("offload", self.offload)
-        _require_bool("cache_attention", self.cache_attention)
+        if not (isinstance(self.cache_attention, bool) or self.cache_attention == "host"):
+            raise TypeError(f"cache_attention must be True, False or 'host', got {self.cache_attention!r}")
         require_int("offload_gpu_bytes", self.offload_gpu_bytes, minimum=0)
         if self.offload_gpu_bytes and not self.offload:
             raise ValueError("offload_gpu_bytes sets how much of an offloaded store stays on the GPU: "
@@ -112,8 +116,8 @@ class StepOptions:
             raise ValueError(f"recompute={self.recompute!r} keeps every layer's input for the whole sequence, "
                              "against offload=True's purpose (the longest contexts): use recompute='chunk'")
         if self.cache_attention and self.offload:
-            raise ValueError("cache_attention=True keeps attention outputs on the device, against offload=True's "
-                             "purpose: choose one")
+            raise ValueError(f"cache_attention={self.cache_attention!r} keeps every chunk's attention outputs for "
+                             "stage 2, against offload=True's purpose (the longest contexts): choose one")
 
 
 _DEFAULTS = StepOptions()
@@ -184,10 +188,19 @@ def prepare_step(
     batch, seq_len = input_ids.shape
     store = _store_for(model, device, options)
     store.reserve(batch, seq_len)
+    cache = bool(options.cache_attention) and not forward_only
     context = StepContext(store=store, backend=backend, stage="fill", doc_start=doc_start,
-                          selection=options.selection, cache_attention=options.cache_attention and not forward_only,
-                          tp_group=tensor_parallel_group(model))
+                          selection=options.selection, cache_attention=cache, tp_group=tensor_parallel_group(model))
     bounds = [(s, min(s + options.chunk_size, seq_len)) for s in range(0, seq_len, options.chunk_size)]
+    if cache and options.cache_attention == "host":
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        heads = cfg.num_attention_heads // (1 if (group := tensor_parallel_group(model)) is None
+                                            else torch.distributed.get_world_size(group))
+        nbytes = HostAttentionCache.nbytes(cfg.num_hidden_layers, bounds, batch, heads, head_dim,
+                                           model.get_input_embeddings().weight.dtype)
+        stash = HostStash.for_model(model, "attention outputs", nbytes, device)
+        context.attention_outputs = HostAttentionCache(stash, step=-1 if options.recompute != "chunk" else 1)
     return PreparedStep(model=model, targets=targets, target_counts=counts, bounds=bounds, store=store,
                         context=context)
 
@@ -200,7 +213,9 @@ def unwrap_peft(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def release_memory(model: torch.nn.Module) -> None:
-    """Free the paged store's memory kept for ``model`` (its pools are otherwise reused by the next step)."""
+    """Free the paged store's memory kept for ``model`` (its pools are otherwise reused by the next step), and
+    the host buffers of recompute="layer-host" and cache_attention="host"."""
+    host_stash.release(unwrap_peft(model))  # kept layer inputs / attention outputs in host memory
     store = _STORES.pop(unwrap_peft(model), None)
     if store is not None:
         store.release()  # frees the pools even if something else still references the store

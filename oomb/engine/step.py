@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from oomb.attention import STEP_KWARG, StepContext, oomb_attention
+from oomb.engine.host_stash import HostAttentionCache
 from oomb.engine.layer_recompute import LayerInputs, check_layer_recompute, layer_recompute
 from oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy_sum
 from oomb.engine.prepare import StepOptions, options_from_keywords, prepare_step
@@ -38,7 +39,7 @@ def chunked_backward(
     selection: PageSelection | None = None,
     offload: bool = False,
     offload_gpu_bytes: int = 0,
-    cache_attention: bool = False,
+    cache_attention: bool | str = False,
     recompute: str = "chunk",
     loss_divisor: float | None = None,
     before_last_backward: Callable[[], None] | None = None,
@@ -69,11 +70,12 @@ def chunked_backward(
             being computed and the next one on the device (oomb.offload). Same gradients.
         offload_gpu_bytes: with ``offload``, GPU memory the store may use to keep whole layers'
             pages on the device (the first layers that fit; no copies for them). 0 = none.
-        cache_attention: keep every chunk's attention outputs (and log-sum-exps) from stage 1 for
+        cache_attention: True or "host": keep every chunk's attention outputs (and log-sum-exps) from stage 1 for
             stage 2, which then skips attending again: one attention forward less per chunk and
             layer (the same result), for H * (D * itemsize + 4) bytes per token per layer of device
             memory until the chunk's backward (Qwen2.5-7B in bf16: 200 KiB per token, 1.8x the
-            paged store). Not with ``offload``.
+            paged store); "host": in pinned host memory instead, copied out in stage 1 and back one
+            layer ahead of stage 2 (oomb.engine.host_stash). Not with ``offload``.
         recompute: how stage 2 rebuilds a chunk's activations for its backward: "chunk" (all layers
             with autograd at once: the chunk's activations of every layer alive together), "layer"
             (stage 1 keeps every layer's input, (L + 1) x hidden values per token of the sequence on
@@ -115,10 +117,12 @@ def chunked_backward(
     by_layer = options.recompute != "chunk"
     if by_layer:
         check_layer_recompute(model)
-        hidden_size = model.get_input_embeddings().weight.shape[1]
-        inputs = LayerInputs(model.config.num_hidden_layers, input_ids.shape[0], input_ids.shape[1], hidden_size,
-                             model.get_input_embeddings().weight.dtype, input_ids.device,
-                             on_host=options.recompute == "layer-host")
+        if options.recompute == "layer-host":
+            embeddings = model.get_input_embeddings().weight
+            inputs = LayerInputs.on_host(model, model.config.num_hidden_layers, bounds, input_ids.shape[0],
+                                         embeddings.shape[1], embeddings.dtype, input_ids.device)
+        else:
+            inputs = LayerInputs()
         layers = layer_recompute(model, inputs, step.layers_seen)
     else:
         layers = contextlib.nullcontext()
@@ -140,9 +144,12 @@ def chunked_backward(
             step.stage = "recompute"
             if not by_layer:
                 store.append_chunk(bounds[-1][1] - bounds[-1][0])
+            first_layer = model.config.num_hidden_layers - 1 if by_layer else 0  # the first whose attention is read
             for (start, end), count in zip(reversed(bounds), reversed(counts), strict=True):
                 if by_layer:
                     replay.begin_chunk("recompute", start, end)
+                if isinstance(step.attention_outputs, HostAttentionCache):
+                    step.attention_outputs.prefetch((first_layer, start))
                 hidden = run_decoder(start, end)
                 hidden = hidden.reshape(-1, hidden.shape[-1])
                 chunk_targets = targets[:, start:end].reshape(-1)

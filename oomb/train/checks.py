@@ -84,9 +84,9 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(str(e)) from e
     page_selection(cfg)  # page-sparse attention settings
     check_quantize(cfg)  # model.quantize: needs LoRA, one process
-    if not (t.cache_attention is True or t.cache_attention is False or t.cache_attention == "auto"):
+    if not (t.cache_attention is True or t.cache_attention is False or t.cache_attention in ("auto", "host")):
         raise ConfigError(f"train.cache_attention={t.cache_attention!r}: use auto (on where the memory plan fits "
-                          "with it), true or false")
+                          "with it), true, host (in pinned host memory) or false")
     offload_gpu_bytes(t.offload_gpu_memory)  # a byte count or auto (ConfigError otherwise)
     _check_fused_ops(cfg)
     _check_attention(cfg)
@@ -96,9 +96,9 @@ def check_config(cfg: Config) -> None:
     if t.recompute in ("layer", "layer-host") and (t.offload or t.layer_checkpointing):
         raise ConfigError(f"train.recompute={t.recompute} rebuilds one layer at a time from the inputs stage 1 kept: "
                           "not with train.offload=true or train.layer_checkpointing=true (set train.recompute=chunk)")
-    if t.cache_attention is True and t.offload:
-        raise ConfigError("train.cache_attention=true keeps attention outputs on the GPU and train.offload=true moves "
-                          "pages off it: choose one")
+    if (t.cache_attention is True or t.cache_attention == "host") and t.offload:
+        raise ConfigError(f"train.cache_attention={str(t.cache_attention).lower()} keeps attention outputs for stage 2 "
+                          "and train.offload=true needs the GPU's memory and PCIe for pages: choose one")
 
 
 def _check_ranges(cfg: Config) -> None:

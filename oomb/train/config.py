@@ -182,8 +182,8 @@ class TrainConfig:
     0: only the two working layers."""
     cache_attention: bool | str = "auto"
     """Keep stage 1's attention outputs for stage 2 (one attention forward less per chunk; same gradients; GPU
-    memory H*(2D+4) B per token per layer in bf16, 200 KiB/token for Qwen2.5-7B); not with offload. auto: on
-    where the memory plan fits with it (off with train.offload or train.memory_check=false)."""
+    memory H*(2D+4) B per token per layer in bf16, 200 KiB/token for Qwen2.5-7B; host: in pinned host memory); not
+    with offload. auto: on where the memory plan fits with it (off with offload or train.memory_check=false)."""
     recompute: str = "auto"
     """How stage 2 rebuilds a chunk for its backward: chunk (every layer at once), layer (from every layer's input,
     kept by stage 1 on the GPU: one layer's activations at a time) or layer-host (those inputs in pinned host
@@ -491,7 +491,7 @@ def step_options(cfg: Config) -> StepOptions:
     t = cfg.train
     return StepOptions(chunk_size=settled_chunk_size(cfg), page_size=t.page_size, selection=page_selection(cfg),
                        offload=t.offload, offload_gpu_bytes=offload_gpu_allowance(cfg),
-                       cache_attention=t.cache_attention is True,  # "auto" not settled by a memory plan: off
+                       cache_attention=t.cache_attention if t.cache_attention in (True, "host") else False,
                        recompute="chunk" if t.recompute == "auto" else t.recompute, backend=t.attention)
 
 

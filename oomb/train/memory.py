@@ -56,7 +56,8 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
         layer_checkpointing=t.layer_checkpointing, device_type=device_type,
         page_budget=t.page_budget, select_block=t.select_block, per_head_selection=t.select_per_head,
         select_score=t.select_score,
-        offload=t.offload and device_type == "cuda", cache_attention=t.cache_attention is True,
+        offload=t.offload and device_type == "cuda",
+        cache_attention=t.cache_attention if t.cache_attention in (True, "host") else False,
         recompute="chunk" if t.recompute == "auto" else t.recompute,
         offload_gpu_bytes=offload_gpu_bytes(t.offload_gpu_memory),
         tensor_parallel=t.tensor_parallel,
@@ -153,25 +154,31 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
     fp32 master weights first (train.master_weights=auto: precision), then speed: the largest chunk
     (train.chunk_size=auto) with the attention cache (train.cache_attention=auto; never with offload),
     then the largest chunk without it; with train.recompute=auto, all of these again with recompute=layer-host
-    (every layer's input in host memory, one layer's activations on the GPU), where the run trains in one
-    process without offload or layer checkpointing. Each choice names all four settings, fixed ones as set;
-    the offload GPU allowance (train.offload_gpu_memory=auto) is settled by each choice's own plan.
+    (every layer's input in host memory, one layer's activations on the GPU; with an auto cache, the cache in
+    host memory between the two), where the run trains in one process without offload or layer checkpointing.
+    Each choice names all four settings, fixed ones as set; the offload GPU allowance
+    (train.offload_gpu_memory=auto) is settled by each choice's own plan.
     ``seq_len``: the chunks for that length (None: every chunk auto may take, for the longest context).
     """
     t = cfg.train
     wanted = _settings(cfg, device_type, torch.float32)["master_weights"]  # auto: on in one process
     masters = [True, False] if t.master_weights == "auto" and wanted else [wanted]
     chunks = chunk_choices(cfg, device_type, seq_len) if t.chunk_size == "auto" else [t.chunk_size]
-    if t.cache_attention == "auto" and not t.offload:  # (the engine refuses the cache with offload, also on CPU)
-        floor = min(CACHE_MIN_CHUNK, chunks[0])
-        speed = [(c, True) for c in chunks if c >= floor] + [(c, False) for c in chunks]
-    else:
-        speed = [(c, t.cache_attention is True) for c in chunks]
+    floor = min(CACHE_MIN_CHUNK, chunks[0])
+
+    def speed(by_layer: bool) -> list[tuple[int, bool | str]]:
+        if t.cache_attention != "auto" or t.offload:  # (the engine refuses the cache with offload, also on CPU)
+            return [(c, t.cache_attention if t.cache_attention in (True, "host") else False) for c in chunks]
+        cached = [(c, True) for c in chunks if c >= floor]
+        if by_layer:  # the cache in host memory too, before none (stage 2 reads it, not the attention kernels)
+            cached += [(c, "host") for c in chunks if c >= floor]
+        return cached + [(c, False) for c in chunks]
+
     modes = ["chunk" if t.recompute == "auto" else t.recompute]
     if t.recompute == "auto" and layer_recompute_possible(cfg, device_type):
         modes.append("layer-host")  # measured on the GPU after chunk: only where chunk does not fit (docs/memory.md)
     return [dict(master_weights=m, chunk_size=c, cache_attention=k, recompute=r)
-            for r in modes for m in masters for c, k in speed]
+            for r in modes for m in masters for c, k in speed(r != "chunk")]
 
 
 def layer_recompute_possible(cfg: Config, device_type: str) -> bool:
@@ -232,7 +239,8 @@ def describe_step_choice(cfg: Config, auto: set[str] | frozenset[str], *, planne
     why = "chosen by the memory plan" if planned else "train.memory_check=false: no memory plan"
     cache_why = "not with train.offload" if t.offload else why
     chunk = f"chunk {t.chunk_size}"
-    cache = f"attention cache {'on' if t.cache_attention is True else 'off'}"
+    cache = ("attention cache " + {True: "on", "host": "in host memory"}.get(t.cache_attention, "off")
+             if isinstance(t.cache_attention, (bool, str)) else "attention cache off")
     by_layer = "" if t.recompute in ("chunk", "auto") else (
         f", recompute {t.recompute}" + (f" ({why})" if "recompute" in auto else ""))
     if {"chunk_size", "cache_attention"} <= auto and cache_why == why:

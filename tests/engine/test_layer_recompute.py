@@ -32,8 +32,9 @@ def test_every_family_equals_full_sequence(family, recompute):
     _assert_same_training(model, ids, chunk_size=32, page_size=16, recompute=recompute)
 
 
-@pytest.mark.parametrize("cache_attention", [False, True])
-def test_same_gradients_as_chunk_recompute_with_documents_sparse_and_the_cache(cache_attention):
+def test_same_gradients_as_chunk_recompute_with_documents_sparse_and_the_cache():
+    # Every recompute mode with the attention cache off, on the device and in host memory: the loss and
+    # gradients of recompute="chunk" without the cache.
     model = tiny_model("qwen2")  # a sliding-window layer, q/k/v biases
     model.train()
     ids = torch.randint(0, VOCAB, (2, 200))
@@ -43,16 +44,40 @@ def test_same_gradients_as_chunk_recompute_with_documents_sparse_and_the_cache(c
     selection = PageSelection(page_budget=2, block=16, sink_pages=1, local_pages=1)
     results = {}
     for recompute in ("chunk", "layer", "layer-host"):
-        model.zero_grad(set_to_none=True)
-        loss = oomb.chunked_backward(model, ids, labels, doc_ids=docs, chunk_size=32, page_size=16,
-                                     selection=selection, cache_attention=cache_attention, recompute=recompute)
-        results[recompute] = loss, _grads(model)
-    loss, grads = results["chunk"]
-    for recompute in ("layer", "layer-host"):
-        other_loss, other = results[recompute]
-        assert rel_err(other_loss, loss) <= TOL
+        for cache in (False, True, "host"):
+            model.zero_grad(set_to_none=True)
+            loss = oomb.chunked_backward(model, ids, labels, doc_ids=docs, chunk_size=32, page_size=16,
+                                         selection=selection, cache_attention=cache, recompute=recompute)
+            results[recompute, cache] = loss, _grads(model)
+    loss, grads = results["chunk", False]
+    for key, (other_loss, other) in results.items():
+        assert rel_err(other_loss, loss) <= TOL, key
         assert other.keys() == grads.keys()
-        assert max(rel_err(other[n], grads[n]) for n in grads) <= TOL, recompute
+        assert max(rel_err(other[n], grads[n]) for n in grads) <= TOL, key
+
+
+def test_the_host_cache_is_read_not_recomputed(monkeypatch):
+    # With cache_attention="host" stage 2 attends no chunk again: every chunk's outputs come back from host
+    # memory, so the attention forward runs once per chunk and layer (stage 1; by layer it runs the last
+    # chunk too, whole-chunk recompute runs the last chunk in stage 2 only).
+    from oomb.kernels import reference
+
+    model = tiny_model("llama")
+    model.train()
+    ids = torch.randint(0, VOCAB, (1, 128))  # 4 chunks of 32
+    layers = model.config.num_hidden_layers
+    calls = []
+    forward = reference.paged_attention_forward
+    monkeypatch.setattr(reference, "paged_attention_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    for recompute in ("chunk", "layer-host"):
+        calls.clear()
+        oomb.chunked_backward(model, ids, chunk_size=32, page_size=16, cache_attention="host", recompute=recompute,
+                              backend="torch")
+        assert len(calls) == 4 * layers, recompute
+        calls.clear()
+        oomb.chunked_backward(model, ids, chunk_size=32, page_size=16, cache_attention=False, recompute=recompute,
+                              backend="torch")
+        assert len(calls) == (7 if recompute == "chunk" else 8) * layers, recompute  # stage 2 attends again
 
 
 def test_one_chunk_only_and_the_shortest_sequence():
@@ -147,6 +172,10 @@ def test_refused_where_it_cannot_run():
         StepOptions(recompute="sideways")
     with pytest.raises(ValueError, match="against offload=True's purpose"):
         StepOptions(recompute="layer", offload=True)
+    with pytest.raises(ValueError, match="cache_attention='host' keeps every chunk's attention outputs"):
+        StepOptions(cache_attention="host", offload=True)
+    with pytest.raises(TypeError, match="cache_attention must be True, False or 'host', got 'gpu'"):
+        StepOptions(cache_attention="gpu")
 
 
 def test_a_decoder_that_computes_between_layers_is_refused():
@@ -154,8 +183,7 @@ def test_a_decoder_that_computes_between_layers_is_refused():
     # may be replayed. An input that is not the previous layer's output is refused, in both stages.
     model = tiny_model("llama")
     model.train()
-    replay = LayerRecompute(model, LayerInputs(2, 1, 32, 16, torch.float32, torch.device("cpu"), on_host=False),
-                            set())
+    replay = LayerRecompute(model, LayerInputs(), set())
     x = torch.randn(1, 32, 16)
     for stage in ("fill", "recompute"):
         replay.begin_chunk(stage, 0, 32)
@@ -167,3 +195,22 @@ def test_a_decoder_that_computes_between_layers_is_refused():
     with pytest.raises(ValueError, match="GradientCheckpointingLayers"):
         model.get_decoder().layers[0] = torch.nn.Identity()
         decoder_layers(model)
+
+
+def test_the_host_buffer_is_kept_between_steps_and_freed_with_the_store():
+    # Zeroing and pinning tens of GiB takes seconds: once per run, not once per step.
+    from oomb.engine import host_stash
+
+    model = tiny_model("llama")
+    model.train()
+    ids = torch.randint(0, VOCAB, (1, 64))
+    oomb.chunked_backward(model, ids, chunk_size=32, page_size=16, recompute="layer-host")
+    first, _ = host_stash._BUFFERS[model]["layer inputs"]
+    layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    assert first.numel() == (layers + 1) * 2 * host_stash.region_bytes((1, 32, hidden), torch.float32)
+    oomb.chunked_backward(model, ids, chunk_size=32, page_size=16, recompute="layer-host")
+    assert host_stash._BUFFERS[model]["layer inputs"][0] is first
+    oomb.chunked_backward(model, torch.randint(0, VOCAB, (1, 96)), chunk_size=32, page_size=16, recompute="layer-host")
+    assert host_stash._BUFFERS[model]["layer inputs"][0].numel() > first.numel()  # longer: a larger one
+    oomb.release_memory(model)
+    assert model not in host_stash._BUFFERS

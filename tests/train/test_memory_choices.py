@@ -100,9 +100,11 @@ def test_auto_chunk_order_smaller_gpus_and_short_sequences():
     cfg = load_config(None, ["data.seq_len=65536", "train.master_weights=false"])
     choices = memory.auto_choices(cfg, "cuda", 65536)
     speed = [(c["chunk_size"], c["cache_attention"]) for c in choices if c["recompute"] == "chunk"]
-    # recompute=layer-host after every chunk-recompute choice, in the same order (only where none of those fits)
-    assert [c["recompute"] for c in choices] == ["chunk"] * len(speed) + ["layer-host"] * len(speed)
-    assert [(c["chunk_size"], c["cache_attention"]) for c in choices[len(speed):]] == speed
+    # recompute=layer-host after every chunk-recompute choice (only where none of those fits), in the same order
+    # with the cache in host memory between the cache on the GPU and none
+    by_layer = [(c["chunk_size"], c["cache_attention"]) for c in choices[len(speed):]]
+    assert [c["recompute"] for c in choices] == ["chunk"] * len(speed) + ["layer-host"] * len(by_layer)
+    assert by_layer == speed[:4] + [(c, "host") for c, _ in speed[:4]] + speed[4:]
     assert speed == [(8192, True), (4096, True), (2048, True), (1024, True),
                      (8192, False), (4096, False), (2048, False), (1024, False), (512, False), (256, False),
                      (128, False)]
@@ -231,3 +233,23 @@ def test_train_states_the_choice_and_a_resume_keeps_the_recorded_chunk(tmp_path,
     assert ("chunk 1024 (chosen by the memory plan), attention cache off, page 64, attention kernels torch (auto);"
             in _printed(capsys))
     assert json.loads((run / "config.json").read_text())["train"]["chunk_size"] == 1024
+
+
+def test_the_cache_and_the_layer_inputs_in_host_memory(monkeypatch):
+    # train.cache_attention=host with train.recompute=layer-host: both kept stores of the step on the host,
+    # the GPU holding one layer's activations of one chunk beside the weights and the pages.
+    monkeypatch.setattr(memory, "liger_available", lambda: True)
+    cfg, plan, _ = _resolve(["model.preset=qwen2.5-7b", "data.seq_len=131072", "train.cache_attention=host",
+                             "train.recompute=layer-host"])
+    items = {i.name: i for i in plan.items}
+    assert items["attention output cache"].gpu_bytes == 0 and items["kept layer inputs"].gpu_bytes == 0
+    n, layers = 131072, 28
+    assert items["attention output cache"].host_bytes == n * layers * 28 * (128 * 2 + 4)  # every chunk, by layer
+    assert items["kept layer inputs"].host_bytes == n * (layers + 1) * 3584 * 2
+    assert plan.fits and cfg.train.chunk_size == 8192
+    assert memory.describe_step_choice(cfg, {"chunk_size"}, planned=True) == (
+        "chunk 8192 (chosen by the memory plan), attention cache in host memory, recompute layer-host")
+    with pytest.raises(ConfigError, match="train.cache_attention='gpu': use auto"):
+        _resolve(["model.preset=qwen2.5-7b", "train.cache_attention=gpu"])
+    with pytest.raises(ConfigError, match="train.cache_attention=host keeps attention outputs"):
+        _resolve(["model.preset=qwen2.5-7b", "train.cache_attention=host", "train.offload=true"])
