@@ -123,6 +123,7 @@ class HostStash:
             x.copy_(source, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
+        x.record_stream(self._stream)  # a prefetch never taken (a step that failed) frees x only after its copy
         self._fetched[key] = (x, done)
 
     def take(self, key: Hashable) -> torch.Tensor:
