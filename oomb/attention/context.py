@@ -49,7 +49,14 @@ class StepContext:
     tp_group: torch.distributed.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
-        self.page_lists = PageLists(sparse=self.selection is not None)
+        listed = None
+        if (policy := self.selection) is not None:
+            lists = self.store.spec.num_kv_heads if policy.per_head else 1
+
+            def listed(queries: int) -> int:
+                return -(-queries // policy.block) * policy.page_budget * lists
+
+        self.page_lists = PageLists(sparse=self.selection is not None, listed=listed)
 
     def drop_page_lists(self, chunk_start: int) -> None:
         """Forget what was kept for the chunk that starts at ``chunk_start`` (after its backward): its page

@@ -54,6 +54,8 @@ def _attend(step: StepContext, layer_idx: int, q, k, v, sinks, scale, sliding_wi
     store.writeback(layer_idx, grads=False)
     known, pages = step.page_lists.past_pages(store, layer_idx + 1)
     if known:
+        if step.selection is not None:  # its selection reads its page summaries first: queued before its pages
+            store.prefetch_mean_keys(layer_idx + 1)
         store.prefetch(layer_idx + 1, pages, grads=False)  # the next layer's pages, while this one computes
     else:  # a sparse layer chooses its pages when it runs: bring what it chooses them by
         store.prefetch_mean_keys(layer_idx + 1)

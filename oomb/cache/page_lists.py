@@ -34,8 +34,13 @@ if TYPE_CHECKING:
 class PageLists:
     """A step's page lists and the past pages each layer reads, per (layer, chunk start) (module docstring)."""
 
-    def __init__(self, sparse: bool) -> None:
+    def __init__(self, sparse: bool, listed: Callable[[int], int] | None = None) -> None:
         self.sparse = sparse  # a selection policy is on: a full-attention layer's pages are known once it ran
+        # Entries of one row's page lists for a chunk of n queries (blocks x budget x lists per row): where they
+        # are at least the past pages, their union may be the whole past, and a store is asked for every past
+        # page instead (known before the selection, so prefetched; one contiguous copy per row and kind; no
+        # torch.unique, which makes the host wait). The kernels still attend only the listed pages.
+        self.listed = listed
         self._chosen: dict[tuple[int, int], torch.Tensor | None] = {}
         self._past: dict[tuple[int, int], PastPages | None] = {}
         self._windows: dict[int, int | None] = {}  # each layer's sliding window (None = full attention)
@@ -56,7 +61,8 @@ class PageLists:
         moves only listed pages) and return the past pages it reads (None = all)."""
         self._windows[layer_idx] = sliding_window
         key = (layer_idx, store.last_chunk().start)
-        if key not in self._past and page_select is not None and store.needs_page_list(layer_idx):
+        if (key not in self._past and page_select is not None and store.needs_page_list(layer_idx)
+                and not self.covers_past(store)):
             # Every page some block or head reads (each list is ascending and distinct). One list is its own
             # union: no torch.unique, whose data-dependent size would make the host wait for the selection.
             one_list = page_select.shape[:3] == (1, 1, 1)
@@ -77,12 +83,20 @@ class PageLists:
             page_size = store.spec.page_size
             first = first_visible_page(store.num_tokens, store.num_tokens - q0, page_size, window)
             pages = PastPages(torch.arange(first, q0 // page_size, device=store.page_table.device))
-        elif not self.sparse:
+        elif not self.sparse or self.covers_past(store):
             pages = None
         else:
             return False, None  # chosen when the layer runs on this chunk
         self._past[key] = pages
         return True, pages
+
+    def covers_past(self, store: KVStore) -> bool:
+        """Whether the newest chunk's page lists name at least as many pages per row as its past holds
+        (``listed``): then every past page is asked for instead of the lists' union."""
+        if self.listed is None:
+            return False
+        q0 = store.last_chunk().start
+        return self.listed(store.num_tokens - q0) >= q0 // store.spec.page_size
 
     def drop(self, chunk_start: int) -> None:
         """Forget the page lists of the chunk that starts at ``chunk_start`` (after its backward)."""

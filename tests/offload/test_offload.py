@@ -217,3 +217,41 @@ def test_one_page_list_per_chunk_needs_no_union(monkeypatch):
     assert torch.equal(loss, ref_loss)
     for name, g in ref.items():
         assert torch.equal(got[name], g), name
+
+
+def test_page_lists_that_cover_the_past_bring_every_past_page(monkeypatch):
+    """Where a chunk's lists name at least as many pages per row as its past holds (select blocks x budget >=
+    past pages), the store is asked for every past page: no torch.unique (a host wait), known before the
+    selection (prefetched), the bytes of dense offload; the kernels still attend the listed pages only, so the
+    gradients are the device store's, bit for bit. A longer past gets the union again."""
+    import oomb.cache.page_lists as page_lists
+
+    model = tiny_model("llama")
+    covered = dict(chunk_size=32, page_size=16, selection=PageSelection(page_budget=4, block=16))  # 2 x 4 >= 8
+    ids = torch.randint(0, VOCAB, (1, 160))
+    ref_loss, ref = _step(model, ids, **covered)
+    dense_loss, _ = _step(model, ids, chunk_size=32, page_size=16)
+    assert not torch.equal(ref_loss, dense_loss)  # the selection does change the attention
+
+    def no_unique(*a, **k):
+        raise AssertionError("torch.unique called although the lists cover the past")
+
+    with monkeypatch.context() as m:
+        m.setattr(page_lists.torch, "unique", no_unique)
+        loss, got = _step(model, ids, offload=True, **covered)
+    assert torch.equal(loss, ref_loss)
+    for name, g in ref.items():
+        assert torch.equal(got[name], g), name
+    moved = dict(store_for_model(model).moved_bytes)
+    _step(model, ids, offload=True, chunk_size=32, page_size=16)
+    dense = store_for_model(model).moved_bytes
+    # what dense offload moves, and the page summaries the selection reads (a few percent here)
+    assert moved["to_host"] == dense["to_host"]
+    assert dense["to_device"] < moved["to_device"] < 1.05 * dense["to_device"]
+
+    # Budget 1: 2 lists x 1 page < the past from the third chunk on: the union, fewer bytes than dense.
+    sparse = dict(chunk_size=32, page_size=16, selection=PageSelection(page_budget=1, block=16))
+    ref_loss, ref = _step(model, ids, **sparse)
+    loss, got = _step(model, ids, offload=True, **sparse)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(got[n], g) for n, g in ref.items())
+    assert store_for_model(model).moved_bytes["to_device"] < moved["to_device"]
