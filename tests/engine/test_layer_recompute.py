@@ -214,3 +214,13 @@ def test_the_host_buffer_is_kept_between_steps_and_freed_with_the_store():
     assert host_stash._BUFFERS[model]["layer inputs"][0].numel() > first.numel()  # longer: a larger one
     oomb.release_memory(model)
     assert model not in host_stash._BUFFERS
+
+
+def test_under_torchrun_the_config_is_refused_before_the_run(monkeypatch):
+    from oomb.train.checks import check_config
+    from oomb.train.config import ConfigError, load_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="train.recompute=layer-host runs in one process only"):
+        check_config(load_config(None, ["train.recompute=layer-host"]))
+    check_config(load_config(None, ["train.recompute=auto"]))  # auto: never layer under torchrun
