@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from oomb.cache.layout import first_visible_page
-from oomb.kernels.reference import check_visibility_args
+from oomb.kernels.reference import check_paged_args, check_visibility_args
 
 # The flash-attn-4 release this adapter was written and measured against: it calls the
 # package's forward and backward functions below its autograd wrapper (oomb runs its own
@@ -168,16 +168,9 @@ class Flash4Attention:
                 and self.kernels.supports_head_dim(q.shape[-1]))
 
     def _prepare(self, q, k_pool, page_table, kv_len, sliding_window, doc_start, page_select, select_block):
-        b, h, c, d = q.shape
-        num_pages, h_kv, page_size, d_kv = k_pool.shape
-        if d_kv != d or h % h_kv:
-            raise ValueError(f"q {tuple(q.shape)} does not fit pools {tuple(k_pool.shape)}")
-        if not 0 < c <= kv_len:
-            raise ValueError(f"the chunk ({c} queries) must be the newest part of kv_len={kv_len}")
-        if page_table.dim() != 2 or page_table.shape[0] != b or page_table.shape[1] < -(-kv_len // page_size):
-            raise ValueError(f"page_table {tuple(page_table.shape)} does not cover kv_len={kv_len} for {b} rows")
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        c = q.shape[2]
+        _, h_kv, page_size, _ = k_pool.shape
+        check_paged_args(q, k_pool, page_table, kv_len, sliding_window)
         check_visibility_args(q, h_kv, kv_len, page_size, doc_start, page_select, select_block)
         layout = key_layout(page_table, kv_len, c, page_size, sliding_window, doc_start)
         window_left = None if sliding_window is None else min(sliding_window, kv_len + 1) - 1

@@ -15,7 +15,7 @@ except ImportError:  # older triton: pointer loads only
     TensorDescriptor = None
 
 from oomb.cache.layout import first_visible_page
-from oomb.kernels.reference import check_visibility_args
+from oomb.kernels.reference import check_paged_args, check_visibility_args
 from oomb.kernels.tiles import Tiles, interpreting
 
 LOG2E = 1.4426950408889634
@@ -24,24 +24,16 @@ LOG2E = 1.4426950408889634
 def check_args(q, k_pool, v_pool, page_table, kv_len, sliding_window, sinks):
     """Shapes, strides and ranges every launcher needs; returns (b, h, c, d, h_kv, page_size, n_pages)."""
     b, h, c, d = q.shape
-    num_pages, h_kv, page_size, d_kv = k_pool.shape
+    _, h_kv, page_size, _ = k_pool.shape
     if v_pool.shape != k_pool.shape or v_pool.stride() != k_pool.stride():
         raise ValueError(f"v_pool {tuple(v_pool.shape)} must match k_pool {tuple(k_pool.shape)} in shape and strides")
-    if d_kv != d or h % h_kv:
-        raise ValueError(f"q {tuple(q.shape)} does not fit pools {tuple(k_pool.shape)}")
+    if page_table.dtype != torch.int32:
+        raise ValueError(f"page_table must be int32 [B, n]; got {page_table.dtype} {tuple(page_table.shape)}")
+    n_pages = check_paged_args(q, k_pool, page_table, kv_len, sliding_window)
     if d < 16 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
     if k_pool.stride(-1) != 1:
         raise ValueError("pools must be contiguous in head_dim")
-    if not 0 < c <= kv_len:
-        raise ValueError(f"the chunk ({c} queries) must be the newest part of kv_len={kv_len}")
-    n_pages = -(-kv_len // page_size)
-    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] != b:
-        raise ValueError(f"page_table must be int32 [B, n]; got {page_table.dtype} {tuple(page_table.shape)}")
-    if page_table.shape[1] < n_pages:
-        raise ValueError(f"page_table has {page_table.shape[1]} columns, kv_len={kv_len} needs {n_pages}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if sinks is not None and sinks.shape != (h,):
         raise ValueError(f"sinks must be [H]={h}, got {tuple(sinks.shape)}")
     return b, h, c, d, h_kv, page_size, n_pages

@@ -144,6 +144,24 @@ def _visibility(q, kv_heads, kv_len, page_size, sliding_window, doc_start, page_
     return _Visibility(q_pos_rows, kv_len, sliding_window, doc_rows, selected, first_page)
 
 
+def check_paged_args(q, k_pool, page_table, kv_len, sliding_window) -> int:
+    """Shapes and ranges every backend needs of a call over paged keys; returns the pages kv_len spans."""
+    b, h, c, d = q.shape
+    _, h_kv, page_size, d_kv = k_pool.shape
+    if d_kv != d or h % h_kv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit pools {tuple(k_pool.shape)}")
+    if not 0 < c <= kv_len:
+        raise ValueError(f"the chunk ({c} queries) must be the newest part of kv_len={kv_len}")
+    n_pages = -(-kv_len // page_size)
+    if page_table.dim() != 2 or page_table.shape[0] != b:
+        raise ValueError(f"page_table must be [B, n] with B={b}; got {tuple(page_table.shape)}")
+    if page_table.shape[1] < n_pages:
+        raise ValueError(f"page_table has {page_table.shape[1]} columns, kv_len={kv_len} needs {n_pages}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    return n_pages
+
+
 def check_visibility_args(q, kv_heads, kv_len, page_size, doc_start, page_select, select_block) -> None:
     """Shapes and ranges of doc_start / page_select (shared by every backend)."""
     b, h, c, _ = q.shape
@@ -206,6 +224,7 @@ def paged_attention_forward(
     """Returns (out [B, H, C, D] in q.dtype, lse [B, H, C] float32)."""
     b, h, c, d = q.shape
     h_kv, page_size = k_pool.shape[1], k_pool.shape[2]
+    check_paged_args(q, k_pool, page_table, kv_len, sliding_window)
     check_visibility_args(q, h_kv, kv_len, page_size, doc_start, page_select, select_block)
     vis = _visibility(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block)
     acc_dtype = _acc_dtype(q.dtype)
@@ -265,6 +284,7 @@ def paged_attention_backward(
     """
     b, h, c, d = q.shape
     h_kv, page_size = k_pool.shape[1], k_pool.shape[2]
+    check_paged_args(q, k_pool, page_table, kv_len, sliding_window)
     check_visibility_args(q, h_kv, kv_len, page_size, doc_start, page_select, select_block)
     vis = _visibility(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block)
     acc_dtype = _acc_dtype(q.dtype)
