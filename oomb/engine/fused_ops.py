@@ -63,6 +63,18 @@ def _swappable_mlp(module: torch.nn.Module) -> bool:
     return config is not None and getattr(config, "hidden_act", None) in _SILU
 
 
+def run_mode(mode: str, tensor_parallel: int) -> str:
+    """The fused-ops mode a run applies: ``mode``, or "none" where the heads are split over ranks (the split
+    layers run transformers' own modules)."""
+    return mode if tensor_parallel == 1 else "none"
+
+
+def will_fuse(mode: str, device_type: str) -> bool:
+    """Whether ``use_fused_ops(model, mode)`` swaps modules for a model on ``device_type`` (the memory plan asks
+    before the model exists; "liger" without liger-kernel is an error there, counted as fused here)."""
+    return device_type == "cuda" and (mode == "liger" or (mode == "auto" and liger_available()))
+
+
 def use_fused_ops(model: torch.nn.Module, mode: str = "auto") -> list[str]:
     """Swap liger's fused RMSNorm / SwiGLU modules into ``model`` in place (``swap_fused_modules``);
     returns the swapped module names.

@@ -20,7 +20,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from oomb.engine.fused_ops import liger_available
+from oomb.engine.fused_ops import run_mode as fused_ops_run_mode
+from oomb.engine.fused_ops import will_fuse
 from oomb.engine.plan import MemoryPlan, largest_context, plan_first_fitting, plan_memory
 from oomb.engine.plan import format_bytes as _gib
 from oomb.engine.timing import H200_DENSE, predict_step_seconds
@@ -69,10 +70,7 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
 
 def plans_fused_ops(cfg: Config, device_type: str) -> bool:
     """Whether the run will swap in liger's fused RMSNorm/SwiGLU (oomb.train.model does it the same way)."""
-    t = cfg.train
-    if device_type != "cuda" or t.tensor_parallel > 1:
-        return False
-    return t.fused_ops == "liger" or (t.fused_ops == "auto" and liger_available())
+    return will_fuse(fused_ops_run_mode(cfg.train.fused_ops, cfg.train.tensor_parallel), device_type)
 
 
 def plan_for_config(cfg: Config, device_type: str, dtype: torch.dtype, *, gpu_bytes: int | None,

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from oomb.engine.fused_ops import run_mode as fused_ops_run_mode
 from oomb.engine.fused_ops import use_fused_ops
 from oomb.train import distributed
 from oomb.train.config import Config, ConfigError
@@ -112,7 +113,7 @@ def prepare_for_training(model: torch.nn.Module, cfg: Config, ctx, console) -> t
     model.train()
     if cfg.train.layer_checkpointing:  # transformers' own; exact inside oomb's chunks (tested)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    fused = use_fused_ops(model, cfg.train.fused_ops if cfg.train.tensor_parallel == 1 else "none")
+    fused = use_fused_ops(model, fused_ops_run_mode(cfg.train.fused_ops, cfg.train.tensor_parallel))
     if fused:
         console.print(f"fused ops: liger RMSNorm / SwiGLU in {len(fused)} modules")
     if ctx is not None and ctx.tensor_parallel > 1:

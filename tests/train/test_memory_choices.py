@@ -8,6 +8,7 @@ import torch
 
 import oomb.train.memory as memory
 from oomb.cli import main
+from oomb.engine import fused_ops
 from oomb.engine.plan import largest_context, plan_memory
 from oomb.train.checks import check_config
 from oomb.train.config import ConfigError, config_json, load_config, settled_chunk_size
@@ -82,7 +83,7 @@ def test_a_long_seq_len_reports_the_longest_that_fits_never_zero():
 def test_the_chunk_and_cache_for_7b_on_an_h200(monkeypatch, seq_len, chunk, cache):
     # With liger's fused ops, as on the H200 (the plan counts what they keep; measured 128K peaks in
     # benchmarks/results/train-7b-auto.json and core-7b-vs-transformers-128k.json).
-    monkeypatch.setattr(memory, "liger_available", lambda: True)
+    monkeypatch.setattr(fused_ops, "liger_available", lambda: True)
     cfg, plan, _ = _resolve(["model.preset=qwen2.5-7b", f"data.seq_len={seq_len}"])
     assert (cfg.train.chunk_size, cfg.train.cache_attention, cfg.train.master_weights) == (chunk, cache, False)
     assert plan.fits and plan.settings["chunk_size"] == chunk and plan.settings["cache_attention"] is cache
@@ -238,7 +239,7 @@ def test_train_states_the_choice_and_a_resume_keeps_the_recorded_chunk(tmp_path,
 def test_the_cache_and_the_layer_inputs_in_host_memory(monkeypatch):
     # train.cache_attention=host with train.recompute=layer-host: both kept stores of the step on the host,
     # the GPU holding one layer's activations of one chunk beside the weights and the pages.
-    monkeypatch.setattr(memory, "liger_available", lambda: True)
+    monkeypatch.setattr(fused_ops, "liger_available", lambda: True)
     cfg, plan, _ = _resolve(["model.preset=qwen2.5-7b", "data.seq_len=131072", "train.cache_attention=host",
                              "train.recompute=layer-host"])
     items = {i.name: i for i in plan.items}
