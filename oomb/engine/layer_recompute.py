@@ -157,10 +157,11 @@ class LayerRecompute:
                 "use recompute='chunk'"
             )
 
-    def call(self, layer: int, run: Callable[..., torch.Tensor], hidden: torch.Tensor, *args) -> torch.Tensor:
-        if args:
-            raise RuntimeError("recompute='layer': a decoder layer was called with more than the hidden states "
-                               "as positional arguments; use recompute='chunk'")
+    def call(self, layer: int, run: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+        if len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            raise RuntimeError("recompute='layer' needs each decoder layer called with its hidden states as the one "
+                               f"positional argument (got {len(args)}); use recompute='chunk'")
+        hidden = args[0]
         self._check_chain(layer, hidden)
         start, end = self.chunk
         last = layer == len(self.layers) - 1
@@ -205,7 +206,7 @@ def layer_recompute(model: PreTrainedModel, inputs: LayerInputs, layers_seen: se
                       if name in layer.__dict__})
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = (
-            lambda run, hidden, *args, index=index: replay.call(index, run, hidden, *args))
+            lambda run, *args, index=index: replay.call(index, run, *args))
     try:
         yield replay
     finally:

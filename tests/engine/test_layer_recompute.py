@@ -192,6 +192,8 @@ def test_a_decoder_that_computes_between_layers_is_refused():
         out = replay.call(0, lambda h: h + 1, x)
         with pytest.raises(RuntimeError, match="computes between its layers"):
             replay.call(1, lambda h: h + 1, out * 2.0)
+    with pytest.raises(RuntimeError, match="hidden states as the one positional argument"):
+        replay.call(0, lambda **kw: x)  # hidden states passed by keyword: nothing to keep
     with pytest.raises(ValueError, match="GradientCheckpointingLayers"):
         model.get_decoder().layers[0] = torch.nn.Identity()
         decoder_layers(model)
