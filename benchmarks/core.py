@@ -61,6 +61,45 @@ def _hf_step(model, ids):
     loss.backward()
 
 
+def rope_calls_per_step(num_layers: int, seq_len: int, chunk: int) -> dict[str, int]:
+    """How many times a chunked step applies RoPE to a chunk's q and k per layer: stage 1's forward of every chunk
+    but the last, stage 2's recompute forward of every chunk (the cache skips attention, not RoPE), and the
+    recompute's backward through it."""
+    chunks = -(-seq_len // chunk)
+    return {"forward": num_layers * (2 * chunks - 1), "backward": num_layers * chunks}
+
+
+def rope_cost(config, chunk: int, dtype=torch.bfloat16) -> dict:
+    """Milliseconds of one chunk's RoPE on q and k (Qwen-style: [1, H, C, D] and [1, H_kv, C, D]) with
+    transformers' apply_rotary_pos_emb and with liger's fused kernel (the baseline stack's), forward and
+    forward + backward, on this GPU (CUDA events, median of triton's do_bench)."""
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    from benchmarks.common import do_bench_s
+
+    h, kv = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // h
+    q = torch.randn(1, chunk, h, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(1, chunk, kv, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    angles = torch.arange(chunk, device="cuda")[:, None] * torch.rand(d // 2, device="cuda")
+    cos = torch.cat([angles.cos()] * 2, dim=-1)[None].to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1)[None].to(dtype)
+    result = {}
+    for name, fn in (("transformers", apply_rotary_pos_emb), ("liger", liger_rotary_pos_emb)):
+        def forward(fn=fn):
+            with torch.no_grad():
+                fn(q.detach(), k.detach(), cos, sin)
+
+        def both(fn=fn):
+            a, b = fn(q, k, cos, sin)
+            torch.autograd.backward((a, b), (torch.ones_like(a), torch.ones_like(b)))
+
+        result[name] = {"forward_ms": do_bench_s(forward) * 1e3,
+                        "forward_backward_ms": do_bench_s(both, grad_to_none=[q, k]) * 1e3}
+    return result
+
+
 def run_baselines(args) -> list[dict]:
     """The transformers stacks at ``args.baseline_lengths``, each in a process of its own (benchmarks.baseline)."""
     rows = []
@@ -242,6 +281,11 @@ def run(args) -> dict:
         "results": results,
         "versus_baseline": versus_baseline(results),
         "auto_settings": auto,
+        # transformers' RoPE (oomb's rows) against liger's (the baseline's), per chunk and for a step at each profiled
+        # length: its share of the step's elementwise time
+        "rope": ({"chunk": args.chunk, "per_chunk": rope_cost(cfg, args.chunk),
+                  "calls_per_step": {n: rope_calls_per_step(cfg.num_hidden_layers, n, args.chunk)
+                                     for n in args.profile_lengths}} if args.profile_lengths else None),
         "memory_growth": summary,
     }
 
@@ -276,6 +320,14 @@ def _print_table(report: dict) -> None:
     for v in report.get("versus_baseline", []):
         print(f"{v['system']:<24}{v['seq_len']:>9}  {v['time_ratio']:.2f}x the time, {v['peak_ratio']:.2f}x the peak "
               f"memory of {v['baseline']}")
+    if (rope := report.get("rope")) is not None:
+        cost = rope["per_chunk"]
+        for n, calls in rope["calls_per_step"].items():
+            step = {name: calls["forward"] * c["forward_ms"] + calls["backward"] * (c["forward_backward_ms"]
+                                                                                  - c["forward_ms"])
+                    for name, c in cost.items()}
+            print(f"RoPE in a {n}-token step (chunk {rope['chunk']}): transformers {step['transformers'] / 1e3:.2f} s, "
+                  f"liger {step['liger'] / 1e3:.2f} s")
     g = report["memory_growth"]
     if g:
         print(f"GPU memory per extra 10K tokens: measured {g['gib_per_10k_tokens_measured']:.3f} GiB, "

@@ -45,3 +45,12 @@ def test_the_baseline_refuses_without_a_gpu_and_needs_its_options(capsys, tmp_pa
     assert "needs a CUDA GPU" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         baseline_main(["--stack", "flash", "--lengths", "1024", "--out", str(tmp_path / "b.json")])
+
+
+def test_rope_is_counted_per_chunk_forward_and_backward():
+    # Stage 1 runs every chunk but the last, stage 2 recomputes every chunk (the attention cache skips attention,
+    # not RoPE) and backs through it once: 64K tokens in chunks of 8192, 28 layers.
+    from benchmarks.core import rope_calls_per_step
+
+    assert rope_calls_per_step(28, 65536, 8192) == {"forward": 28 * 15, "backward": 28 * 8}
+    assert rope_calls_per_step(2, 100, 64) == {"forward": 2 * 3, "backward": 2 * 2}  # a ragged last chunk
