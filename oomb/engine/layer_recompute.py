@@ -55,9 +55,13 @@ def check_layer_recompute(model: PreTrainedModel) -> None:
     it with offload)."""
     from torch.distributed.fsdp import FSDPModule
 
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise ValueError("recompute='layer' is not supported with FSDP (data parallel under torchrun): "
-                         "use recompute='chunk'")
+    from oomb.engine.tensor_parallel import tensor_parallel_group
+
+    # Layers rebuilt inside the backward: FSDP2's backward hooks do not follow them (two ranks trained differently
+    # from one process in a trial), and tensor parallel's collectives inside them are not tested.
+    if any(isinstance(m, FSDPModule) for m in model.modules()) or tensor_parallel_group(model) is not None:
+        raise ValueError("recompute='layer' runs in one process: not with FSDP (data parallel under torchrun) or "
+                         "a tensor parallel split; use recompute='chunk'")
     layers = decoder_layers(model)
     if not all(layer.training for layer in layers):
         raise ValueError("recompute='layer' runs through transformers' gradient-checkpointing hook, which a "
