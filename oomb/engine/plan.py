@@ -276,7 +276,9 @@ def plan_memory(
         # chunked_backward(cache_attention=True): out [B, H, C, D] in the model's dtype and lse [B, H, C]
         # float32 of every attention layer for every chunk of stage 1 (all but the last; by layer: all), until
         # stage 2.
-        stage1_tokens = batch_size * (seq_len if by_layer else (-(-seq_len // chunk) - 1) * chunk)
+        # (in host memory the buffer is sized for every chunk: oomb.engine.prepare allocates it before the chunks run)
+        every = by_layer or cache_attention == "host"
+        stage1_tokens = batch_size * (seq_len if every else (-(-seq_len // chunk) - 1) * chunk)
         heads = shape.heads // tensor_parallel  # one rank's query heads
         attention_outputs = stage1_tokens * shape.num_layers * heads * (shape.head_dim * s + 4)
 
