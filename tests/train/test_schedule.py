@@ -3,20 +3,12 @@
 import json
 
 import pytest
-from tiny_models import tiny_model
 
 from oomb.cli import main
 from oomb.train.config import load_config
 from oomb.train.schedule import auto_schedule
 
 RUN = ["data.seq_len=256", "train.chunk_size=128", "train.page_size=64", "train.device=cpu", "train.export=false"]
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    folder = tmp_path / "model"
-    tiny_model("llama", vocab_size=300).save_pretrained(folder)
-    return folder
 
 
 @pytest.mark.parametrize("overrides,lr,warmup,why", [

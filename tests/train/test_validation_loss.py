@@ -23,13 +23,6 @@ FAST = ["data.seq_len=256", "train.chunk_size=128", "train.page_size=64", "train
 
 
 @pytest.fixture
-def model_dir(tmp_path):
-    folder = tmp_path / "model"
-    tiny_model("llama", vocab_size=300).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture
 def text_dir(tmp_path):
     """40 documents, each naming itself: which run read which is visible in the tokens."""
     folder = tmp_path / "texts"
