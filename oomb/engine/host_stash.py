@@ -22,6 +22,8 @@ from collections.abc import Hashable
 
 import torch
 
+from oomb.engine.sizes import itemsize
+
 _ALIGN = 256  # bytes: every region starts aligned for any dtype and for DMA
 
 # (model, purpose) -> (flat uint8 buffer, its copy stream); freed with the model or by release(model). One stream
@@ -33,7 +35,7 @@ _BUFFERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[torch.Tenso
 
 def region_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes one kept tensor of ``shape`` takes in a stash (its size rounded up to the alignment)."""
-    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    n = torch.Size(shape).numel() * itemsize(dtype)
     return -(-n // _ALIGN) * _ALIGN
 
 
@@ -79,7 +81,7 @@ class HostStash:
         return cls(*_buffer(model, purpose, max(nbytes, 1), device), device)
 
     def _region(self, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        n = shape.numel() * itemsize(dtype)
         return self._buffer[offset:offset + n].view(dtype).view(shape)
 
     def keep(self, key: Hashable, x: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ from oomb.engine import host_stash
 from oomb.engine.host_stash import HostAttentionCache, HostStash
 from oomb.engine.layer_recompute import RECOMPUTE_MODES
 from oomb.engine.loss import IGNORE_INDEX, LOSS_IMPLS
-from oomb.engine.sizes import store_spec
+from oomb.engine.sizes import ModelShape, store_spec
 from oomb.engine.tensor_parallel import tensor_parallel_group
 from oomb.kernels import BACKEND_NAMES, get_backend
 from oomb.offload import OffloadedKVStore
@@ -189,15 +189,14 @@ def prepare_step(
     store = _store_for(model, device, options)
     store.reserve(batch, seq_len)
     cache = bool(options.cache_attention) and not forward_only
+    group = tensor_parallel_group(model)
     context = StepContext(store=store, backend=backend, stage="fill", doc_start=doc_start,
-                          selection=options.selection, cache_attention=cache, tp_group=tensor_parallel_group(model))
+                          selection=options.selection, cache_attention=cache, tp_group=group)
     bounds = [(s, min(s + options.chunk_size, seq_len)) for s in range(0, seq_len, options.chunk_size)]
     if cache and options.cache_attention == "host":
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        heads = cfg.num_attention_heads // (1 if (group := tensor_parallel_group(model)) is None
-                                            else torch.distributed.get_world_size(group))
-        nbytes = HostAttentionCache.nbytes(cfg.num_hidden_layers, bounds, batch, heads, head_dim,
+        shape = ModelShape.from_config(model.config)
+        heads = shape.heads // (1 if group is None else torch.distributed.get_world_size(group))  # this rank's
+        nbytes = HostAttentionCache.nbytes(shape.num_layers, bounds, batch, heads, shape.head_dim,
                                            model.get_input_embeddings().weight.dtype)
         stash = HostStash.for_model(model, "attention outputs", nbytes, device)
         context.attention_outputs = HostAttentionCache(stash, step=-1 if options.recompute != "chunk" else 1)
