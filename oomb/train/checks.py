@@ -6,7 +6,6 @@ Every failure raises ConfigError with the key to change; nothing is built or wri
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -97,11 +96,6 @@ def check_config(cfg: Config) -> None:
     if t.recompute in ("layer", "layer-host") and (t.offload or t.layer_checkpointing):
         raise ConfigError(f"train.recompute={t.recompute} rebuilds one layer at a time from the inputs stage 1 kept: "
                           "not with train.offload=true or train.layer_checkpointing=true (set train.recompute=chunk)")
-    if t.recompute in ("layer", "layer-host") and (t.tensor_parallel > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1):
-        # FSDP2's backward hooks do not follow layers rebuilt inside the backward (2 CPU ranks trained differently
-        # from one process in a trial, 2026-12-04): refused until they do
-        raise ConfigError(f"train.recompute={t.recompute} runs in one process only: under torchrun set "
-                          "train.recompute=chunk (or auto)")
     if (t.cache_attention is True or t.cache_attention == "host") and t.offload:
         raise ConfigError(f"train.cache_attention={str(t.cache_attention).lower()} keeps attention outputs for stage 2 "
                           "and train.offload=true needs the GPU's memory and PCIe for pages: choose one")

@@ -134,6 +134,9 @@ def setup(cfg: Config) -> DistributedContext | None:
         raise ConfigError(f"train.optimizer={cfg.train.optimizer} under torchrun: only adamw (torch) works on "
                           "FSDP2's sharded parameters")
     wants_master_weights(cfg.train.master_weights, torchrun=True)  # true is refused; auto is off under torchrun
+    if cfg.train.recompute in ("layer", "layer-host"):  # FSDP2's hooks miss layers rebuilt inside the backward
+        raise ConfigError(f"train.recompute={cfg.train.recompute} runs in one process only: under torchrun set "
+                          "train.recompute=chunk (or auto)")
     device = torch.device("cuda", local_rank) if name == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -47,9 +47,14 @@ def available_memory(device: torch.device) -> tuple[int | None, int]:
     return free + torch.cuda.memory_reserved(device), host
 
 
+def _under_torchrun(cfg: Config) -> bool:
+    """Whether the run is one of several torchrun processes (data or tensor parallel)."""
+    return cfg.train.tensor_parallel > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
     t = cfg.train
-    torchrun = t.tensor_parallel > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    torchrun = _under_torchrun(cfg)
     return dict(
         batch_size=t.batch_size, chunk_size=settled_chunk_size(cfg), page_size=t.page_size, dtype=dtype,
         lora_r=cfg.lora.r, lora_targets=lora_target_names(cfg) if cfg.lora.r > 0 else (),
@@ -182,9 +187,8 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
 def layer_recompute_possible(cfg: Config, device_type: str) -> bool:
     """Whether train.recompute=auto may choose layer-host: one process (FSDP under torchrun replays no layers),
     no offload, no transformers layer checkpointing (oomb.engine.layer_recompute)."""
-    t = cfg.train
-    torchrun = t.tensor_parallel > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
-    return not (torchrun or t.offload or t.layer_checkpointing) and device_type == "cuda"  # on a CPU: the same memory
+    t = cfg.train  # (on a CPU the host is the same memory: nothing to gain)
+    return not (_under_torchrun(cfg) or t.offload or t.layer_checkpointing) and device_type == "cuda"
 
 
 def resolve_auto_settings(cfg: Config, device_type: str, dtype: torch.dtype, *, gpu_bytes: int | None,
