@@ -164,14 +164,15 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
     ``seq_len``: the chunks for that length (None: every chunk auto may take, for the longest context).
     """
     t = cfg.train
-    wanted = _settings(cfg, device_type, torch.float32)["master_weights"]  # auto: on in one process
+    settings = _settings(cfg, device_type, torch.float32)  # the fixed values (master weights auto: on in one process)
+    wanted = settings["master_weights"]
     masters = [True, False] if t.master_weights == "auto" and wanted else [wanted]
     chunks = chunk_choices(cfg, device_type, seq_len) if t.chunk_size == "auto" else [t.chunk_size]
     floor = min(CACHE_MIN_CHUNK, chunks[0])
 
     def speed(by_layer: bool) -> list[tuple[int, bool | str]]:
         if t.cache_attention != "auto" or t.offload:  # (the engine refuses the cache with offload, also on CPU)
-            return [(c, t.cache_attention if t.cache_attention in (True, "host") else False) for c in chunks]
+            return [(c, settings["cache_attention"]) for c in chunks]
         cached = [(c, True) for c in chunks if c >= floor]
         if by_layer:  # the cache in host memory too, before none (stage 2 reads it, not the attention kernels)
             cached += [(c, "host") for c in chunks if c >= floor]
@@ -179,7 +180,7 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
 
     modes = ["chunk" if t.recompute == "auto" else t.recompute]
     if t.recompute == "auto" and layer_recompute_possible(cfg, device_type):
-        modes.append("layer-host")  # measured on the GPU after chunk: only where chunk does not fit (docs/memory.md)
+        modes.append("layer-host")  # after chunk: its GPU speed is not measured yet (docs/memory.md)
     return [dict(master_weights=m, chunk_size=c, cache_attention=k, recompute=r)
             for r in modes for m in masters for c, k in speed(r != "chunk")]
 
