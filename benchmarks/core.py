@@ -39,6 +39,7 @@ from benchmarks.tune_attention import CANDIDATES
 from oomb.engine import linear_cross_entropy_sum, store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import use_fused_ops
+from oomb.engine.sizes import ModelShape
 from oomb.engine.timing import step_flops
 from oomb.kernels import get_backend
 from oomb.kernels import tiles as kernel_tiles
@@ -78,10 +79,10 @@ def rope_cost(config, chunk: int, dtype=torch.bfloat16) -> dict:
 
     from benchmarks.common import do_bench_s
 
-    h, kv = config.num_attention_heads, config.num_key_value_heads
-    d = getattr(config, "head_dim", None) or config.hidden_size // h
-    q = torch.randn(1, chunk, h, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
-    k = torch.randn(1, chunk, kv, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    shape = ModelShape.from_config(config)
+    d = shape.head_dim
+    q = torch.randn(1, chunk, shape.heads, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(1, chunk, shape.kv_heads, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
     angles = torch.arange(chunk, device="cuda")[:, None] * torch.rand(d // 2, device="cuda")
     cos = torch.cat([angles.cos()] * 2, dim=-1)[None].to(dtype)
     sin = torch.cat([angles.sin()] * 2, dim=-1)[None].to(dtype)
@@ -138,7 +139,7 @@ def auto_settings(args) -> dict[int, dict]:
         gpu, host = available_memory(torch.device("cuda"))
         resolve_auto_settings(cfg, "cuda", torch.bfloat16, gpu_bytes=gpu, host_bytes=host)
         picked[n] = {"chunk_size": cfg.train.chunk_size, "page_size": cfg.train.page_size,
-                     "cache_attention": cfg.train.cache_attention is True, "fused_ops": cfg.train.fused_ops,
+                     "cache_attention": cfg.train.cache_attention, "fused_ops": cfg.train.fused_ops,
                      "recompute": cfg.train.recompute}
     return picked
 
