@@ -33,7 +33,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import do_bench_s, int_list, run_benchmark
+from benchmarks.common import do_bench_s, int_list, machine_description, run_benchmark
 from oomb.kernels import flash4_unavailable
 
 H, H_KV, D, C = 28, 4, 128, 4096
@@ -222,6 +222,7 @@ def run(args) -> dict:
         "bench": "attention",
         "command": "python -m benchmarks.attention " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine_description(),
         "gpu": torch.cuda.get_device_name(),
         "host": platform.node(),
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,

@@ -44,19 +44,19 @@ job core-7b-fused-ops "$C --lengths '' --cache-lengths 65536,131072 --sparse-cac
 job core-7b-no-fused-ops "$C --lengths '' --cache-lengths 65536 --fused-ops none"
 # The baseline a user would pick (transformers + FlashAttention-4 or SDPA + Liger + checkpointing, each in
 # its own process) beside what `oomb train` picks by itself and oomb's fastest settings; FA4 needs its wheels.
-job core-7b-vs-transformers-64k "$C --lengths '' --baseline-lengths 65536 --cache-lengths 65536 --chunk 8192 \
-  --fused-ops auto --warm-each --repeats 2 --backend fa4,triton"
+job core-7b-vs-transformers-64k "$C --lengths '' --cache-lengths 65536 --auto-lengths 65536 --baseline-lengths 65536 \
+  --baseline-stacks fa4 --chunk 8192 --fused-ops auto --warm-each --repeats 2 --backend fa4"
 job core-7b-vs-transformers-128k "$C --lengths '' --baseline-lengths 131072 --cache-lengths 131072 --chunk 8192 \
   --fused-ops auto --warm-each --repeats 2 --backend fa4"
-# Where a 64K step's GPU time goes, oomb's fastest setting beside the baseline stacks (one profiled step each).
-job core-7b-profile-64k "$C --lengths '' --baseline-lengths 65536 --cache-lengths 65536 --chunk 8192 \
-  --fused-ops auto --warm-each --repeats 2 --backend fa4 --profile-lengths 65536"
 # Stage 2 one layer at a time (train.recompute): every layer's input kept in host memory, beside the whole-chunk
-# recompute, without the attention cache, with it on the GPU and in host memory, against the baseline stacks.
-job core-7b-recompute-64k "$C --lengths 65536 --cache-lengths 65536 --cache-host-lengths 65536 \
-  --baseline-lengths 65536 --chunk 8192 --recompute chunk,layer-host --fused-ops auto --warm-each --repeats 2 --backend fa4"
-job core-7b-recompute-128k "$C --lengths 131072 --cache-host-lengths 131072 --baseline-lengths 131072 --chunk 16384 \
-  --recompute layer-host --fused-ops auto --warm-each --repeats 2 --backend fa4"
+# recompute, with the attention cache on the GPU and in host memory, against the baseline stacks; one more step of
+# each row under the profiler (where a 64K step's GPU time goes).
+job core-7b-recompute-64k "$C --lengths '' --cache-lengths 65536 --cache-host-lengths 65536 --baseline-lengths 65536 \
+  --chunk 8192 --recompute chunk,layer-host --fused-ops auto --warm-each --repeats 2 --backend fa4 --profile-lengths 65536"
+# The same at 128K with chunks of 16384 (layer-host only: whole-chunk recompute of 16384 tokens does not fit with
+# the cache); FA4's stack only (SDPA's is slower, and both do not fit one 10-minute device call with oomb's rows).
+job core-7b-recompute-128k "$C --lengths '' --cache-lengths 131072 --cache-host-lengths 131072 --baseline-lengths 131072 \
+  --baseline-stacks fa4 --chunk 16384 --recompute layer-host --fused-ops auto --warm-each --repeats 2 --backend fa4"
 # The lean setting: no attention cache, short chunks (less memory than the baseline).
 job core-7b-lean-64k "$C --lengths 65536 --baseline-lengths 65536 --chunk 2048 --fused-ops auto --warm-each --repeats 2 \
   --backend fa4"
@@ -65,8 +65,9 @@ job core-7b-sparse-vs-transformers-128k "$C --lengths '' --baseline-lengths 1310
   --sparse-cache-lengths 131072 --chunk 8192 --fused-ops auto --warm-each --repeats 2 --backend triton"
 # What `oomb train` picks by itself and the step time it reports (optimizer step included), killed after
 # the steps are logged (no 45 GB final checkpoint).
-job train-7b-auto 'python3 -m benchmarks.train_steps --lengths 65536,131072 --steps 3,3 --out "$OUT/train-7b-auto.json"'
-part core 'train-7b-auto core-7b-recompute-64k core-7b-recompute-128k core-7b-profile-64k core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops core-7b-vs-transformers-64k
+job train-7b-auto 'python3 -m benchmarks.train_steps --lengths 65536,131072 --steps 3,3 --timeout 150 \
+  --out "$OUT/train-7b-auto.json"'
+part core 'train-7b-auto core-7b-recompute-64k core-7b-recompute-128k core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops core-7b-vs-transformers-64k
   core-7b-vs-transformers-128k core-7b-lean-64k core-7b-sparse-vs-transformers-128k'
 
 # qlora: `oomb train` with bf16 LoRA against QLoRA (NF4 base) on Qwen2.5-7B at 128K, adapters on every linear layer,

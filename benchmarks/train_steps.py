@@ -47,6 +47,7 @@ def record_of(run: Path, log: Path, seq_len: int) -> dict:
         "chunk_size": cfg["train"]["chunk_size"],
         "cache_attention": cfg["train"]["cache_attention"],
         "master_weights": cfg["train"]["master_weights"],
+        "recompute": cfg["train"].get("recompute"),
         "attention": cfg["train"].get("attention"),  # the key's value; the startup line names the kernels it chose
         "lora_r": cfg.get("lora", {}).get("r"),
         "quantize": cfg.get("model", {}).get("quantize", "none"),

@@ -1,4 +1,4 @@
-"""liger-kernel's fused RMSNorm and SwiGLU swapped into a transformers model's modules.
+"""liger-kernel's fused RMSNorm, SwiGLU and RoPE for a transformers model.
 
 A transformers RMSNorm in bf16 runs about six elementwise kernels and a reduction forward
 (cast to fp32, square, mean, rsqrt, scale, cast back, weight) and more backward; its MLP's
@@ -11,6 +11,13 @@ models in the process are untouched): each RMSNorm of a Llama-family model becom
 ``LigerRMSNorm`` holding the SAME weight Parameter, each SiLU-gated MLP a ``LigerSwiGLUMLP``
 holding the SAME projection modules. Parameter names, ``state_dict`` keys, optimizer state,
 peft adapters on the projections and ``save_pretrained`` output are unchanged.
+
+RoPE is no module: the attention forward calls its modeling module's ``apply_rotary_pos_emb``, about
+ten elementwise kernels per direction over q and k in their transposed [B, H, C, D] views (0.34 s of
+a 64K step of Qwen2.5-7B against liger's 0.09 s, measured 2026-12-04). ``use_fused_rope`` points that
+module function at liger's kernel, as liger's own ``apply_liger_kernel_to_*(rope=True)`` does: every
+model of that family in the process gets it (the same rotation, rounded once instead of per op), and
+``plain_rope`` puts transformers' function back.
 
 Only module types whose arithmetic liger reproduces are swapped: RMSNorms computing
 ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)`` (liger's "llama"
@@ -27,6 +34,10 @@ import torch
 _RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 _SWIGLU_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 _SILU = ("silu", "swish")
+# model_type -> the modeling module whose attention calls apply_rotary_pos_emb(q, k, cos, sin): rotate-half
+# RoPE over the whole head, the rotation liger's rope kernel computes.
+_ROPE_MODULES = {t: f"transformers.models.{t}.modeling_{t}" for t in ("llama", "mistral", "qwen2", "qwen3")}
+_PLAIN_ROPE: dict[str, object] = {}  # model_type -> transformers' own function, while liger's is in place
 MODES = ("auto", "liger", "none")
 
 
@@ -63,6 +74,31 @@ def _swappable_mlp(module: torch.nn.Module) -> bool:
     return config is not None and getattr(config, "hidden_act", None) in _SILU
 
 
+def use_fused_rope(model: torch.nn.Module) -> str | None:
+    """liger's RoPE kernel for ``model``'s family (module docstring); returns the model type, or None where
+    the family's RoPE is not the rotation liger computes."""
+    import importlib
+
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in _ROPE_MODULES:
+        return None
+    module = importlib.import_module(_ROPE_MODULES[model_type])
+    _PLAIN_ROPE.setdefault(model_type, module.apply_rotary_pos_emb)
+    module.apply_rotary_pos_emb = liger_rotary_pos_emb
+    return model_type
+
+
+def plain_rope() -> None:
+    """transformers' own RoPE back in every family ``use_fused_rope`` changed."""
+    import importlib
+
+    for model_type, function in _PLAIN_ROPE.items():
+        importlib.import_module(_ROPE_MODULES[model_type]).apply_rotary_pos_emb = function
+    _PLAIN_ROPE.clear()
+
+
 def run_mode(mode: str, tensor_parallel: int) -> str:
     """The fused-ops mode a run applies: ``mode``, or "none" where the heads are split over ranks (the split
     layers run transformers' own modules)."""
@@ -76,8 +112,9 @@ def will_fuse(mode: str, device_type: str) -> bool:
 
 
 def use_fused_ops(model: torch.nn.Module, mode: str = "auto") -> list[str]:
-    """Swap liger's fused RMSNorm / SwiGLU modules into ``model`` in place (``swap_fused_modules``);
-    returns the swapped module names.
+    """Swap liger's fused RMSNorm / SwiGLU modules into ``model`` in place (``swap_fused_modules``) and route
+    its family's RoPE through liger's kernel (``use_fused_rope``); returns the swapped module names, and
+    "rope" where RoPE was routed.
 
     ``mode``: "auto" (on a CUDA model when liger-kernel is installed), "liger" (required: an error
     without liger-kernel or on a model off CUDA) or "none" (nothing). liger 0.8.5's kernels do not
@@ -97,7 +134,8 @@ def use_fused_ops(model: torch.nn.Module, mode: str = "auto") -> list[str]:
         if mode == "liger":
             raise ValueError("fused ops 'liger' run liger's Triton kernels: the model must be on a CUDA device")
         return []
-    return swap_fused_modules(model)
+    swapped = swap_fused_modules(model)
+    return swapped + (["rope"] if use_fused_rope(model) is not None else [])
 
 
 def swap_fused_modules(model: torch.nn.Module) -> list[str]:

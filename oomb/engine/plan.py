@@ -13,7 +13,8 @@ What a step holds at its peak (stage 2, the recompute forward + backward of one 
     saved activations of one chunk, all layers         (formula below, measured per family)
       recompute="layer": of one layer, and every layer's input of the whole sequence (GPU or host)
     + max(fused loss workspace, one layer's backward temporaries)
-    optimizer update workspace, where larger than the chunk's activations (they are freed by then)
+    optimizer update workspace, where larger than what the step freed before it (the chunk's activations, the
+    attention cache and the kept layer inputs on the GPU)
     CUDA context allowance
 
 The sizes of the fixed items and of the store are in oomb/engine/sizes.py, the activation
@@ -324,7 +325,13 @@ def plan_memory(
         update = 0
     if masters:
         update += (4 - itemsize(train_dtype)) * sum(trainable)
-    update_extra = max(0, update - activations)
+    # The optimizer steps after chunked_backward has returned: the chunk's activations, the attention cache and
+    # the kept layer inputs (where they are on the GPU) are freed by then; the paged store stays between steps.
+    # (H200, Qwen2.5-7B, AdamW, recompute=layer-host with the cache: the measured peak is the step's, not the
+    # update's; benchmarks/results/train-7b-auto.json.)
+    freed = (activations + (attention_outputs if cache_attention != "host" else 0)
+             + (kept_inputs if recompute == "layer" else 0))
+    update_extra = max(0, update - freed)
 
     gpu = device_type == "cuda"
 

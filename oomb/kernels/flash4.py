@@ -150,10 +150,32 @@ def key_layout(page_table: torch.Tensor, kv_len: int, q_len: int, page_size: int
                      max_seqlen_q=max_q, max_seqlen_k=max_k)
 
 
+def _words(pool: torch.Tensor) -> torch.Tensor:
+    """``pool`` with each head's values viewed as 8-byte words where they divide evenly. PyTorch's indexing
+    kernels move one element per thread step: a bf16 head of 128 values moves in 32 steps instead of 128 (the
+    gather and scatter took 0.28 s of a 64K step of Qwen2.5-7B moved as bf16, measured 2026-12-04)."""
+    if pool.element_size() >= 8 or pool.shape[-1] * pool.element_size() % 8:
+        return pool
+    try:
+        return pool.view(torch.int64)
+    except RuntimeError:  # a view whose strides or offset do not divide into words
+        return pool
+
+
 def _gather(pool: torch.Tensor, layout: KeyLayout, rows: int) -> torch.Tensor:
     """[T, H_kv, D] (varlen) or [B, S, H_kv, D] of the pool's tokens the layout names."""
-    x = pool[layout.page_ids, :, layout.slots]
+    x = _words(pool)[layout.page_ids, :, layout.slots].view(pool.dtype)
     return x if layout.varlen else x.view(rows, layout.keys_per_row, *x.shape[1:])
+
+
+def _add_at(pool: torch.Tensor, layout: KeyLayout, grad: torch.Tensor) -> None:
+    """Adds ``grad`` (the gathered keys' gradients, any leading shape) into the pool's tokens the layout names.
+    Every (page, slot) appears once in the layout, so gather-add-scatter adds each key's gradient once."""
+    words = _words(pool)
+    where = (layout.page_ids, slice(None), layout.slots)
+    gathered = words[where].view(pool.dtype)
+    gathered += grad.reshape(-1, *grad.shape[-2:]).to(pool.dtype)
+    words[where] = gathered.view(words.dtype)
 
 
 class Flash4Attention:
@@ -226,8 +248,6 @@ class Flash4Attention:
             _gather(v_pool, layout, b), self._queries(out, layout), lse.contiguous(), scale=scale,
             window_left=window_left, layout=layout,
         )
-        # Every (page, slot) appears once in the layout, so gather-add-scatter adds each key's gradient once.
-        flat = (layout.page_ids, slice(None), layout.slots)
-        dk_pool[flat] += dk.reshape(-1, *dk.shape[-2:]).to(dk_pool.dtype)
-        dv_pool[flat] += dv.reshape(-1, *dv.shape[-2:]).to(dv_pool.dtype)
+        _add_at(dk_pool, layout, dk)
+        _add_at(dv_pool, layout, dv)
         return self._heads_first(dq, b, layout), None

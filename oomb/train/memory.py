@@ -127,6 +127,10 @@ def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dic
 # longer kernels; docs/benchmarks.md). On CPU from 1024, the fixed default before auto, so the CPU runs (the
 # built-in tiny job) keep their speed and losses.
 AUTO_CHUNK_START = {"cuda": 8192, "cpu": 1024}
+# With train.recompute=layer-host a chunk's activations are one layer's, so chunks twice as long fit where 8192
+# did with every layer's: fewer, larger matrix products (H200, Qwen2.5-7B, 128K: 0.92x the best transformers
+# stack's step with chunks of 16384, docs/benchmarks.md).
+LAYER_AUTO_CHUNK_START = 16384
 # The smallest automatic chunk tried with the attention cache before the largest chunk without it. The cache
 # and long chunks each speed a step up (H200, Qwen2.5-7B: docs/benchmarks.md, "chunked_backward's defaults" and
 # "Chunks of 8192 tokens instead of 4096"). Cached chunks below 1024 against long uncached ones were not measured: they
@@ -134,11 +138,11 @@ AUTO_CHUNK_START = {"cuda": 8192, "cpu": 1024}
 CACHE_MIN_CHUNK = 1024
 
 
-def chunk_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> list[int]:
-    """The chunk sizes train.chunk_size=auto tries, largest first: halvings of AUTO_CHUNK_START as
-    multiples of train.page_size, none longer than ``seq_len`` rounded up to a whole page."""
+def chunk_choices(cfg: Config, device_type: str, seq_len: int | None = None, start: int | None = None) -> list[int]:
+    """The chunk sizes train.chunk_size=auto tries, largest first: halvings of ``start`` (default
+    AUTO_CHUNK_START) as multiples of train.page_size, none longer than ``seq_len`` rounded up to a whole page."""
     page = cfg.train.page_size
-    top = AUTO_CHUNK_START["cuda" if device_type == "cuda" else "cpu"]
+    top = start or AUTO_CHUNK_START["cuda" if device_type == "cuda" else "cpu"]
     if seq_len is not None:
         top = min(top, -(-seq_len // page) * page)
     sizes, size = [], top
@@ -154,25 +158,31 @@ def chunk_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> 
 def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> list[dict]:
     """The settings the run's `auto` values may take, as plan_memory arguments, most preferred first.
 
-    fp32 master weights first (train.master_weights=auto: precision), then speed: the largest chunk
-    (train.chunk_size=auto) with the attention cache (train.cache_attention=auto; never with offload),
-    then the largest chunk without it; with train.recompute=auto, all of these again with recompute=layer-host
-    (every layer's input in host memory, one layer's activations on the GPU; with an auto cache, the cache in
-    host memory between the two), where the run trains in one process without offload or layer checkpointing.
-    Each choice names all four settings, fixed ones as set; the offload GPU allowance
-    (train.offload_gpu_memory=auto) is settled by each choice's own plan.
+    fp32 master weights first (train.master_weights=auto: precision), then speed and memory. With
+    train.recompute=auto, where the run trains in one process without offload or layer checkpointing,
+    recompute=layer-host comes first: every layer's input in host memory and one layer's activations on the
+    GPU leave room for chunks twice as long (H200, Qwen2.5-7B, 64K, one run: chunks of 16384 with layer-host
+    0.94x the best transformers stack's step time in 0.97x its memory, chunks of 8192 with whole-chunk
+    recompute 0.95x in 1.53x; docs/benchmarks.md); its chunks start at LAYER_AUTO_CHUNK_START, with the
+    attention cache on the GPU, then in host memory, then none. Then recompute=chunk: the largest chunk
+    (train.chunk_size=auto) with the attention cache on the GPU (train.cache_attention=auto; never with offload),
+    then the largest chunk without it. Each choice names all four settings, fixed ones as set; the offload GPU
+    allowance (train.offload_gpu_memory=auto) is settled by each choice's own plan.
     ``seq_len``: the chunks for that length (None: every chunk auto may take, for the longest context).
     """
     t = cfg.train
     settings = _settings(cfg, device_type, torch.float32)  # the fixed values (master weights auto: on in one process)
     wanted = settings["master_weights"]
     masters = [True, False] if t.master_weights == "auto" and wanted else [wanted]
-    chunks = chunk_choices(cfg, device_type, seq_len) if t.chunk_size == "auto" else [t.chunk_size]
-    floor = min(CACHE_MIN_CHUNK, chunks[0])
 
     def speed(by_layer: bool) -> list[tuple[int, bool | str]]:
+        if t.chunk_size != "auto":
+            chunks = [t.chunk_size]
+        else:
+            chunks = chunk_choices(cfg, device_type, seq_len, LAYER_AUTO_CHUNK_START if by_layer else None)
         if t.cache_attention != "auto" or t.offload:  # (the engine refuses the cache with offload, also on CPU)
             return [(c, settings["cache_attention"]) for c in chunks]
+        floor = min(CACHE_MIN_CHUNK, chunks[0])
         cached = [(c, True) for c in chunks if c >= floor]
         if by_layer:  # the cache in host memory too, before none (stage 2 reads it, not the attention kernels)
             cached += [(c, "host") for c in chunks if c >= floor]
@@ -180,9 +190,9 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
 
     modes = ["chunk" if t.recompute == "auto" else t.recompute]
     if t.recompute == "auto" and layer_recompute_possible(cfg, device_type):
-        modes.append("layer-host")  # after chunk: its GPU speed is not measured yet (docs/memory.md)
+        modes.insert(0, "layer-host")
     return [dict(master_weights=m, chunk_size=c, cache_attention=k, recompute=r)
-            for r in modes for m in masters for c, k in speed(r != "chunk")]
+            for m in masters for r in modes for c, k in speed(r != "chunk")]
 
 
 def layer_recompute_possible(cfg: Config, device_type: str) -> bool:

@@ -115,7 +115,9 @@ def prepare_for_training(model: torch.nn.Module, cfg: Config, ctx, console) -> t
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     fused = use_fused_ops(model, fused_ops_run_mode(cfg.train.fused_ops, cfg.train.tensor_parallel))
     if fused:
-        console.print(f"fused ops: liger RMSNorm / SwiGLU in {len(fused)} modules")
+        modules = [name for name in fused if name != "rope"]
+        console.print(f"fused ops: liger RMSNorm / SwiGLU in {len(modules)} modules"
+                      + (", liger RoPE" if "rope" in fused else ""))
     if ctx is not None and ctx.tensor_parallel > 1:
         model = distributed.split_model(model, ctx)
     if ctx is not None and ctx.data_parallel > 1:  # over the groups of tensor parallel ranks, if any

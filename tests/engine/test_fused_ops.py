@@ -1,4 +1,5 @@
-"""liger's fused RMSNorm / SwiGLU swapped into transformers models (oomb.engine.fused_ops).
+"""liger's fused RMSNorm / SwiGLU swapped into transformers models, and its RoPE routed in
+(oomb.engine.fused_ops).
 
 The swapped model must give the plain model's loss and gradients, keep its parameters (the same
 objects, the same names), and leave models of other families untouched. The swap itself is
@@ -15,9 +16,16 @@ import torch
 from tiny_models import VOCAB, tiny_model
 
 import oomb
-from oomb.engine.fused_ops import liger_available, swap_fused_modules, use_fused_ops
+from oomb.engine.fused_ops import liger_available, plain_rope, swap_fused_modules, use_fused_ops, use_fused_rope
 
 pytestmark = pytest.mark.skipif(not liger_available(), reason="needs liger-kernel")
+
+
+@pytest.fixture(autouse=True)
+def _transformers_rope_after():
+    # liger's RoPE is process-wide for a family: no test leaves it to the next
+    yield
+    plain_rope()
 
 
 def _loss_and_grads(model, ids):
@@ -62,9 +70,9 @@ def test_swap_keeps_parameters_names_and_checkpoints(family, tmp_path):
 def test_fp32_fused_model_equals_plain_model_on_gpu(family):
     plain = tiny_model(family).to("cuda")
     fused = copy.deepcopy(plain)
-    assert len(use_fused_ops(fused, "auto")) == _swap_count(plain.config, family, norms=True)
     ids = torch.randint(0, VOCAB, (2, 48), device="cuda")
-    ref_loss, ref_grads = _loss_and_grads(plain, ids)
+    ref_loss, ref_grads = _loss_and_grads(plain, ids)  # before the family's RoPE is liger's
+    assert use_fused_ops(fused, "auto") == [*swap_fused_modules(copy.deepcopy(plain)), "rope"]
     loss, grads = _loss_and_grads(fused, ids)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for name, ref in ref_grads.items():
@@ -75,10 +83,11 @@ def test_fp32_fused_model_equals_plain_model_on_gpu(family):
 def test_chunked_backward_of_fused_model_equals_plain_on_gpu():
     plain = tiny_model("qwen2").to("cuda")
     fused = copy.deepcopy(plain)
-    assert use_fused_ops(fused, "auto")
     ids = torch.randint(0, VOCAB, (1, 256), device="cuda")
     losses, grads = [], []
     for model in (plain, fused):
+        if model is fused:  # after the plain model's step: the family's RoPE becomes liger's
+            assert "rope" in use_fused_ops(fused, "auto")
         model.zero_grad(set_to_none=True)
         losses.append(oomb.chunked_backward(model, ids, chunk_size=64, page_size=16))
         grads.append({n: p.grad for n, p in model.named_parameters()})
@@ -91,9 +100,9 @@ def test_chunked_backward_of_fused_model_equals_plain_on_gpu():
 def test_bf16_fused_model_on_gpu():
     plain = tiny_model("qwen3").to("cuda", torch.bfloat16)
     fused = copy.deepcopy(plain)
-    assert use_fused_ops(fused, "auto")  # a CUDA model: auto swaps
     ids = torch.randint(0, VOCAB, (2, 512), device="cuda")
     ref_loss, ref_grads = _loss_and_grads(plain, ids)
+    assert "rope" in use_fused_ops(fused, "auto")  # a CUDA model: auto swaps
     loss, grads = _loss_and_grads(fused, ids)
     assert abs(loss.item() - ref_loss.item()) <= 1e-2 * abs(ref_loss.item())
     ref = torch.cat([g.float().flatten() for g in ref_grads.values()])
@@ -114,6 +123,21 @@ def test_other_families_and_modes_are_left_alone():
     assert not any(type(m).__name__.startswith("Liger") for m in llama.modules())
     with pytest.raises(ValueError, match="use one of auto, liger, none"):
         use_fused_ops(llama, "fast")
+
+
+def test_rope_routing_is_undone_and_skips_other_families():
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen3 import modeling_qwen3
+
+    own = modeling_qwen2.apply_rotary_pos_emb
+    assert use_fused_rope(tiny_model("qwen2")) == "qwen2"
+    assert use_fused_rope(tiny_model("qwen2")) == "qwen2"  # twice: transformers' function is still the one kept
+    assert modeling_qwen2.apply_rotary_pos_emb is liger_rotary_pos_emb
+    assert modeling_qwen3.apply_rotary_pos_emb is not liger_rotary_pos_emb  # another family: untouched
+    assert use_fused_rope(tiny_model("gpt_oss")) is None  # its RoPE rotates halves of cos/sin's width
+    plain_rope()
+    assert modeling_qwen2.apply_rotary_pos_emb is own
 
 
 def test_liger_mode_refuses_a_cpu_model():

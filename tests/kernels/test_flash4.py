@@ -174,3 +174,25 @@ def test_fa4_bf16_matches_the_reference_on_gpu(c, kv_len, window, docs):
     assert_close_rel(dq.float(), ref_dq, 1e-2, "dq")
     assert_close_rel(dk, ref_dk, 1e-2, "dk")
     assert_close_rel(dv, ref_dv, 1e-2, "dv")
+
+
+@pytest.mark.parametrize("dtype,d,offset", [(torch.bfloat16, 128, 0), (torch.bfloat16, 6, 0),
+                                            (torch.float32, 64, 0), (torch.float16, 64, 2)])
+def test_gather_and_add_move_heads_as_words_or_as_they_are(dtype, d, offset):
+    # Heads move as 8-byte words where they divide evenly, else element by element (odd head sizes, a pool
+    # view whose offset is no whole word): the same tokens, bit for bit, and each gradient added once.
+    from oomb.kernels.flash4 import KeyLayout, _add_at, _gather
+
+    torch.manual_seed(0)
+    flat = torch.randn(offset + 6 * 2 * 4 * d).to(dtype)
+    pool = flat[offset:].view(6, 2, 4, d)  # [pages, H_kv, page_size, D]
+    page_ids = torch.tensor([3, 3, 0, 5, 1])
+    slots = torch.tensor([0, 2, 1, 3, 3])
+    layout = KeyLayout(page_ids, slots, keys_per_row=5)
+    got = _gather(pool, layout, rows=1)
+    assert torch.equal(got[0], pool[page_ids, :, slots])
+    grad = torch.randn(1, 5, 2, d)
+    expect = pool.clone()
+    expect[page_ids, :, slots] += grad[0].to(dtype)
+    _add_at(pool, layout, grad)
+    assert torch.equal(pool, expect)

@@ -79,18 +79,21 @@ def test_a_long_seq_len_reports_the_longest_that_fits_never_zero():
     assert not plan.fits and longest == _resolve(["model.preset=qwen2.5-7b"])[2] > 500_000
 
 
-@pytest.mark.parametrize("seq_len,chunk,cache", [(65536, 8192, True), (131072, 8192, True), (262144, 8192, False)])
+@pytest.mark.parametrize("seq_len,chunk,cache", [(65536, 16384, True), (131072, 16384, True), (262144, 16384, "host"),
+                                               (524288, 16384, False)])
 def test_the_chunk_and_cache_for_7b_on_an_h200(monkeypatch, seq_len, chunk, cache):
-    # With liger's fused ops, as on the H200 (the plan counts what they keep; measured 128K peaks in
-    # benchmarks/results/train-7b-auto.json and core-7b-vs-transformers-128k.json).
+    # With liger's fused ops, as on the H200 (the plan counts what they keep; measured peaks in
+    # benchmarks/results/core-7b-recompute-64k.json and core-7b-recompute-128k.json). Every layer's input in host
+    # memory: up to 256K with the attention cache (on the host at 256K), 512K without it, no offload.
     monkeypatch.setattr(fused_ops, "liger_available", lambda: True)
     cfg, plan, _ = _resolve(["model.preset=qwen2.5-7b", f"data.seq_len={seq_len}"])
-    assert (cfg.train.chunk_size, cfg.train.cache_attention, cfg.train.master_weights) == (chunk, cache, False)
-    assert plan.fits and plan.settings["chunk_size"] == chunk and plan.settings["cache_attention"] is cache
+    assert (cfg.train.chunk_size, cfg.train.cache_attention, cfg.train.master_weights,
+            cfg.train.recompute) == (chunk, cache, False, "layer-host")
+    assert plan.fits and plan.settings["chunk_size"] == chunk and plan.settings["cache_attention"] == cache
     # The choice is the first in the order of preference that fits: nothing preferred to it does.
     choices = memory.auto_choices(cfg := load_config(None, ["model.preset=qwen2.5-7b", f"data.seq_len={seq_len}"]),
                                   "cuda", seq_len)
-    chosen = choices.index(dict(master_weights=False, chunk_size=chunk, cache_attention=cache, recompute="chunk"))
+    chosen = choices.index(dict(master_weights=False, chunk_size=chunk, cache_attention=cache, recompute="layer-host"))
     settings = memory._settings(cfg, "cuda", torch.bfloat16)
     for choice in choices[:chosen]:
         assert not plan_memory(preset_config("qwen2.5-7b"), seq_len=seq_len, **{**settings, **choice},
@@ -100,12 +103,14 @@ def test_the_chunk_and_cache_for_7b_on_an_h200(monkeypatch, seq_len, chunk, cach
 def test_auto_chunk_order_smaller_gpus_and_short_sequences():
     cfg = load_config(None, ["data.seq_len=65536", "train.master_weights=false"])
     choices = memory.auto_choices(cfg, "cuda", 65536)
-    speed = [(c["chunk_size"], c["cache_attention"]) for c in choices if c["recompute"] == "chunk"]
-    # recompute=layer-host after every chunk-recompute choice (only where none of those fits), in the same order
-    # with the cache in host memory between the cache on the GPU and none
-    by_layer = [(c["chunk_size"], c["cache_attention"]) for c in choices[len(speed):]]
-    assert [c["recompute"] for c in choices] == ["chunk"] * len(speed) + ["layer-host"] * len(by_layer)
-    assert by_layer == speed[:4] + [(c, "host") for c, _ in speed[:4]] + speed[4:]
+    # recompute=layer-host first (chunks from 16384; the cache on the GPU, then in host memory, then none), then
+    # whole-chunk recompute (chunks from 8192; the cache on the GPU, then none)
+    by_layer = [(c["chunk_size"], c["cache_attention"]) for c in choices if c["recompute"] == "layer-host"]
+    speed = [(c["chunk_size"], c["cache_attention"]) for c in choices[len(by_layer):]]
+    assert [c["recompute"] for c in choices] == ["layer-host"] * len(by_layer) + ["chunk"] * len(speed)
+    layer_chunks = [16384, 8192, 4096, 2048, 1024]
+    assert by_layer == ([(c, True) for c in layer_chunks] + [(c, "host") for c in layer_chunks]
+                        + [(c, False) for c in [*layer_chunks, 512, 256, 128]])
     assert speed == [(8192, True), (4096, True), (2048, True), (1024, True),
                      (8192, False), (4096, False), (2048, False), (1024, False), (512, False), (256, False),
                      (128, False)]
@@ -113,17 +118,22 @@ def test_auto_chunk_order_smaller_gpus_and_short_sequences():
     assert memory.chunk_choices(cfg, "cuda", 3000) == [3072, 1536, 768, 384, 128]  # one chunk at most; whole pages
     cfg.train.page_size = 96
     assert memory.chunk_choices(cfg, "cuda") == [8160, 4032, 2016, 960, 480, 192, 96]
-    # A smaller GPU picks a smaller chunk, or drops the cache, where the 141 GiB one would not.
+    # Where layer recompute is not possible (layer checkpointing here), whole-chunk recompute alone, as before.
+    cfg = load_config(None, ["data.seq_len=65536", "train.master_weights=false", "train.layer_checkpointing=true"])
+    assert [(c["chunk_size"], c["cache_attention"]) for c in memory.auto_choices(cfg, "cuda", 65536)] == speed
+    # A smaller GPU moves the cache to the host where the 141 GiB one would not; a host too small for every
+    # layer's input recomputes whole chunks.
+    order = [(c["recompute"], c["chunk_size"], c["cache_attention"]) for c in choices]
     chosen = {}
-    for gib in (141, 110, 96, 85):
-        cfg, plan, _ = _resolve(["model.preset=qwen2.5-7b", "data.seq_len=65536"], gpu_bytes=gib * GiB,
-                                host_bytes=H200["host_bytes"])
-        assert plan.fits
-        chosen[gib] = (cfg.train.chunk_size, cfg.train.cache_attention)
-    assert chosen[141] == (8192, True) and chosen[96] != chosen[141]
-    assert chosen[85][0] < 8192 and chosen[85][1] is False
-    assert [speed.index(chosen[g]) for g in (141, 110, 96, 85)] == sorted(speed.index(chosen[g])
-                                                                          for g in (141, 110, 96, 85))
+    for gpu_gib, host_gib in ((141, 125), (96, 125), (85, 125), (141, 16)):
+        cfg, plan, _ = _resolve(["model.preset=qwen2.5-7b", "data.seq_len=65536"], gpu_bytes=gpu_gib * GiB,
+                                host_bytes=host_gib * GiB)
+        assert plan.fits, (gpu_gib, host_gib)
+        chosen[gpu_gib, host_gib] = (cfg.train.recompute, cfg.train.chunk_size, cfg.train.cache_attention)
+    assert chosen[141, 125] == chosen[96, 125] == ("layer-host", 16384, True)
+    assert chosen[85, 125] == ("layer-host", 16384, "host")
+    assert chosen[141, 16] == ("chunk", 8192, True)
+    assert order.index(chosen[141, 125]) < order.index(chosen[85, 125]) < order.index(chosen[141, 16])
 
 
 def test_an_explicit_chunk_is_kept(monkeypatch):
@@ -146,7 +156,7 @@ def test_an_explicit_chunk_is_kept(monkeypatch):
     assert plan.settings["recompute"] == "layer-host"
     cfg = load_config(None, ["model.preset=qwen2.5-7b", "data.seq_len=65536", "train.fused_ops=none"])  # auto
     assert memory.check_memory(cfg, torch.device("cuda"), torch.bfloat16).fits
-    assert (cfg.train.chunk_size, cfg.train.cache_attention) == (4096, True)  # 102 GiB with the cache
+    assert (cfg.train.chunk_size, cfg.train.cache_attention, cfg.train.recompute) == (16384, True, "layer-host")
 
 
 def test_chunk_size_auto_in_the_config():
@@ -182,7 +192,7 @@ def test_the_cpu_default_keeps_its_chunk_and_cache(capsys):
     assert "chunk 1024," in text and "step: chunk 1024, attention cache on (chosen by the memory plan)" in text
     # `oomb plan` for a GPU: the 7B's chunk at 64K, and a chunk set by hand is named as such.
     main(["plan", "model.preset=qwen2.5-7b", "data.seq_len=65536", "--gpu-memory", "141GiB", "--host-memory", "125GiB"])
-    assert "step: chunk 8192, attention cache on (chosen by the memory plan)" in _printed(capsys)
+    assert "step: chunk 16384, attention cache on (chosen by the memory plan), recompute layer-host" in _printed(capsys)
     main(["plan", "model.preset=qwen2.5-7b", "data.seq_len=65536", "train.chunk_size=2048", "train.offload=true",
           "--gpu-memory", "141GiB", "--host-memory", "125GiB"])
     assert "step: chunk 2048, attention cache off (not with train.offload)" in _printed(capsys)
@@ -190,6 +200,7 @@ def test_the_cpu_default_keeps_its_chunk_and_cache(capsys):
 
 def test_under_torchrun_every_rank_takes_the_smallest_chunk(monkeypatch):
     overrides = ["model.preset=qwen2.5-7b", "data.seq_len=65536"]
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it: whole-chunk recompute only
     monkeypatch.setattr(memory, "available_memory", lambda device: (H200["gpu_bytes"], H200["host_bytes"]))
     seen = []
     monkeypatch.setattr(memory, "smallest_over_ranks", lambda value: seen.append(value) or 2048)
@@ -197,7 +208,7 @@ def test_under_torchrun_every_rank_takes_the_smallest_chunk(monkeypatch):
     plan = memory.check_memory(cfg, torch.device("cuda"), torch.bfloat16, torchrun=True)
     # Another rank could only fit 2048: this one plans again from the settings as asked, with that chunk.
     assert seen == [8192] and (cfg.train.chunk_size, cfg.train.cache_attention) == (2048, True)
-    assert plan.settings["chunk_size"] == 2048 and cfg.train.master_weights is False
+    assert plan.settings["chunk_size"] == 2048 and not plan.settings["master_weights"]  # auto: off under torchrun
     cfg = load_config(None, [*overrides, "train.chunk_size=4096"])  # set by the user: no agreement needed
     memory.check_memory(cfg, torch.device("cuda"), torch.bfloat16, torchrun=True)
     assert seen == [8192] and cfg.train.chunk_size == 4096
@@ -247,9 +258,9 @@ def test_the_cache_and_the_layer_inputs_in_host_memory(monkeypatch):
     n, layers = 131072, 28
     assert items["attention output cache"].host_bytes == n * layers * 28 * (128 * 2 + 4)  # every chunk, by layer
     assert items["kept layer inputs"].host_bytes == n * (layers + 1) * 3584 * 2
-    assert plan.fits and cfg.train.chunk_size == 8192
+    assert plan.fits and cfg.train.chunk_size == 16384
     assert memory.describe_step_choice(cfg, {"chunk_size"}, planned=True) == (
-        "chunk 8192 (chosen by the memory plan), attention cache in host memory, recompute layer-host")
+        "chunk 16384 (chosen by the memory plan), attention cache in host memory, recompute layer-host")
     with pytest.raises(ConfigError, match="train.cache_attention='gpu': use auto"):
         _resolve(["model.preset=qwen2.5-7b", "train.cache_attention=gpu"])
     with pytest.raises(ConfigError, match="train.cache_attention=host keeps attention outputs"):
