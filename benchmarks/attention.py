@@ -33,7 +33,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import do_bench_s, int_list, machine_description, run_benchmark
+from benchmarks.common import command_line, do_bench_s, int_list, machine_description, run_benchmark
 from oomb.kernels import flash4_unavailable
 
 H, H_KV, D, C = 28, 4, 128, 4096
@@ -220,7 +220,7 @@ def run(args) -> dict:
 
     return {
         "bench": "attention",
-        "command": "python -m benchmarks.attention " + " ".join(sys.argv[1:]),
+        "command": command_line("benchmarks.attention"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_description(),
         "gpu": torch.cuda.get_device_name(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from collections.abc import Callable
 
@@ -39,6 +40,11 @@ def add_step_arguments(parser, *, budget: bool = True) -> None:
     parser.add_argument("--page", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", default=None, help="write the JSON report here")
+
+
+def command_line(module: str, argv: list[str] | None = None) -> str:
+    """How a record's bench was invoked, as a shell would take it back (empty lists quoted: --lengths '')."""
+    return f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
 
 
 def machine_description() -> str:

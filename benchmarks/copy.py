@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from benchmarks.common import int_list, run_benchmark, time_steps
+from benchmarks.common import command_line, int_list, run_benchmark, time_steps
 
 CONFIGS = {  # name: (programs, block elements, warps); "per-part": one program per work item
     "p16-b16k-w8": (16, 16384, 8),
@@ -119,7 +119,7 @@ def run(args) -> dict:
             print(json.dumps(row), flush=True)
     return {
         "bench": "copy",
-        "command": "python -m benchmarks.copy " + " ".join(sys.argv[1:]),
+        "command": command_line("benchmarks.copy"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__},

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import oomb
-from benchmarks.common import int_list, machine_description, run_benchmark, time_steps
+from benchmarks.common import command_line, int_list, machine_description, run_benchmark, time_steps
 from benchmarks.timeline import format_profile, step_profile
 from benchmarks.tune_attention import CANDIDATES
 from oomb.engine import linear_cross_entropy_sum, store_for_model
@@ -123,6 +123,19 @@ def run_baselines(args) -> list[dict]:
     return rows
 
 
+def earlier_baselines(record: Path) -> list[dict]:
+    """The transformers stacks' rows of an earlier core record (``--baseline-from``: a step too long to time
+    beside oomb's in one device call), each saying which run timed it."""
+    earlier = json.loads(record.read_text())
+    if earlier.get("bench") != "core":
+        raise ValueError(f"{record}: not a benchmarks.core record (bench={earlier.get('bench')!r})")
+    rows = [{**r, "timed_by": f"{earlier['command']} ({earlier['date']})"} for r in earlier["results"]
+            if r["system"].startswith("transformers-")]
+    if not rows:
+        raise ValueError(f"{record}: no transformers rows (was it run with --baseline-lengths?)")
+    return rows
+
+
 def auto_settings(args) -> dict[int, dict]:
     """What `oomb train model.preset=P data.seq_len=N` picks on this GPU: chunk, cache, fused ops.
 
@@ -163,6 +176,8 @@ def versus_baseline(results: list[dict]) -> list[dict]:
 def run(args) -> dict:
     device = torch.device("cuda")
     baseline = run_baselines(args) if args.baseline_lengths else []
+    if args.baseline_from:
+        baseline += earlier_baselines(Path(args.baseline_from))
     auto = auto_settings(args) if args.auto_lengths else {}
     model = build_model(args.preset, dtype=torch.bfloat16, device=device)
     model.train()
@@ -272,7 +287,7 @@ def run(args) -> dict:
     summary = _memory_growth([r for r in results if r["system"] == "oomb" and "error" not in r])
     return {
         "bench": "core",
-        "command": "python -m benchmarks.core " + " ".join(sys.argv[1:]),
+        "command": command_line("benchmarks.core"),
         "date": datetime.date.today().isoformat(),
         "machine": machine_description(),
         "gpu": torch.cuda.get_device_name(),
@@ -361,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-lengths", type=int_list, default=[],
                    help="time the transformers stacks a user would pick (FA4 and SDPA, Liger, checkpointing) at "
                         "these lengths, each in its own process, and print oomb's ratios to the faster")
+    p.add_argument("--baseline-from", default=None, metavar="RECORD",
+                   help="take the transformers stacks' rows from this earlier core record of the same machine "
+                        "(each row says which run timed it) instead of timing them again: at 256K the stack's "
+                        "steps and oomb's do not fit one 10-minute device call together")
     p.add_argument("--baseline-stacks", type=lambda s: s.split(","), default=["fa4", "sdpa"],
                    help="which transformers stacks --baseline-lengths times (default fa4,sdpa; SDPA measured "
                         "slower than FA4 at 64K-256K, so fa4 alone where a device call is short of time)")

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import machine_description
+from benchmarks.common import command_line, machine_description
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
               "train.export=false",
               "train.warmup_steps=1"]
     report: dict = {"bench": "faults",
-                    "command": "python -m benchmarks.faults " + " ".join(sys.argv[1:] if argv is None else argv),
+                    "command": command_line("benchmarks.faults", argv),
                     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                     "machine": machine_description(), "settings": vars(args)}
 

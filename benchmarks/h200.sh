@@ -57,6 +57,12 @@ job core-7b-recompute-64k "$C --lengths '' --cache-lengths 65536 --cache-host-le
 # the cache); FA4's stack only (SDPA's is slower, and both do not fit one 10-minute device call with oomb's rows).
 job core-7b-recompute-128k "$C --lengths '' --cache-lengths 131072 --cache-host-lengths 131072 --baseline-lengths 131072 \
   --baseline-stacks fa4 --chunk 16384 --recompute layer-host --fused-ops auto --warm-each --repeats 2 --backend fa4"
+# 256K: the FA4 stack's step (about 2 minutes) and oomb's do not fit one 10-minute device call together: the
+# stack in one job, then what `oomb train` picks (layer-host, chunks of 16384, the cache in host memory) against it.
+job core-7b-vs-transformers-256k-baseline "$C --lengths '' --baseline-lengths 262144 --baseline-stacks fa4 --warm-each \
+  --repeats 2"
+job core-7b-vs-transformers-256k "$C --lengths '' --auto-lengths 262144 \
+  --baseline-from \"\$OUT/core-7b-vs-transformers-256k-baseline.json\" --fused-ops auto --warm-each --repeats 2 --backend fa4"
 # The lean setting: no attention cache, short chunks (less memory than the baseline).
 job core-7b-lean-64k "$C --lengths 65536 --baseline-lengths 65536 --chunk 2048 --fused-ops auto --warm-each --repeats 2 \
   --backend fa4"
@@ -67,7 +73,8 @@ job core-7b-sparse-vs-transformers-128k "$C --lengths '' --baseline-lengths 1310
 # the steps are logged (no 45 GB final checkpoint).
 job train-7b-auto 'python3 -m benchmarks.train_steps --lengths 65536,131072 --steps 3,3 --timeout 150 \
   --out "$OUT/train-7b-auto.json"'
-part core 'train-7b-auto core-7b-recompute-64k core-7b-recompute-128k core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops core-7b-vs-transformers-64k
+part core 'train-7b-auto core-7b-recompute-64k core-7b-recompute-128k core-7b-vs-transformers-256k-baseline
+  core-7b-vs-transformers-256k core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops core-7b-vs-transformers-64k
   core-7b-vs-transformers-128k core-7b-lean-64k core-7b-sparse-vs-transformers-128k'
 
 # qlora: `oomb train` with bf16 LoRA against QLoRA (NF4 base) on Qwen2.5-7B at 128K, adapters on every linear layer,

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 import oomb
-from benchmarks.common import add_step_arguments, int_list, run_benchmark, time_steps
+from benchmarks.common import add_step_arguments, command_line, int_list, run_benchmark, time_steps
 from oomb.engine import store_for_model
 from oomb.sparse import PageSelection
 
@@ -510,7 +510,7 @@ def run(args) -> dict:
     cuda = bench.cuda
     meta = {
         "bench": "offload",
-        "command": "python -m benchmarks.offload " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
+        "command": command_line("benchmarks.offload", args.argv),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(bench.device) if cuda else "cpu",
         "host": platform.node(),

@@ -40,7 +40,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import oomb
-from benchmarks.common import machine_description
+from benchmarks.common import command_line, machine_description
 from oomb.engine import store_for_model
 from oomb.offload.store import SYNC_ENV
 
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tiles = _tiles_info(args.device)
     report = {"bench": "offload_check",
-              "command": "python -m benchmarks.offload_check " + " ".join(sys.argv[1:] if argv is None else argv),
+              "command": command_line("benchmarks.offload_check", argv),
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": machine_description(),
               "config": {**cfg, "device": args.device, "tiny": tiny, "dtype": str(dtype)},

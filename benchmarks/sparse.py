@@ -27,7 +27,15 @@ import torch
 
 import oomb
 from benchmarks.attention import H_KV, C, D, H, attention_flops, paged_inputs
-from benchmarks.common import add_step_arguments, do_bench_s, int_list, kernel_times, run_benchmark, time_steps
+from benchmarks.common import (
+    add_step_arguments,
+    command_line,
+    do_bench_s,
+    int_list,
+    kernel_times,
+    run_benchmark,
+    time_steps,
+)
 from oomb.engine import store_for_model
 from oomb.sparse import PageSelection, select_pages
 
@@ -197,7 +205,7 @@ def run(args) -> dict:
 
     return {
         "bench": "sparse",
-        "command": "python -m benchmarks.sparse " + " ".join(sys.argv[1:]),
+        "command": command_line("benchmarks.sparse"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
         "host": platform.node(),

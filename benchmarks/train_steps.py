@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import int_list, machine_description
+from benchmarks.common import command_line, int_list, machine_description
 
 
 def record_of(run: Path, log: Path, seq_len: int) -> dict:
@@ -114,9 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         pairs = [item.split("=", 1) for item in args.from_runs]
         rows = [record_of(Path(run), Path(log), n) for (run, log), n in zip(pairs, args.lengths, strict=True)]
         machine = None
-    report = {"bench": "train_steps", "command": "python -m benchmarks.train_steps " + " ".join(
-        a for a in (argv if argv is not None else sys.argv[1:])), "date": datetime.date.today().isoformat(),
-              "machine": machine, "preset": args.preset, "results": rows}
+    report = {"bench": "train_steps", "command": command_line("benchmarks.train_steps", argv),
+              "date": datetime.date.today().isoformat(), "machine": machine, "preset": args.preset, "results": rows}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     for r in rows:
         warm = f"{r['warm_step_s']:.2f} s" if r["warm_step_s"] is not None else "not reached"

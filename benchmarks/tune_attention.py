@@ -19,7 +19,7 @@ import sys
 import torch
 
 from benchmarks.attention import H_KV, C, H, attention_flops, paged_inputs
-from benchmarks.common import int_list, kernel_times, run_benchmark
+from benchmarks.common import command_line, int_list, kernel_times, run_benchmark
 from oomb.kernels import tiles as kernel_tiles
 from oomb.kernels.backward import paged_attention_backward
 from oomb.kernels.forward import paged_attention_forward
@@ -105,7 +105,7 @@ def run(args) -> dict:
             "gpu": torch.cuda.get_device_name(), "kv_len": args.kv_len, "q_len": C, "heads": [h, h_kv],
             "budget_pages": args.budget, "page_size": args.page_size,
             "flops": "fwd = 2*2*C*H*D*(visible keys - C/2); bwd = 2.5x fwd",
-            "command": "python -m benchmarks.tune_attention " + " ".join(sys.argv[1:]),
+            "command": command_line("benchmarks.tune_attention"),
             "results": rows}
 
 

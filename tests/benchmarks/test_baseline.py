@@ -54,3 +54,26 @@ def test_rope_is_counted_per_chunk_forward_and_backward():
 
     assert rope_calls_per_step(28, 65536, 8192) == {"forward": 28 * 15, "backward": 28 * 8}
     assert rope_calls_per_step(2, 100, 64) == {"forward": 2 * 3, "backward": 2 * 2}  # a ragged last chunk
+
+
+def test_baselines_from_an_earlier_record_say_which_run_timed_them(tmp_path):
+    import json
+
+    from benchmarks.core import earlier_baselines
+
+    record = tmp_path / "base.json"
+    record.write_text(json.dumps({"bench": "core", "command": "python -m benchmarks.core --baseline-lengths 262144",
+                                  "date": "2026-12-05", "results": [
+                                      _row("transformers-fa4-liger-ckpt", 262144, 122.0, 127.0),
+                                      _row("oomb", 262144, 100.0, 90.0)]}))
+    rows = earlier_baselines(record)
+    assert [r["system"] for r in rows] == ["transformers-fa4-liger-ckpt"]
+    assert rows[0]["timed_by"] == "python -m benchmarks.core --baseline-lengths 262144 (2026-12-05)"
+    assert versus_baseline([*rows, _row("oomb", 262144, 100.0, 90.0)])[0]["baseline"] == "transformers-fa4-liger-ckpt"
+    record.write_text(json.dumps({"bench": "core", "command": "c", "date": "d",
+                                  "results": [_row("oomb", 1, 1.0, 1.0)]}))
+    with pytest.raises(ValueError, match="no transformers rows"):
+        earlier_baselines(record)
+    record.write_text(json.dumps({"bench": "offload", "results": []}))
+    with pytest.raises(ValueError, match="not a benchmarks.core record"):
+        earlier_baselines(record)
