@@ -28,6 +28,8 @@ decoders): the replayed outputs are placeholders but for the last layer's, which
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 from collections.abc import Callable
 
 import torch
@@ -48,6 +50,27 @@ def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
             f"({type(model).__name__}'s are not): use recompute='chunk'"
         )
     return layers
+
+
+@functools.lru_cache(maxsize=16)
+def _rebuildable(config_json: str, trust_remote_code: bool) -> bool:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.for_model(**json.loads(config_json))
+        with torch.device("meta"):  # the modules' types only: nothing is allocated
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        decoder_layers(model)
+    except Exception:  # noqa: BLE001 (any model that cannot be built or checked here recomputes whole chunks)
+        return False
+    return True
+
+
+def layers_rebuildable(model_config, trust_remote_code: bool = False) -> bool:
+    """Whether a model of ``model_config`` (a transformers config) has decoder layers recompute="layer" can
+    rebuild one at a time, asked before the model exists (a memory plan choosing the setting): its modules
+    built on the meta device, checked as ``decoder_layers`` checks them."""
+    return _rebuildable(model_config.to_json_string(use_diff=False), trust_remote_code)
 
 
 def check_layer_recompute(model: PreTrainedModel) -> None:

@@ -22,6 +22,7 @@ from rich.table import Table
 
 from oomb.engine.fused_ops import run_mode as fused_ops_run_mode
 from oomb.engine.fused_ops import will_fuse
+from oomb.engine.layer_recompute import layers_rebuildable
 from oomb.engine.plan import MemoryPlan, largest_context, plan_first_fitting, plan_memory
 from oomb.engine.plan import format_bytes as _gib
 from oomb.engine.timing import H200_DENSE, predict_step_seconds
@@ -163,8 +164,8 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
     recompute=layer-host comes first: every layer's input in host memory and one layer's activations on the
     GPU leave room for chunks twice as long (H200, Qwen2.5-7B, 64K, one run: chunks of 16384 with layer-host
     0.94x the best transformers stack's step time in 0.97x its memory, chunks of 8192 with whole-chunk
-    recompute 0.95x in 1.53x; docs/benchmarks.md); its chunks start at LAYER_AUTO_CHUNK_START, with the
-    attention cache on the GPU, then in host memory, then none. Then recompute=chunk: the largest chunk
+    recompute 0.95x in 1.53x; docs/benchmarks.md); its chunks start at LAYER_AUTO_CHUNK_START, each with the
+    attention cache on the GPU, then in host memory; then the chunks without the cache. Then recompute=chunk: the largest chunk
     (train.chunk_size=auto) with the attention cache on the GPU (train.cache_attention=auto; never with offload),
     then the largest chunk without it. Each choice names all four settings, fixed ones as set; the offload GPU
     allowance (train.offload_gpu_memory=auto) is settled by each choice's own plan.
@@ -183,9 +184,11 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
         if t.cache_attention != "auto" or t.offload:  # (the engine refuses the cache with offload, also on CPU)
             return [(c, settings["cache_attention"]) for c in chunks]
         floor = min(CACHE_MIN_CHUNK, chunks[0])
-        cached = [(c, True) for c in chunks if c >= floor]
-        if by_layer:  # the cache in host memory too, before none (stage 2 reads it, not the attention kernels)
-            cached += [(c, "host") for c in chunks if c >= floor]
+        if not by_layer:
+            return [(c, True) for c in chunks if c >= floor] + [(c, False) for c in chunks]
+        # The cache in host memory too (stage 2 reads it, not the attention kernels), right after it on the GPU:
+        # it cost no step time on the H200, where halving the chunk costs some.
+        cached = [(c, where) for c in chunks if c >= floor for where in (True, "host")]
         return cached + [(c, False) for c in chunks]
 
     modes = ["chunk" if t.recompute == "auto" else t.recompute]
@@ -197,9 +200,12 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
 
 def layer_recompute_possible(cfg: Config, device_type: str) -> bool:
     """Whether train.recompute=auto may choose layer-host: one process (FSDP under torchrun replays no layers),
-    no offload, no transformers layer checkpointing (oomb.engine.layer_recompute)."""
+    no offload, no transformers layer checkpointing, decoder layers it can rebuild (oomb.engine.layer_recompute)."""
     t = cfg.train  # (on a CPU the host is the same memory: nothing to gain)
-    return not (_under_torchrun(cfg) or t.offload or t.layer_checkpointing) and device_type == "cuda"
+    if _under_torchrun(cfg) or t.offload or t.layer_checkpointing or device_type != "cuda":
+        return False
+    # a decoder whose layers cannot be rebuilt one at a time (not transformers' GradientCheckpointingLayers)
+    return layers_rebuildable(model_config(cfg), cfg.model.trust_remote_code)
 
 
 def resolve_auto_settings(cfg: Config, device_type: str, dtype: torch.dtype, *, gpu_bytes: int | None,

@@ -236,3 +236,15 @@ def test_under_torchrun_the_config_is_refused_before_the_run(monkeypatch):
         distributed.setup(load_config(None, ["train.recompute=layer-host", "train.device=cpu"]))
     with pytest.raises(GroupStarted):  # auto passes the checks (it never picks layer under torchrun)
         distributed.setup(load_config(None, ["train.recompute=auto", "train.device=cpu"]))
+
+
+def test_which_decoders_a_plan_may_rebuild_layer_by_layer():
+    # asked of a config before the model exists (train.recompute=auto): built on the meta device and checked
+    from transformers import GPT2Config
+
+    from oomb.engine.layer_recompute import layers_rebuildable
+    from oomb.train.presets import preset_config
+
+    assert layers_rebuildable(preset_config("qwen2.5-7b")) and layers_rebuildable(preset_config("tiny"))
+    assert not layers_rebuildable(GPT2Config(n_layer=2, n_embd=64, n_head=2))  # its blocks are no
+    # GradientCheckpointingLayers: recompute="layer" would refuse it at the first step

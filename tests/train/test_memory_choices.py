@@ -100,16 +100,16 @@ def test_the_chunk_and_cache_for_7b_on_an_h200(monkeypatch, seq_len, chunk, cach
                                device_total_bytes=H200["gpu_bytes"], host_total_bytes=H200["host_bytes"]).fits
 
 
-def test_auto_chunk_order_smaller_gpus_and_short_sequences():
+def test_auto_chunk_order_smaller_gpus_and_short_sequences(monkeypatch):
     cfg = load_config(None, ["data.seq_len=65536", "train.master_weights=false"])
     choices = memory.auto_choices(cfg, "cuda", 65536)
-    # recompute=layer-host first (chunks from 16384; the cache on the GPU, then in host memory, then none), then
-    # whole-chunk recompute (chunks from 8192; the cache on the GPU, then none)
+    # recompute=layer-host first (chunks from 16384, each with the cache on the GPU, then in host memory; then
+    # without it), then whole-chunk recompute (chunks from 8192; the cache on the GPU, then none)
     by_layer = [(c["chunk_size"], c["cache_attention"]) for c in choices if c["recompute"] == "layer-host"]
     speed = [(c["chunk_size"], c["cache_attention"]) for c in choices[len(by_layer):]]
     assert [c["recompute"] for c in choices] == ["layer-host"] * len(by_layer) + ["chunk"] * len(speed)
     layer_chunks = [16384, 8192, 4096, 2048, 1024]
-    assert by_layer == ([(c, True) for c in layer_chunks] + [(c, "host") for c in layer_chunks]
+    assert by_layer == ([(c, where) for c in layer_chunks for where in (True, "host")]
                         + [(c, False) for c in [*layer_chunks, 512, 256, 128]])
     assert speed == [(8192, True), (4096, True), (2048, True), (1024, True),
                      (8192, False), (4096, False), (2048, False), (1024, False), (512, False), (256, False),
@@ -121,19 +121,24 @@ def test_auto_chunk_order_smaller_gpus_and_short_sequences():
     # Where layer recompute is not possible (layer checkpointing here), whole-chunk recompute alone, as before.
     cfg = load_config(None, ["data.seq_len=65536", "train.master_weights=false", "train.layer_checkpointing=true"])
     assert [(c["chunk_size"], c["cache_attention"]) for c in memory.auto_choices(cfg, "cuda", 65536)] == speed
+    # nor for a decoder whose layers cannot be rebuilt one at a time
+    cfg = load_config(None, ["data.seq_len=65536", "train.master_weights=false"])
+    with monkeypatch.context() as patched:
+        patched.setattr(memory, "layers_rebuildable", lambda config, trust_remote_code: False)
+        assert [(c["chunk_size"], c["cache_attention"]) for c in memory.auto_choices(cfg, "cuda", 65536)] == speed
     # A smaller GPU moves the cache to the host where the 141 GiB one would not; a host too small for every
     # layer's input recomputes whole chunks.
     order = [(c["recompute"], c["chunk_size"], c["cache_attention"]) for c in choices]
     chosen = {}
-    for gpu_gib, host_gib in ((141, 125), (96, 125), (85, 125), (141, 16)):
+    for gpu_gib, host_gib in ((141, 125), (96, 125), (80, 125), (141, 16)):
         cfg, plan, _ = _resolve(["model.preset=qwen2.5-7b", "data.seq_len=65536"], gpu_bytes=gpu_gib * GiB,
                                 host_bytes=host_gib * GiB)
         assert plan.fits, (gpu_gib, host_gib)
         chosen[gpu_gib, host_gib] = (cfg.train.recompute, cfg.train.chunk_size, cfg.train.cache_attention)
     assert chosen[141, 125] == chosen[96, 125] == ("layer-host", 16384, True)
-    assert chosen[85, 125] == ("layer-host", 16384, "host")
+    assert chosen[80, 125] == ("layer-host", 16384, "host")
     assert chosen[141, 16] == ("chunk", 8192, True)
-    assert order.index(chosen[141, 125]) < order.index(chosen[85, 125]) < order.index(chosen[141, 16])
+    assert order.index(chosen[141, 125]) < order.index(chosen[80, 125]) < order.index(chosen[141, 16])
 
 
 def test_an_explicit_chunk_is_kept(monkeypatch):
