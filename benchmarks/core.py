@@ -301,8 +301,8 @@ def run(args) -> dict:
         "results": results,
         "versus_baseline": versus_baseline(results),
         "auto_settings": auto,
-        # transformers' RoPE (oomb's rows) against liger's (the baseline's), per chunk and for a step at each profiled
-        # length: its share of the step's elementwise time
+        # transformers' RoPE against liger's (the baseline's, and oomb's rows' with fused ops since 2026-12-04), per
+        # chunk and for a step at each profiled length (measured after plain_rope() above: transformers' own)
         "rope": ({"chunk": args.chunk, "per_chunk": rope_cost(cfg, args.chunk),
                   "calls_per_step": {n: rope_calls_per_step(cfg.num_hidden_layers, n, args.chunk)
                                      for n in args.profile_lengths}} if args.profile_lengths else None),
