@@ -57,7 +57,11 @@ def _buffer(model: torch.nn.Module, purpose: str, nbytes: int, device: torch.dev
     if device.type == "cuda":
         from oomb.offload.copy import pinned_empty
 
-        kept[purpose] = (pinned_empty((nbytes,), torch.uint8), torch.cuda.Stream(device))
+        setting = {"layer inputs": 'recompute="chunk" (train.recompute=chunk)',
+                   "attention outputs": 'cache_attention=True (train.cache_attention=true) or False'}.get(purpose)
+        instead = (f"free host memory, or keep them on the GPU with {setting}" if setting else "free host memory")
+        kept[purpose] = (pinned_empty((nbytes,), torch.uint8, what=f"the step's {purpose}", instead=instead),
+                         torch.cuda.Stream(device))
     else:
         kept[purpose] = (torch.empty(nbytes, dtype=torch.uint8), None)
     return kept[purpose]

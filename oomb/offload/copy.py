@@ -36,11 +36,13 @@ except ImportError:  # pragma: no cover - triton ships with every CUDA build of 
 _REGISTER_FLAGS = 0x01 | 0x02
 
 
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, *, what: str = "offloaded pages",
+                 instead: str = "use a shorter context or free host memory") -> torch.Tensor:
     """A zero-filled host tensor of exactly ``shape``, page-locked and mapped for the GPU.
 
     The registration is undone when the tensor's storage is freed. Raises RuntimeError with the
-    byte count when the host cannot lock that much memory.
+    byte count, ``what`` the memory is for and ``instead`` (what to change) when the host cannot lock
+    that much memory.
     """
     t = torch.zeros(shape, dtype=dtype)
     nbytes = t.numel() * t.element_size()
@@ -51,8 +53,8 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     status = cudart.cudaHostRegister(ptr, nbytes, _REGISTER_FLAGS)
     code = getattr(status, "value", status)
     if code not in (0, None):
-        raise RuntimeError(f"could not pin {nbytes / 2**30:.2f} GiB of host memory for offloaded pages "
-                           f"(cudaHostRegister error {code}); use a shorter context or free host memory")
+        raise RuntimeError(f"could not pin {nbytes / 2**30:.2f} GiB of host memory for {what} "
+                           f"(cudaHostRegister error {code}); {instead}")
     # Unregister when the storage dies (views keep the storage alive, so tie it to the storage).
     weakref.finalize(t.untyped_storage(), _unregister, ptr)
     return t

@@ -165,10 +165,10 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
     GPU leave room for chunks twice as long (H200, Qwen2.5-7B, 64K, one run: chunks of 16384 with layer-host
     0.94x the best transformers stack's step time in 0.97x its memory, chunks of 8192 with whole-chunk
     recompute 0.95x in 1.53x; docs/benchmarks.md); its chunks start at LAYER_AUTO_CHUNK_START, each with the
-    attention cache on the GPU, then in host memory; then the chunks without the cache. Then recompute=chunk: the largest chunk
-    (train.chunk_size=auto) with the attention cache on the GPU (train.cache_attention=auto; never with offload),
-    then the largest chunk without it. Each choice names all four settings, fixed ones as set; the offload GPU
-    allowance (train.offload_gpu_memory=auto) is settled by each choice's own plan.
+    attention cache on the GPU, then in host memory; then the chunks without the cache. Then recompute=chunk:
+    the largest chunk (train.chunk_size=auto) with the attention cache on the GPU (train.cache_attention=auto;
+    never with offload), then the largest chunk without it. Each choice names all four settings, fixed ones as
+    set; the offload GPU allowance (train.offload_gpu_memory=auto) is settled by each choice's own plan.
     ``seq_len``: the chunks for that length (None: every chunk auto may take, for the longest context).
     """
     t = cfg.train

@@ -75,3 +75,22 @@ def test_the_attention_cache_mapping_pops_once_and_forgets_a_chunk():
     for key in [k for k in cache if k[1] == 0]:  # what StepContext.drop_page_lists does after chunk 0
         del cache[key]
     assert list(cache) == [(0, 8)]
+
+
+@pytest.mark.parametrize("purpose,setting", [("layer inputs", "train.recompute=chunk"),
+                                             ("attention outputs", "train.cache_attention=true")])
+def test_host_memory_that_cannot_be_pinned_is_refused_with_the_setting_that_avoids_it(monkeypatch, purpose, setting):
+    # cudaHostRegister failing (a host without that much lockable memory): the error names the memory, its size
+    # and the setting that keeps it on the GPU, instead of a bare CUDA error at the first step.
+    class FailingRuntime:
+        @staticmethod
+        def cudaHostRegister(ptr, nbytes, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FailingRuntime())
+    model = torch.nn.Linear(1, 1)
+    with pytest.raises(RuntimeError, match=rf"could not pin 0\.00 GiB of host memory for the step's {purpose} "
+                                           rf"\(cudaHostRegister error 2\); free host memory, or keep them on the "
+                                           rf"GPU with .*\({setting}\)"):
+        HostStash.for_model(model, purpose, 4096, torch.device("cuda"))
+    assert purpose not in host_stash._BUFFERS.get(model, {})  # nothing half-made is kept for the next step
