@@ -38,8 +38,8 @@ class PageLists:
         self.sparse = sparse  # a selection policy is on: a full-attention layer's pages are known once it ran
         # Entries of one row's page lists for a chunk of n queries (blocks x budget x lists per row): where they
         # are at least the past pages, their union may be the whole past, and a store is asked for every past
-        # page instead (known before the selection, so prefetched; one contiguous copy per row and kind; no
-        # torch.unique, which makes the host wait). The kernels still attend only the listed pages.
+        # page instead (known before the selection, so prefetched; one contiguous copy per row and kind). The
+        # kernels still attend only the listed pages.
         self.listed = listed
         self._chosen: dict[tuple[int, int], torch.Tensor | None] = {}
         self._past: dict[tuple[int, int], PastPages | None] = {}
@@ -64,9 +64,11 @@ class PageLists:
         if (key not in self._past and page_select is not None and store.needs_page_list(layer_idx)
                 and not self.covers_past(store)):
             # Every page some block or head reads (each list is ascending and distinct). One list is its own
-            # union: no torch.unique, whose data-dependent size would make the host wait for the selection.
+            # union; several are joined on the device (PastPages.union), never with torch.unique, whose
+            # data-dependent size would make the host wait for the selection.
             one_list = page_select.shape[:3] == (1, 1, 1)
-            self._past[key] = PastPages(page_select.view(-1) if one_list else torch.unique(page_select))
+            past = store.last_chunk().start // store.spec.page_size
+            self._past[key] = PastPages(page_select.view(-1)) if one_list else PastPages.union(page_select, past)
         return self.past_pages(store, layer_idx)[1]
 
     def past_pages(self, store: KVStore, layer_idx: int) -> tuple[bool, PastPages | None]:

@@ -4,6 +4,12 @@ Each ``PastPages`` gets a serial when it is made: a store keys what its device s
 it, never by the tensor's address (freed memory is reused, so a new list could alias an old
 one). ``PastPages.hand_to_stream`` is how a store's copy stream receives a list made on the
 compute stream.
+
+Two forms. A list: the pages, ascending, each to the next row of the store's device slot. A union
+of page lists (``PastPages.union``): every past page in order, -1 where no list names it, with the
+slot row of each named page beside it; the host never learns how many pages that is (counting them
+would wait for the selection), so the slot is sized for the most the lists can name and the copies
+skip the rows marked -1.
 """
 
 from __future__ import annotations
@@ -20,9 +26,35 @@ _SERIALS = itertools.count()
 class PastPages:
     """The past pages one layer's kernels read for the newest chunk: what a store must have on the device."""
 
-    pages: torch.Tensor  # [m] sequence page indices before the chunk, ascending, distinct, on the store's device
+    pages: torch.Tensor  # [m] page indices before the chunk, ascending, distinct (-1: none), on the store's device
+    slot_rows: torch.Tensor | None = None  # [m] each page's row in the device slot (-1: none); None: row r for pages[r]
+    rows: int | None = None  # device slot rows the pages need (None: m)
     serial: int = field(default_factory=lambda: next(_SERIALS), init=False)  # unique in the process
     _ordered_after: set = field(default_factory=set, init=False, repr=False)  # streams that waited for its making
+
+    @classmethod
+    def union(cls, page_lists: torch.Tensor, num_past_pages: int) -> PastPages:
+        """Every page of ``num_past_pages`` that some list of ``page_lists`` (any shape, page indices) names,
+        made on the device without the host waiting for the lists (module docstring)."""
+        dev = page_lists.device
+        named = torch.zeros(num_past_pages, dtype=torch.bool, device=dev)
+        named[page_lists.reshape(-1).long()] = True
+        none = torch.full((num_past_pages,), -1, dtype=torch.int32, device=dev)
+        order = torch.cumsum(named, 0, dtype=torch.int32) - 1  # a named page's row among the named ones
+        pages = torch.where(named, torch.arange(num_past_pages, dtype=torch.int32, device=dev), none)
+        return cls(pages, torch.where(named, order, none), rows=min(page_lists.numel(), num_past_pages))
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the device slot the past pages take."""
+        return self.pages.numel() if self.rows is None else self.rows
+
+    def table_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pages, slot rows) to write into a slot's page table: every named page's row (a union's other
+        pages get row 0: no kernel reads a page its list does not name)."""
+        if self.slot_rows is None:
+            return self.pages.long(), torch.arange(self.pages.numel(), dtype=torch.int32, device=self.pages.device)
+        return torch.arange(self.pages.numel(), device=self.pages.device), self.slot_rows.clamp(min=0)
 
     def hand_to_stream(self, stream: torch.cuda.Stream) -> None:
         """Make the list (made on the current stream) safe for the work queued next on ``stream``, which reads it.
@@ -38,6 +70,8 @@ class PastPages:
         work queued on ``stream`` ran, or it would read someone else's numbers as page indices.
         """
         self.pages.record_stream(stream)
+        if self.slot_rows is not None:
+            self.slot_rows.record_stream(stream)
         if stream in self._ordered_after:
             return
         made = torch.cuda.Event()

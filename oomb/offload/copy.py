@@ -99,9 +99,11 @@ if triton is not None:
                 sp = tl.load(SRC_IDX + r)
             if HAS_DST_IDX:
                 dp = tl.load(DST_IDX + r)
-            src = SRC + b.to(tl.int64) * src_b + sp.to(tl.int64) * src_p + part * BLOCK
-            dst = DST + b.to(tl.int64) * dst_b + dp.to(tl.int64) * dst_p + part * BLOCK
-            tl.store(dst + offs, tl.load(src + offs))
+            # an index of -1 skips the page (a union's pages that no list names: PastPages.union)
+            moves = (offs < BLOCK) & (sp >= 0) & (dp >= 0)
+            src = SRC + b.to(tl.int64) * src_b + tl.maximum(sp, 0).to(tl.int64) * src_p + part * BLOCK
+            dst = DST + b.to(tl.int64) * dst_b + tl.maximum(dp, 0).to(tl.int64) * dst_p + part * BLOCK
+            tl.store(dst + offs, tl.load(src + offs, mask=moves), mask=moves)
 
 
 # Programs of the copy kernel: enough bytes in flight for PCIe (32 x 32 KiB), few multiprocessors.
@@ -118,7 +120,8 @@ def _block(page_elems: int, limit: int) -> int:
 def copy_pages(src: torch.Tensor, dst: torch.Tensor, *, src_index: torch.Tensor | None = None,
                dst_index: torch.Tensor | None = None, use_kernel: bool, programs: int = DEFAULT_PROGRAMS,
                block: int = 16384, num_warps: int = 8) -> None:
-    """dst[:, dst_index[r]] = src[:, src_index[r]] for r < len(index) (an absent index is 0, 1, ...).
+    """dst[:, dst_index[r]] = src[:, src_index[r]] for r < len(index) (an absent index is 0, 1, ...); a row whose
+    index is -1 in either moves nothing.
 
     ``src`` and ``dst``: [B, pages, *page] with contiguous pages. ``use_kernel``: the Triton
     kernel (CUDA with mapped host memory, or the interpreter); otherwise torch indexing on the
@@ -133,6 +136,9 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, *, src_index: torch.Tensor 
     if n == 0:
         return
     if not use_kernel:
+        if src_index is not None and dst_index is not None:  # rows marked -1 move nothing
+            moves = (src_index >= 0) & (dst_index >= 0)
+            src_index, dst_index = src_index[moves], dst_index[moves]
         rows = src.index_select(1, src_index.to(src.device, torch.long)) if src_index is not None else src[:, :n]
         if dst_index is not None:
             dst.index_copy_(1, dst_index.to(dst.device, torch.long), rows.to(dst.device))

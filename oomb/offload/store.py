@@ -319,8 +319,8 @@ class OffloadedKVStore(ChunkLedger):
                     if slot.past is None:  # pages 0 .. m-1: one contiguous copy per row
                         self._home(kind, layer_idx)[:, : slot.num_past].copy_(src, non_blocking=self._cuda)
                     else:  # the chosen pages, scattered into the mapped host pool by the copy kernel
-                        copy_pages(src, self._home(kind, layer_idx), dst_index=slot.past.pages,
-                                   use_kernel=self.copy_kernels)
+                        copy_pages(src, self._home(kind, layer_idx), src_index=slot.past.slot_rows,
+                                   dst_index=slot.past.pages, use_kernel=self.copy_kernels)
             if self._cuda and grads:
                 done = torch.cuda.Event()
                 done.record(self._copy_stream)
@@ -411,7 +411,7 @@ class OffloadedKVStore(ChunkLedger):
         s = self.spec
         record = self.last_chunk()
         b = self.batch_size
-        num_past = record.first_page if past_pages is None else past_pages.pages.numel()
+        num_past = record.first_page if past_pages is None else past_pages.num_rows
         rows = num_past + record.num_pages
         self._sync()  # debugging mode: every queued kernel and copy ran before the host touches anything
         slot.ensure_capacity(s, b * rows, self._synchronize)
@@ -420,8 +420,11 @@ class OffloadedKVStore(ChunkLedger):
         dev = s.device
         table = torch.zeros((b, self._max_pages), dtype=torch.int32, device=dev)
         base = (torch.arange(b, dtype=torch.int32, device=dev) * rows).view(-1, 1)
-        past_idx = torch.arange(num_past, device=dev) if past_pages is None else past_pages.pages.long()
-        table[:, past_idx] = base + torch.arange(num_past, dtype=torch.int32, device=dev)
+        if past_pages is None:
+            table[:, :num_past] = base + torch.arange(num_past, dtype=torch.int32, device=dev)
+        else:
+            past_idx, past_rows = past_pages.table_rows()
+            table[:, past_idx] = base + past_rows
         table[:, record.first_page : record.first_page + record.num_pages] = (
             base + num_past + torch.arange(record.num_pages, dtype=torch.int32, device=dev))
         slot.table = table
@@ -442,7 +445,8 @@ class OffloadedKVStore(ChunkLedger):
                     if slot.past is None:
                         view[:, :num_past].copy_(host[:, :num_past], non_blocking=self._cuda)
                     else:  # the chosen pages, read from the mapped host pool by the copy kernel
-                        copy_pages(host, view, src_index=slot.past.pages, use_kernel=self.copy_kernels)
+                        copy_pages(host, view, src_index=slot.past.pages, dst_index=slot.past.slot_rows,
+                                   use_kernel=self.copy_kernels)
                 if grads:  # the chunk's own pages too (K/V were written home by the forward)
                     c0, n = record.first_page, record.num_pages
                     view[:, num_past:].copy_(host[:, c0 : c0 + n], non_blocking=self._cuda)

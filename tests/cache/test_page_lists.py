@@ -60,7 +60,12 @@ def test_the_union_of_a_layers_lists_is_what_an_offloaded_store_fetches():
     lists = PageLists(sparse=True)
     chosen = torch.tensor([[[[0, 3], [1, 3]]]], dtype=torch.int32)  # [B=1, H_sel=1, 2 blocks, 2]
     past = lists.layer_ran(store, 2, None, chosen)
-    assert past.pages.tolist() == [0, 1, 3]
+    # every past page in order, -1 where no list names it; the named ones numbered in the device slot, which has
+    # room for all 4 entries of the lists (the host never counts the union: that would wait for the selection)
+    assert past.pages.tolist() == [0, 1, -1, 3, -1, -1]
+    assert past.slot_rows.tolist() == [0, 1, -1, 2, -1, -1] and past.num_rows == 4
+    pages, rows = past.table_rows()
+    assert pages.tolist() == [0, 1, 2, 3, 4, 5] and rows.tolist() == [0, 1, 0, 2, 0, 0]
     one = torch.tensor([[[[2, 5]]]], dtype=torch.int32)  # one list: its own union, no copy
     assert lists.layer_ran(store, 1, None, one).pages.data_ptr() == one.data_ptr()
 

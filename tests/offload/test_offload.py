@@ -140,6 +140,17 @@ def test_page_copy_kernel_gathers_and_scatters_like_indexing(batch, pages, chose
     assert torch.equal(back_k[:, others], host[:, others])
     with pytest.raises(ValueError, match="src_index or dst_index"):
         copy_pages(host, slot_k, use_kernel=True)
+    # Both indices, -1 skipping a row (a union of page lists): page p to slot row slot[p] where both are >= 0.
+    pages_in_order = torch.tensor([p if p in chosen else -1 for p in range(pages)], dtype=torch.int32)
+    slot_rows = torch.tensor([sorted(chosen).index(p) if p in chosen else -1 for p in range(pages)],
+                             dtype=torch.int32)
+    for use_kernel in (True, False):
+        slot = torch.full((batch, len(chosen) + 2, 2, 8, 4), 7.0)
+        copy_pages(host, slot, src_index=pages_in_order, dst_index=slot_rows, use_kernel=use_kernel)
+        assert torch.equal(slot[:, : len(chosen)], host[:, sorted(chosen)]) and (slot[:, len(chosen):] == 7.0).all()
+        back = host.clone()
+        copy_pages(upd, back, src_index=slot_rows, dst_index=pages_in_order, use_kernel=use_kernel)
+        assert torch.equal(back[:, sorted(chosen)], upd) and torch.equal(back[:, others], host[:, others])
 
 
 def test_sparse_offload_through_the_page_copy_kernel_is_bit_identical(monkeypatch):
@@ -249,9 +260,12 @@ def test_page_lists_that_cover_the_past_bring_every_past_page(monkeypatch):
     assert moved["to_host"] == dense["to_host"]
     assert dense["to_device"] < moved["to_device"] < 1.05 * dense["to_device"]
 
-    # Budget 1: 2 lists x 1 page < the past from the third chunk on: the union, fewer bytes than dense.
+    # Budget 1: 2 lists x 1 page < the past from the third chunk on: the union (made on the device, still no
+    # torch.unique), fewer bytes than dense.
     sparse = dict(chunk_size=32, page_size=16, selection=PageSelection(page_budget=1, block=16))
     ref_loss, ref = _step(model, ids, **sparse)
-    loss, got = _step(model, ids, offload=True, **sparse)
+    with monkeypatch.context() as m:
+        m.setattr(page_lists.torch, "unique", no_unique)
+        loss, got = _step(model, ids, offload=True, **sparse)
     assert torch.equal(loss, ref_loss) and all(torch.equal(got[n], g) for n, g in ref.items())
     assert store_for_model(model).moved_bytes["to_device"] < moved["to_device"]
