@@ -195,18 +195,26 @@ fi
 
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# Each step below is skipped where an earlier call on the same machine did it (a warm machine keeps /tmp).
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  wanted=$(ls .whl/*.whl | xargs -n1 basename | sort | tr '\n' ' ')
+  if [ "$(cat /tmp/site/.oomb-wheels 2>/dev/null)" != "$wanted" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl && echo "$wanted" > /tmp/site/.oomb-wheels
+  fi
 fi
+[ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site
 # flash-attn-4's CUDA 13 libraries (nvidia-cutlass-dsl-libs-cu13, 92 MB) travel as an xz tarball of the unpacked
-# wheel in two parts (one per device call: a call carries 64 MiB): join them over the wheels installed above.
-if ls .whl/cu13.part.* .whl2/cu13.part.* >/dev/null 2>&1; then
-  cat .whl/cu13.part.* .whl2/cu13.part.* | xz -d | tar x -C /tmp/site \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages  # pip --target skips its .pth
+# wheel in two parts (one per device call: a call carries 64 MiB; the first call's part stays in .whl on the
+# machine): join them over the wheels installed above.
+if [ ! -d /tmp/site/nvidia_cutlass_dsl/cu13 ] && ls .whl/cu13.part.* .whl2/cu13.part.* >/dev/null 2>&1; then
+  cat .whl/cu13.part.* .whl2/cu13.part.* | xz -d | tar x -C /tmp/site
+fi
+if [ -d /tmp/site/nvidia_cutlass_dsl/cu13 ]; then
+  export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages  # pip --target skips its .pth
 fi
 # bitsandbytes for QLoRA (the image lacks it): its wheel unpacked with the CUDA 13 libraries only (7 MB of 43).
-if [ -f .whl2/bnb.tar.xz ]; then xz -dc .whl2/bnb.tar.xz | tar x -C /tmp/site; fi
+if [ ! -d /tmp/site/bitsandbytes ] && [ -f .whl2/bnb.tar.xz ]; then xz -dc .whl2/bnb.tar.xz | tar x -C /tmp/site; fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; free -b | head -2
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
   git rev-parse HEAD; git status --porcelain; } > "$OUT/machine.txt" 2>&1
