@@ -183,6 +183,7 @@ def run(args) -> dict:
     model.train()
     plain_modules = dict(model.named_modules())
     fused = use_fused_ops(model, args.fused_ops)  # oomb's rows; transformers' rows get the plain modules back
+    fused_record = {"fused_ops_modules": len(fused) - ("rope" in fused), "fused_rope": "rope" in fused}
     tiles = dict(CANDIDATES)[args.tiles]
     if tiles:  # a tune_attention candidate instead of the default tiles, for oomb's rows
         default_tiles = kernel_tiles.choose_tiles
@@ -254,8 +255,7 @@ def run(args) -> dict:
                 "store_gib": store_for_model(model).nbytes() / 2**30,
                 "store_bytes_per_token": store_for_model(model).spec.bytes_per_token(),
                 "params_plus_grads_gib": 2 * param_bytes / 2**30,
-                "fused_ops_modules": len(fused) - ("rope" in fused),
-                "fused_rope": "rope" in fused, "tiles": args.tiles, **profile,
+                **fused_record, "tiles": args.tiles, **profile,
             })
         except torch.OutOfMemoryError as e:
             record(system, n, error=f"out of memory: {str(e).splitlines()[0]}")
@@ -295,8 +295,7 @@ def run(args) -> dict:
         "versions": {"torch": torch.__version__, "oomb": oomb.__version__,
                      "transformers": __import__("transformers").__version__},
         "preset": args.preset,
-        "fused_ops": args.fused_ops, "fused_ops_modules": len(fused) - ("rope" in fused),
-        "fused_rope": "rope" in fused, "tiles": args.tiles,
+        "fused_ops": args.fused_ops, **fused_record, "tiles": args.tiles,
         "param_gib": param_bytes / 2**30,
         "results": results,
         "versus_baseline": versus_baseline(results),

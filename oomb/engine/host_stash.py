@@ -44,7 +44,7 @@ def release(model: torch.nn.Module) -> None:
     _BUFFERS.pop(model, None)
 
 
-def _buffer(model: torch.nn.Module, purpose: str, nbytes: int, device: torch.device
+def _buffer(model: torch.nn.Module, purpose: str, nbytes: int, device: torch.device, on_gpu: str | None
             ) -> tuple[torch.Tensor, torch.cuda.Stream | None]:
     kept = _BUFFERS.setdefault(model, {})
     found = kept.get(purpose)
@@ -57,9 +57,7 @@ def _buffer(model: torch.nn.Module, purpose: str, nbytes: int, device: torch.dev
     if device.type == "cuda":
         from oomb.offload.copy import pinned_empty
 
-        setting = {"layer inputs": 'recompute="chunk" (train.recompute=chunk)',
-                   "attention outputs": 'cache_attention=True (train.cache_attention=true) or False'}.get(purpose)
-        instead = (f"free host memory, or keep them on the GPU with {setting}" if setting else "free host memory")
+        instead = f"free host memory, or keep them on the GPU with {on_gpu}" if on_gpu else "free host memory"
         kept[purpose] = (pinned_empty((nbytes,), torch.uint8, what=f"the step's {purpose}", instead=instead),
                          torch.cuda.Stream(device))
     else:
@@ -80,9 +78,11 @@ class HostStash:
         self._fetched: dict[Hashable, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, purpose: str, nbytes: int, device: torch.device) -> HostStash:
-        """A stash of at least ``nbytes`` (sum of ``region_bytes``) in ``model``'s kept buffer for ``purpose``."""
-        return cls(*_buffer(model, purpose, max(nbytes, 1), device), device)
+    def for_model(cls, model: torch.nn.Module, purpose: str, nbytes: int, device: torch.device, *,
+                  on_gpu: str | None = None) -> HostStash:
+        """A stash of at least ``nbytes`` (sum of ``region_bytes``) in ``model``'s kept buffer for ``purpose``;
+        ``on_gpu``: the setting that keeps these tensors on the GPU instead, named where the host cannot pin them."""
+        return cls(*_buffer(model, purpose, max(nbytes, 1), device, on_gpu), device)
 
     def _region(self, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         n = shape.numel() * itemsize(dtype)
@@ -164,6 +164,14 @@ class HostAttentionCache:
         self._stash = stash
         self._keys: set[tuple[int, int]] = set()
         self.step = step
+
+    @classmethod
+    def on_host(cls, model: torch.nn.Module, num_layers: int, chunks: list[tuple[int, int]], batch: int, heads: int,
+                head_dim: int, dtype: torch.dtype, device: torch.device, step: int = 1) -> HostAttentionCache:
+        """The cache of a step over ``chunks``, in ``model``'s kept host buffer for attention outputs."""
+        nbytes = cls.nbytes(num_layers, chunks, batch, heads, head_dim, dtype)
+        return cls(HostStash.for_model(model, "attention outputs", nbytes, device,
+                                       on_gpu="cache_attention=True (train.cache_attention=true) or False"), step)
 
     @staticmethod
     def nbytes(num_layers: int, chunks: list[tuple[int, int]], batch: int, heads: int, head_dim: int,

@@ -108,7 +108,8 @@ class LayerInputs:
     def on_host(cls, model: torch.nn.Module, num_layers: int, chunks: list[tuple[int, int]], batch: int,
                 hidden: int, dtype: torch.dtype, device: torch.device) -> LayerInputs:
         nbytes = sum((num_layers + 1) * region_bytes((batch, end - start, hidden), dtype) for start, end in chunks)
-        return cls(HostStash.for_model(model, "layer inputs", nbytes, device))
+        return cls(HostStash.for_model(model, "layer inputs", nbytes, device,
+                                       on_gpu='recompute="chunk" (train.recompute=chunk)'))
 
     def keep(self, slot: int, start: int, x: torch.Tensor) -> None:
         """Stage 1: ``x`` [B, C, hidden] is slot ``slot``'s value of the chunk at ``start``."""

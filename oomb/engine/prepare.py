@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from oomb.attention import StepContext, check_attention_support
 from oomb.cache import KVStore, PagedKVStore
 from oomb.engine import host_stash
-from oomb.engine.host_stash import HostAttentionCache, HostStash
+from oomb.engine.host_stash import HostAttentionCache
 from oomb.engine.layer_recompute import RECOMPUTE_MODES
 from oomb.engine.loss import IGNORE_INDEX, LOSS_IMPLS
 from oomb.engine.sizes import ModelShape, store_spec
@@ -196,10 +196,9 @@ def prepare_step(
     if cache and options.cache_attention == "host":
         shape = ModelShape.from_config(model.config)
         heads = shape.heads // (1 if group is None else torch.distributed.get_world_size(group))  # this rank's
-        nbytes = HostAttentionCache.nbytes(shape.num_layers, bounds, batch, heads, shape.head_dim,
-                                           model.get_input_embeddings().weight.dtype)
-        stash = HostStash.for_model(model, "attention outputs", nbytes, device)
-        context.attention_outputs = HostAttentionCache(stash, step=-1 if options.recompute != "chunk" else 1)
+        context.attention_outputs = HostAttentionCache.on_host(
+            model, shape.num_layers, bounds, batch, heads, shape.head_dim, model.get_input_embeddings().weight.dtype,
+            device, step=-1 if options.recompute != "chunk" else 1)
     return PreparedStep(model=model, targets=targets, target_counts=counts, bounds=bounds, store=store,
                         context=context)
 

@@ -80,6 +80,8 @@ def test_the_attention_cache_mapping_pops_once_and_forgets_a_chunk():
 @pytest.mark.parametrize("purpose,setting", [("layer inputs", "train.recompute=chunk"),
                                              ("attention outputs", "train.cache_attention=true")])
 def test_host_memory_that_cannot_be_pinned_is_refused_with_the_setting_that_avoids_it(monkeypatch, purpose, setting):
+    from oomb.engine.layer_recompute import LayerInputs
+
     # cudaHostRegister failing (a host without that much lockable memory): the error names the memory, its size
     # and the setting that keeps it on the GPU, instead of a bare CUDA error at the first step.
     class FailingRuntime:
@@ -92,5 +94,8 @@ def test_host_memory_that_cannot_be_pinned_is_refused_with_the_setting_that_avoi
     with pytest.raises(RuntimeError, match=rf"could not pin 0\.00 GiB of host memory for the step's {purpose} "
                                            rf"\(cudaHostRegister error 2\); free host memory, or keep them on the "
                                            rf"GPU with .*\({setting}\)"):
-        HostStash.for_model(model, purpose, 4096, torch.device("cuda"))
+        if purpose == "layer inputs":  # each host store as the step makes it
+            LayerInputs.on_host(model, 2, [(0, 64)], 1, 8, torch.float32, torch.device("cuda"))
+        else:
+            HostAttentionCache.on_host(model, 2, [(0, 64)], 1, 2, 4, torch.float32, torch.device("cuda"))
     assert purpose not in host_stash._BUFFERS.get(model, {})  # nothing half-made is kept for the next step
