@@ -6,9 +6,10 @@ attention, quadratic in it (6 x tokens^2 x layers x heads x head_dim FLOPs, forw
 Each part runs at its own rate on a given GPU; two measured steps of different lengths give both
 rates. The rates below were fitted on the H200 to the setting `oomb train` picks for Qwen2.5-7B there
 (FlashAttention-4 kernels, chunks of 16384, the attention cache, recompute="layer-host", liger's fused
-ops) — the 64K step of benchmarks/results/core-7b-vs-transformers-64k.json and the 128K step of
-core-7b-recompute-128k.json (measured before liger's RoPE and the faster page gather: a little slow),
-without an optimizer; tests/engine/test_timing.py refits them from those records. The prediction is for
+ops) — the 64K step of benchmarks/results/core-7b-vs-transformers-64k.json (cache on the GPU) and the
+256K step of core-7b-vs-transformers-256k.json (cache in host memory, which costs no time), without an
+optimizer; tests/engine/test_timing.py refits them from those records. Between them the fit predicts
+31.69 s at 128K, where `oomb train` measured 31.65 s with AdamW (train-7b-auto.json). The prediction is for
 that setting and GPU: other settings (shorter chunks, no cache, offload) and page-sparse attention
 are slower or faster by amounts measured only at some lengths (docs/benchmarks.md). Every layer is
 counted as attending the whole context (sliding-window layers attend less).
@@ -35,10 +36,11 @@ class StepRates:
 
 H200_DENSE = StepRates(
     gpu="NVIDIA H200",
-    linear_s_per_flop=1.8883e-15,  # 530 TFLOP/s of 6·N·P (the recompute forward included in the time)
-    attention_s_per_flop=2.1746e-15,  # 460 TFLOP/s of 6·N²·L·H·D
-    basis="Qwen2.5-7B steps at 64K and 128K tokens, fa4 kernels, chunk 16384, attention cache, recompute "
-          "layer-host, fused ops (benchmarks/results/core-7b-vs-transformers-64k.json, core-7b-recompute-128k.json)",
+    linear_s_per_flop=2.1226e-15,  # 471 TFLOP/s of 6·N·P (the recompute forward included in the time)
+    attention_s_per_flop=1.9227e-15,  # 520 TFLOP/s of 6·N²·L·H·D
+    basis="Qwen2.5-7B steps at 64K and 256K tokens, fa4 kernels, chunk 16384, attention cache, recompute "
+          "layer-host, fused ops (benchmarks/results/core-7b-vs-transformers-64k.json, "
+          "core-7b-vs-transformers-256k.json)",
 )
 
 

@@ -380,7 +380,7 @@ def _needs_and_time_lines(cfg: Config, found: dict) -> list[str]:
     if (seconds := found["predicted_dense_step_s"]) is not None:
         shown = f"{seconds:,.0f}" if seconds >= 100 else f"{seconds:.1f}"
         lines.append(f"predicted dense step on an {found['predicted_on']}: {shown} s without the optimizer "
-                     "(oomb's fastest exact setting, from measured 64K and 128K steps; docs/memory.md)")
+                     "(oomb's fastest exact setting, from measured 64K and 256K steps; docs/memory.md)")
     return lines
 
 

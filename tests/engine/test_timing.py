@@ -16,14 +16,14 @@ def _auto_step(record: str, system: str) -> tuple[int, float]:
     rows = json.loads((RESULTS / record).read_text())["results"]
     row = next(r for r in rows if r["system"] == system)
     assert row["backend"] == "fa4" and row["chunk_size"] == 16384
-    assert row["options"]["cache_attention"] is True and row["options"]["recompute"] == "layer-host"
+    assert row["options"]["cache_attention"] in (True, "host") and row["options"]["recompute"] == "layer-host"
     return row["seq_len"], row["step_s"]
 
 
 def test_the_h200_rates_are_the_fit_of_the_records_they_cite():
     config = preset_config("qwen2.5-7b")
     steps = [_auto_step("core-7b-vs-transformers-64k.json", "oomb-auto"),
-             _auto_step("core-7b-recompute-128k.json", "oomb+cached-attn")]
+             _auto_step("core-7b-vs-transformers-256k.json", "oomb-auto")]
     flops = torch.tensor([step_flops(config, n) for n, _ in steps], dtype=torch.float64)
     seconds = torch.tensor([s for _, s in steps], dtype=torch.float64)
     linear, attention = torch.linalg.solve(flops, seconds).tolist()
