@@ -27,11 +27,18 @@ Rows, in this order (the JSON is rewritten after every row, so a run cut short k
    (plus ``--host-margin-gib``) must be free in host memory now; otherwise the row records why it
    was refused. A row that fails (CUDA out of memory, host memory that cannot be pinned) records
    the error and the bench goes on. ``--longest-first-fit``: the lengths are tried in the order
-   given until one runs (give them longest first);
+   given until one runs (give them longest first). ``--longest-lengths plan``: the longest length the
+   planner says fits (multiples of ``--chunk``; with the settings of the longest rows), then 95% and 90%
+   of it: the first that runs says how close the planner's longest is to what runs;
 4. repeat: ``--repeat-steps`` consecutive sparse + offload steps at ``--repeat-length`` (first
    select block, the store kept between steps as in training), with RSS, pinned bytes and
    torch's pinned-allocator statistics after each; the growth from step 2 to the last (step 1
    allocates).
+
+``--offload-gpu-memory``: the GPU memory in which every offloaded row's store keeps whole layers' pages
+(StepOptions.offload_gpu_bytes; ``train.offload_gpu_memory``): a size, or ``auto``, what the row's
+plan (no optimizer) leaves free on the GPU less oomb.engine.plan.AUTO_GPU_MARGIN_BYTES, so the pages fill
+the GPU and the host together. Default 0: only the two working layers on the GPU, as in the paper.
 
 ``--time-budget S``: rows not started within S seconds are recorded as skipped (the device scripts
 give the bench a hard timeout as well). ``--device cpu --dtype float32`` runs the same rows on CPU
@@ -59,6 +66,7 @@ import torch
 import oomb
 from benchmarks.common import add_step_arguments, command_line, int_list, run_benchmark, time_steps
 from oomb.engine import store_for_model
+from oomb.engine.plan import AUTO_GPU_MARGIN_BYTES, plan_memory
 from oomb.sparse import PageSelection
 
 GIB = 2**30
@@ -183,7 +191,8 @@ def offload_overheads(rows: list[dict], field: str = "step_s") -> dict:
 
 
 def plan_prediction(plan) -> dict:
-    """A MemoryPlan -> the bytes of "parameters + gradients, no optimizer" (PLAN_NO_OPTIMIZER)."""
+    """A MemoryPlan -> the bytes of "parameters + gradients, no optimizer" (PLAN_NO_OPTIMIZER), and the GPU
+    allowance of an offloaded store it was made with (``offload_gpu_bytes``, the layers it keeps whole)."""
     items = [i for i in plan.items if i.name not in EXCLUDED_PLAN_ITEMS]
     gpu_total = sum(i.gpu_bytes for i in items)
     context = sum(i.gpu_bytes for i in items if i.name == CONTEXT_ITEM)
@@ -204,7 +213,45 @@ def plan_prediction(plan) -> dict:
         "excluded": {i.name: [i.gpu_bytes, i.host_bytes] for i in plan.items if i.name in EXCLUDED_PLAN_ITEMS},
         "items": {i.name: [i.gpu_bytes, i.host_bytes] for i in items},
         "device_total_bytes": plan.device_total_bytes, "host_total_bytes": plan.host_total_bytes,
+        "offload_gpu_bytes": plan.settings["offload_gpu_bytes"],
+        "offload_resident_layers": plan.settings["offload_resident_layers"],
     }
+
+
+def plan_without_optimizer(model_config, *, offload_gpu_memory: int | str = 0, **settings) -> dict:
+    """plan_prediction of plan_memory(**settings) with the optimizer left out (PLAN_NO_OPTIMIZER). With
+    offload, ``offload_gpu_memory`` "auto" gives the store what that plan leaves free on the GPU (as
+    plan_memory's own "auto" does for a run with its optimizer), a byte count gives it that."""
+    def predict(allowance: int) -> dict:
+        return plan_prediction(plan_memory(model_config, optimizer="adamw", master_weights=False,
+                                           offload_gpu_bytes=allowance if settings.get("offload") else 0, **settings))
+
+    if offload_gpu_memory != "auto":
+        return predict(offload_gpu_memory)
+    pred = predict(0)
+    total = settings.get("device_total_bytes")
+    if not settings.get("offload") or total is None:
+        return pred
+    return predict(max(0, total - pred["predicted_gpu_total_bytes"] - AUTO_GPU_MARGIN_BYTES))
+
+
+def planned_longest(fits, unit: int, limit: int) -> int:
+    """The largest multiple of ``unit`` up to ``limit`` for which ``fits(n)`` (0 if none): memory grows with the
+    length, so bisection."""
+    lo, hi = 0, limit // unit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * unit):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * unit
+
+
+def longest_candidates(longest: int, unit: int) -> list[int]:
+    """The planner's longest, then 95% and 90% of it (multiples of ``unit``, longest first, no repeats)."""
+    out = [n for n in (longest, longest * 95 // 100 // unit * unit, longest * 90 // 100 // unit * unit) if n > 0]
+    return list(dict.fromkeys(out))
 
 
 def _ratio(a, b):
@@ -305,21 +352,32 @@ class Bench:
         self.device_total = torch.cuda.get_device_properties(self.device).total_memory if self.cuda else None
 
     # --------------------------------------------------------------- helpers
-    def step_kwargs(self, s: Setting) -> dict:
+    def step_kwargs(self, s: Setting, pred: dict | None = None) -> dict:
+        """chunked_backward's options of the row; ``pred`` (its plan) gives an offloaded store's GPU allowance."""
         kw = dict(chunk_size=self.args.chunk, page_size=self.args.page, offload=s.offload)
+        if s.offload and pred is not None and pred["offload_gpu_bytes"]:
+            kw["offload_gpu_bytes"] = pred["offload_gpu_bytes"]
         if s.budget is not None:
             kw["selection"] = PageSelection(page_budget=s.budget, block=s.block)
         return kw
 
     def plan(self, s: Setting) -> dict:
-        from oomb.engine.plan import plan_memory
-
-        plan = plan_memory(
-            self.model.config, seq_len=s.seq_len, batch_size=1, chunk_size=self.args.chunk, page_size=self.args.page,
-            dtype=self.dtype, page_budget=s.budget, select_block=s.block or 128, offload=s.offload,
-            optimizer="adamw", master_weights=False, device_type="cuda" if self.cuda else "cpu",
+        return plan_without_optimizer(
+            self.model.config, offload_gpu_memory=self.args.offload_gpu_memory, seq_len=s.seq_len, batch_size=1,
+            chunk_size=self.args.chunk, page_size=self.args.page, dtype=self.dtype, page_budget=s.budget,
+            select_block=s.block or 128, offload=s.offload, device_type="cuda" if self.cuda else "cpu",
             device_total_bytes=self.device_total, host_total_bytes=self.host_total)
-        return plan_prediction(plan)
+
+    def planned_longest(self) -> int:
+        """The longest sparse + offload row (first select block) the planner says fits, with this bench's
+        host margin kept free as the longest rows keep it."""
+        margin = int(self.args.host_margin_gib * GIB)
+
+        def fits(n: int) -> bool:
+            pred = self.plan(Setting("longest", n, self.args.budget, self.args.select_blocks[0], True))
+            return pred["fits"] and pred["predicted_host_bytes"] + margin <= self.host_total
+
+        return planned_longest(fits, self.args.chunk, 1 << 26)
 
     def release(self) -> None:
         oomb.release_memory(self.model)
@@ -392,7 +450,9 @@ class Bench:
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats()
             repeats = 1 if s.kind == "longest" else self.args.repeats
-            kw = self.step_kwargs(s)
+            kw = self.step_kwargs(s, pred)
+            row["offload_gpu_bytes"] = kw.get("offload_gpu_bytes", 0)
+            row["offload_resident_layers"] = pred["offload_resident_layers"]
 
             def step():
                 oomb.chunked_backward(self.model, ids, **kw)
@@ -536,7 +596,12 @@ def run(args) -> dict:
             print(json.dumps({k: v for k, v in meta["stream_profiles"][-1].items() if k != "top_kernels"}), flush=True)
             if args.out:
                 _write(summarize(meta, results, repeat, False), args.out)
-    settings = row_settings(args.dense_lengths, args.sparse_lengths, args.growth_lengths, args.longest_lengths,
+    longest_lengths = args.longest_lengths
+    if longest_lengths == "plan":
+        meta["planned_longest"] = bench.planned_longest()
+        longest_lengths = longest_candidates(meta["planned_longest"], args.chunk)
+    meta["offload_gpu_memory"] = args.offload_gpu_memory
+    settings = row_settings(args.dense_lengths, args.sparse_lengths, args.growth_lengths, longest_lengths,
                             args.select_blocks, args.budget)
     for s in settings:
         head = s.head()
@@ -641,6 +706,19 @@ def _print_table(report: dict) -> None:
                   f"{_gib(g['host_alloc_growth_gib']).strip()} GiB" + (f"; error: {errors[0]}" if errors else ""))
 
 
+def _longest_lengths(text: str) -> list[int] | str:
+    return "plan" if text.strip() == "plan" else int_list(text)
+
+
+def _gpu_memory(text: str) -> int | str:
+    from oomb.train.config import ConfigError, offload_gpu_bytes
+
+    try:
+        return offload_gpu_bytes(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.offload", description=__doc__.splitlines()[0])
     p.add_argument("--dense-lengths", type=int_list, default=[65536])
@@ -649,8 +727,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--select-blocks", type=int_list, default=[128],
                    help="queries per page-selection block (PageSelection.block); sparse rows run once per entry, "
                         "in this order (the longest and repeat rows use the first)")
-    p.add_argument("--longest-lengths", type=int_list, default=[],
-                   help="one sparse + offload step at each (refused where the planner or free memory says no)")
+    p.add_argument("--longest-lengths", type=_longest_lengths, default=[],
+                   help="one sparse + offload step at each (refused where the planner or free memory says no); "
+                        "'plan': the planner's longest, then 95%% and 90%% of it")
+    p.add_argument("--offload-gpu-memory", type=_gpu_memory, default=0,
+                   help="offloaded rows: GPU memory for whole layers' pages (a size such as 60GiB, or 'auto': what "
+                        "the row's plan leaves free); default 0, the two working layers only")
     p.add_argument("--longest-first-fit", action="store_true",
                    help="list --longest-lengths longest first: once one runs, skip the rest")
     p.add_argument("--host-margin-gib", type=float, default=4.0,

@@ -115,6 +115,62 @@ def test_plan_prediction_leaves_out_the_optimizer():
     assert not small["fits"] and small["reason"].startswith("planner: host")
 
 
+def test_auto_allowance_gives_the_store_what_the_plan_leaves_free():
+    """--offload-gpu-memory auto: the GPU memory the no-optimizer plan leaves (less the margin) keeps whole
+    layers on the GPU, so a length that needs more host memory than the machine has fits both together."""
+    cfg = preset_config("qwen2.5-7b")
+    kw = dict(seq_len=1_800_000 // 4096 * 4096, batch_size=1, chunk_size=4096, page_size=128, dtype=torch.bfloat16,
+              page_budget=64, select_block=4096, offload=True, device_type="cuda",
+              device_total_bytes=int(139.8 * GIB), host_total_bytes=int(125.8 * GIB))
+    none = ob.plan_without_optimizer(cfg, **kw)
+    auto = ob.plan_without_optimizer(cfg, offload_gpu_memory="auto", **kw)
+    assert none["offload_gpu_bytes"] == 0 and none["offload_resident_layers"] == 0 and not none["host_fits"]
+    assert auto["offload_gpu_bytes"] == kw["device_total_bytes"] - none["predicted_gpu_total_bytes"] \
+        - ob.AUTO_GPU_MARGIN_BYTES
+    assert auto["offload_resident_layers"] >= 10 and auto["fits"]
+    assert auto["predicted_gpu_total_bytes"] <= kw["device_total_bytes"] - ob.AUTO_GPU_MARGIN_BYTES
+    # The resident layers' pages leave the host: the host side shrinks by what the GPU side grew.
+    moved = auto["predicted_gpu_total_bytes"] - none["predicted_gpu_total_bytes"]
+    assert none["predicted_host_bytes"] - auto["predicted_host_bytes"] == pytest.approx(moved, rel=0.02)
+    fixed = ob.plan_without_optimizer(cfg, offload_gpu_memory=40 * GIB, **kw)
+    assert fixed["offload_gpu_bytes"] == 40 * GIB and 0 < fixed["offload_resident_layers"] < 28
+    dense = ob.plan_without_optimizer(cfg, offload_gpu_memory="auto", **{**kw, "offload": False,
+                                                                         "seq_len": 65536})
+    assert dense["offload_gpu_bytes"] == 0
+    # Without a GPU size (a CPU run) auto has nothing to fill.
+    assert ob.plan_without_optimizer(cfg, offload_gpu_memory="auto",
+                                     **{**kw, "device_total_bytes": None})["offload_gpu_bytes"] == 0
+
+
+def test_planned_longest_and_its_candidates():
+    assert ob.planned_longest(lambda n: n <= 1_000_000, 4096, 1 << 26) == 1_000_000 // 4096 * 4096
+    assert ob.planned_longest(lambda n: True, 4096, 10 * 4096) == 10 * 4096
+    assert ob.planned_longest(lambda n: False, 4096, 1 << 26) == 0
+    assert ob.longest_candidates(1_810_432, 4096) == [1_810_432, 1_716_224, 1_626_112]
+    assert all(n % 4096 == 0 for n in ob.longest_candidates(1_810_432, 4096))
+    assert ob.longest_candidates(4096, 4096) == [4096]
+    assert ob.longest_candidates(0, 4096) == []
+
+
+def test_offload_gpu_memory_and_planned_longest_on_the_command_line(tmp_path, capsys):
+    out = tmp_path / "split.json"
+    rc = ob.main(["--device", "cpu", "--dtype", "float32", "--preset", "tiny", "--chunk", "32", "--page", "8",
+                  "--budget", "2", "--dense-lengths", "64", "--sparse-lengths", "", "--growth-lengths", "",
+                  "--select-blocks", "32", "--offload-gpu-memory", "1GiB", "--out", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    gpu, off = r["results"]
+    assert r["offload_gpu_memory"] == GIB and off["offload"] and not gpu["offload"]
+    # 1 GiB holds every layer of the tiny model: the store keeps them all where the step runs, none on the host.
+    assert off["offload_gpu_bytes"] == GIB and off["offload_resident_layers"] == off["plan"]["offload_resident_layers"]
+    assert off["offload_resident_layers"] == preset_config("tiny").num_hidden_layers
+    assert off["store_host_gib"] == 0.0
+    with pytest.raises(SystemExit):
+        ob.main(["--device", "cpu", "--offload-gpu-memory", "lots"])
+    assert "not a memory size" in capsys.readouterr().err
+    assert ob._longest_lengths("plan") == "plan" and ob._longest_lengths("8,4") == [8, 4]
+
+
 def test_planner_agreement_and_admission():
     pred = {"predicted_gpu_bytes": 30 * GIB, "predicted_host_bytes": 60 * GIB, "predicted_new_host_bytes": 56 * GIB,
             "reason": None}
