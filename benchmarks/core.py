@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -175,6 +176,10 @@ def versus_baseline(results: list[dict]) -> list[dict]:
 
 def run(args) -> dict:
     device = torch.device("cuda")
+    if args.fa4_block_sparse:  # before the fa4 backend is first built (it is built once per process)
+        from oomb.kernels.flash4 import BLOCK_SPARSE_ENV
+
+        os.environ[BLOCK_SPARSE_ENV] = "1"
     baseline = run_baselines(args) if args.baseline_lengths else []
     if args.baseline_from:
         baseline += earlier_baselines(Path(args.baseline_from))
@@ -393,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page", type=int, default=128)
     p.add_argument("--backend", default="auto",
                    help="attention backend of oomb's rows; a comma list times each row once per backend")
+    p.add_argument("--fa4-block-sparse", action="store_true",
+                   help="page-sparse rows of the fa4 backend on FA4's block sparsity (kernels/flash4_sparse.py; "
+                        "sets OOMB_FA4_BLOCK_SPARSE=1, which oomb uses only where asked until verified on a GPU)")
     p.add_argument("--recompute", default="chunk",
                    help="how stage 2 rebuilds a chunk in oomb's rows (chunk, layer, layer-host; "
                         "oomb.engine.layer_recompute); a comma list times each row once per mode")

@@ -111,11 +111,15 @@ job core-7b-sparse-128k-bound "$C --lengths '' --sparse-cache-lengths 131072 --s
 # against issue 24's floor (about 15.3 s) and target (16.5 s); one profiled step says where the rest goes.
 job core-7b-sparse-128k-layer-host "$C --lengths '' --sparse-cache-lengths 131072 --chunk 16384 --recompute layer-host \
   --fused-ops auto --warm-each --repeats 2 --backend fa4 --profile-lengths 131072"
+# The same on FA4's block sparsity (kernels/flash4_sparse.py), once its GPU tests pass:
+# OOMB_FA4_BLOCK_SPARSE=1 python3 -m pytest -q -m gpu tests/kernels/test_flash4_sparse.py
+job core-7b-sparse-128k-fa4-blocks "$C --lengths '' --sparse-cache-lengths 131072 --chunk 16384 --recompute layer-host \
+  --fused-ops auto --warm-each --repeats 2 --backend fa4 --fa4-block-sparse --profile-lengths 131072"
 job core-7b-sparse-128k-mean "$C --lengths '' --sparse-cache-lengths 131072 --select-score mean --fused-ops auto"
 job core-7b-sparse-128k-plain "$C --lengths '' --sparse-lengths 131072 --sparse-cache-lengths 131072 --chunk 4096 \
   --fused-ops none --select-score mean"
 job sparse-profile-7b-128k "$O $NOSPLIT --select-blocks 4096 --profile-length 131072 --profile-stacks"
-part sparse 'sparse-kernels sparse-steps-7b core-7b-sparse-128k-layer-host core-7b-sparse-128k-bound core-7b-sparse-128k-mean core-7b-sparse-128k-plain
+part sparse 'sparse-kernels sparse-steps-7b core-7b-sparse-128k-layer-host core-7b-sparse-128k-fa4-blocks core-7b-sparse-128k-bound core-7b-sparse-128k-mean core-7b-sparse-128k-plain
   sparse-profile-7b-128k'
 
 # quality: the sparse-quality study (learning and gradient quality of sparse against dense training).

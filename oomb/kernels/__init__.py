@@ -6,8 +6,9 @@
   (tile choice) and launch.py (host-side argument helpers). CUDA, or CPU under
   ``TRITON_INTERPRET=1`` (tests only: slow).
 - ``fa4``: FlashAttention-4 (flash4.py; ``pip install 'oomb[fa4]'``, Hopper and Blackwell) over
-  keys gathered out of the pages, the Triton kernels for what it cannot express (page-sparse
-  selections, sinks).
+  keys gathered out of the pages, the Triton kernels for what it cannot express (sinks, and
+  page-sparse selections unless FA4's block sparsity is asked for: flash4_sparse.py, not yet
+  verified on a GPU).
 - ``auto``: fa4 where it imports and the GPU is Hopper or Blackwell, else triton on CUDA when it
   imports, torch elsewhere.
 """

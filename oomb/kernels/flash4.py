@@ -8,10 +8,13 @@ page ids. Documents packed into a row become FA4's variable-length sequences: ea
 queries in the chunk over its keys from its first token, bottom-right causal, as in the
 reference (kernels/reference.py, whose conventions hold here too).
 
-What FA4 cannot express here goes to the fallback backend (the Triton kernels on a GPU):
-page-sparse selections, per-head sinks, 32-bit inputs and head dimensions FA4 lacks. The
-choice depends only on the call's arguments, which forward and backward share, so an output
-and its gradient always come from the same kernels.
+Page-sparse selections (``page_select``) become FA4's block sparsity over the union of the chosen
+pages and the chunk's own keys (kernels/flash4_sparse.py) where the kernels object offers it
+(``block_sparse_blocks``) and the call fits its blocks. What FA4 cannot express here goes to the
+fallback backend (the Triton kernels on a GPU): per-head sinks, 32-bit inputs, head dimensions FA4
+lacks, and selections with documents, a window, or pages and selection blocks off FA4's blocks. The
+choice depends only on the call's arguments, which forward and backward share, so an output and
+its gradient always come from the same kernels.
 
 The kernels are an object with ``forward``/``backward`` (``FlashAttention4`` wraps
 flash-attn-4's functions); tests give a PyTorch stand-in with FA4's semantics to check the
@@ -20,18 +23,25 @@ gathering, packing and scattering on CPU against the reference backend.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from oomb.cache.layout import first_visible_page
+from oomb.kernels.flash4_sparse import BlockLists, BlockSparsity, page_sparse_keys
 from oomb.kernels.reference import check_paged_args, check_visibility_args
 
 # The flash-attn-4 release this adapter was written and measured against: it calls the
 # package's forward and backward functions below its autograd wrapper (oomb runs its own
 # backward), which a later release may change.
 FLASH4_VERSION = "4.0.0b40"
+
+# FA4's block sparsity for page-sparse calls is built and checked on CPU against a stand-in with FA4's
+# semantics (tests/kernels/test_flash4_sparse.py), not yet against the real kernels on a GPU: until its GPU
+# tests have passed on the H200, page-sparse calls stay on the Triton kernels unless this variable is "1".
+BLOCK_SPARSE_ENV = "OOMB_FA4_BLOCK_SPARSE"
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,10 @@ class KeyLayout:
     documents every row gathers the same ``keys_per_row`` keys (FA4's batched layout); with
     documents each (row, document) is one of FA4's variable-length sequences, queries and keys
     back to back (``cu_seqlens_*``, int32 on the device).
+
+    ``distinct``: every (page, slot) is named once. A page-sparse layout's padding keys may name the
+    same place as a chosen key (an offloaded store's slot table sends every page it did not fetch to
+    one row), so their zero gradients must be added, not written back.
     """
 
     page_ids: torch.Tensor
@@ -51,6 +65,7 @@ class KeyLayout:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
+    distinct: bool = True
 
     @property
     def varlen(self) -> bool:
@@ -60,15 +75,24 @@ class KeyLayout:
 class FlashKernels(Protocol):
     """FA4's two calls, in its layouts: q [B, C, H, D] and k/v [B, S, H_kv, D], or (varlen) q [T_q, H, D]
     and k/v [T_k, H_kv, D]; lse [B, H, C] or [H, T_q]. Causal, aligned bottom-right per sequence;
-    ``window_left`` keys before each query's own (None: unlimited)."""
+    ``window_left`` keys before each query's own (None: unlimited).
+
+    ``block_sparse_blocks(head_dim)``: the (query, key) block sizes in tokens of FA4's block sparsity, or None
+    where it is not offered. Optional: a kernels object without it never receives ``block_sparse``, which is
+    only passed to kernels that offer it (batched layout, no window): the pairs of blocks attended
+    (flash4_sparse.BlockSparsity), causal within the listed mask blocks."""
 
     dtypes: tuple[torch.dtype, ...]
 
     def supports_head_dim(self, head_dim: int) -> bool: ...
 
-    def forward(self, q, k, v, *, scale: float, window_left: int | None, layout: KeyLayout): ...
+    def block_sparse_blocks(self, head_dim: int) -> tuple[int, int] | None: ...
 
-    def backward(self, d_out, q, k, v, out, lse, *, scale: float, window_left: int | None, layout: KeyLayout): ...
+    def forward(self, q, k, v, *, scale: float, window_left: int | None, layout: KeyLayout,
+                block_sparse: BlockSparsity | None = None): ...
+
+    def backward(self, d_out, q, k, v, out, lse, *, scale: float, window_left: int | None, layout: KeyLayout,
+                 block_sparse: BlockSparsity | None = None): ...
 
 
 class FlashAttention4:
@@ -76,35 +100,61 @@ class FlashAttention4:
 
     dtypes = (torch.bfloat16, torch.float16)
 
-    def __init__(self) -> None:
+    def __init__(self, block_sparse: bool | None = None) -> None:
+        """``block_sparse``: offer FA4's block sparsity for page-sparse calls (None: where the environment
+        variable named by BLOCK_SPARSE_ENV is "1")."""
         from flash_attn.cute import interface  # the CUTLASS DSL import takes a few seconds: only when asked
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
         self._fa = interface
+        self._sparse_tensors = BlockSparseTensorsTorch
         self._arch = torch.cuda.get_device_capability()[0]
+        self._block_sparse = os.environ.get(BLOCK_SPARSE_ENV) == "1" if block_sparse is None else block_sparse
 
     def supports_head_dim(self, head_dim: int) -> bool:
         top = 256 if self._arch == 9 else 128
         return 8 <= head_dim <= top and head_dim % 8 == 0
+
+    def block_sparse_blocks(self, head_dim: int) -> tuple[int, int] | None:
+        """(128, 128) on Hopper up to head_dim 128: FA4's forward tile there is 128 x 128 and its causal backward
+        tile 64 x 128 (128 x 128 up to 64), so these blocks serve both (flash4_sparse's docstring). Not on
+        Blackwell (its forward's two query tiles per block want q blocks of 256, unmeasured here), nor in
+        deterministic mode, which FA4's SM90 block-sparse backward lacks; only where asked (BLOCK_SPARSE_ENV)."""
+        if (not self._block_sparse or self._arch != 9 or head_dim > 128
+                or torch.are_deterministic_algorithms_enabled()):
+            return None
+        return 128, 128
+
+    def _block_sparse(self, sparsity: BlockSparsity | None, direction: str) -> dict:
+        """FA4's ``block_sparse_tensors`` argument of one direction ("forward" or "backward"), or nothing."""
+        if sparsity is None:
+            return {}
+        lists: BlockLists = getattr(sparsity, direction)
+        return dict(block_sparse_tensors=self._sparse_tensors(
+            mask_block_cnt=lists.mask_cnt, mask_block_idx=lists.mask_idx, full_block_cnt=lists.full_cnt,
+            full_block_idx=lists.full_idx, block_size=(sparsity.block_q, sparsity.block_kv)))
 
     @staticmethod
     def _varlen(layout: KeyLayout) -> dict:
         return dict(cu_seqlens_q=layout.cu_seqlens_q, cu_seqlens_k=layout.cu_seqlens_k,
                     max_seqlen_q=layout.max_seqlen_q, max_seqlen_k=layout.max_seqlen_k)
 
-    def forward(self, q, k, v, *, scale, window_left, layout):
+    def forward(self, q, k, v, *, scale, window_left, layout, block_sparse=None):
+        sparse = self._block_sparse(block_sparse, "forward")
         out, lse = self._fa._flash_attn_fwd(
             q, k, v, softmax_scale=scale, causal=True, window_size_left=window_left,
-            window_size_right=None if window_left is None else 0, return_lse=True, **self._varlen(layout),
+            window_size_right=None if window_left is None else 0, return_lse=True, **self._varlen(layout), **sparse,
         )[:2]
         return out, lse
 
-    def backward(self, d_out, q, k, v, out, lse, *, scale, window_left, layout):
+    def backward(self, d_out, q, k, v, out, lse, *, scale, window_left, layout, block_sparse=None):
         # FA4's backward sums dQ (and GQA's dK/dV) with atomic adds, in no fixed order unless asked; PyTorch's
         # switch for reproducible runs asks (the Triton kernels are deterministic either way).
+        sparse = self._block_sparse(block_sparse, "backward")
         dq, dk, dv = self._fa._flash_attn_bwd(
             q, k, v, out, d_out, lse, softmax_scale=scale, causal=True, window_size_left=window_left,
             window_size_right=None if window_left is None else 0,
-            deterministic=torch.are_deterministic_algorithms_enabled(), **self._varlen(layout),
+            deterministic=torch.are_deterministic_algorithms_enabled(), **self._varlen(layout), **sparse,
         )[:3]
         return dq, dk, dv
 
@@ -170,7 +220,12 @@ def _gather(pool: torch.Tensor, layout: KeyLayout, rows: int) -> torch.Tensor:
 
 def _add_at(pool: torch.Tensor, layout: KeyLayout, grad: torch.Tensor) -> None:
     """Adds ``grad`` (the gathered keys' gradients, any leading shape) into the pool's tokens the layout names.
-    Every (page, slot) appears once in the layout, so gather-add-scatter adds each key's gradient once."""
+    Where every (page, slot) appears once in the layout, gather-add-scatter adds each key's gradient once; else
+    an accumulating scatter adds every named key's gradient (zeros for page-sparse padding) wherever it lands."""
+    if not layout.distinct:
+        grad = grad.reshape(-1, *grad.shape[-2:]).to(pool.dtype)
+        pool.transpose(1, 2).index_put_((layout.page_ids, layout.slots), grad, accumulate=True)
+        return
     words = _words(pool)
     where = (layout.page_ids, slice(None), layout.slots)
     gathered = words[where].view(pool.dtype)
@@ -185,18 +240,41 @@ class Flash4Attention:
         self.kernels = kernels
         self.fallback = fallback  # an AttentionBackend: what FA4 cannot express
 
-    def expresses(self, q: torch.Tensor, sinks, page_select) -> bool:
-        return (page_select is None and sinks is None and q.dtype in self.kernels.dtypes
-                and self.kernels.supports_head_dim(q.shape[-1]))
+    def expresses(self, q: torch.Tensor, k_pool: torch.Tensor, *, sinks=None, sliding_window=None, doc_start=None,
+                  page_select=None, select_block=None) -> bool:
+        """Whether FA4 runs this call; from its arguments alone, so forward and backward agree."""
+        return (sinks is None and q.dtype in self.kernels.dtypes and self.kernels.supports_head_dim(q.shape[-1])
+                and (page_select is None
+                     or self._sparse_blocks(q, k_pool, sliding_window, doc_start, select_block) is not None))
+
+    def _sparse_blocks(self, q, k_pool, sliding_window, doc_start, select_block) -> tuple[int, int] | None:
+        """FA4's (query, key) blocks for a page-sparse call, or None where its block sparsity cannot express it:
+        kernels without it, documents (FA4 has no varlen block-sparse backward), a window (the Triton kernels
+        refuse it with a selection too), pages of another size than its key block, and selection blocks that
+        split one of its query blocks between two page lists."""
+        offered = getattr(self.kernels, "block_sparse_blocks", None)  # absent on kernels objects before it
+        blocks = offered(q.shape[-1]) if offered is not None else None
+        if blocks is None or sliding_window is not None or doc_start is not None or not select_block:
+            return None
+        block_q, block_kv = blocks
+        one_list = select_block >= q.shape[2]
+        if k_pool.shape[2] != block_kv or (select_block % block_q and not one_list):
+            return None
+        return blocks
 
     def _prepare(self, q, k_pool, page_table, kv_len, sliding_window, doc_start, page_select, select_block):
-        c = q.shape[2]
+        """(the keys to gather, FA4's left window, the block pairs of a page-sparse call or None)."""
+        _, h, c, _ = q.shape
         _, h_kv, page_size, _ = k_pool.shape
         check_paged_args(q, k_pool, page_table, kv_len, sliding_window)
         check_visibility_args(q, h_kv, kv_len, page_size, doc_start, page_select, select_block)
-        layout = key_layout(page_table, kv_len, c, page_size, sliding_window, doc_start)
         window_left = None if sliding_window is None else min(sliding_window, kv_len + 1) - 1
-        return layout, window_left
+        if page_select is None:
+            return key_layout(page_table, kv_len, c, page_size, sliding_window, doc_start), window_left, None
+        block_q, _ = self._sparse_blocks(q, k_pool, sliding_window, doc_start, select_block)
+        keys = page_sparse_keys(page_table, kv_len, c, page_size, page_select, select_block, block_q, h)
+        layout = KeyLayout(keys.page_ids, keys.slots, keys_per_row=keys.keys_per_row, distinct=False)
+        return layout, window_left, keys.sparsity
 
     @staticmethod
     def _queries(x: torch.Tensor, layout: KeyLayout) -> torch.Tensor:
@@ -214,16 +292,18 @@ class Flash4Attention:
     def forward(self, q, k_pool, v_pool, page_table, kv_len, *, scale, sliding_window=None, sinks=None,
                 doc_start=None, page_select=None, select_block=None, block_tokens=None):
         """Returns (out [B, H, C, D] in q.dtype, lse [B, H, C] float32)."""
-        if not self.expresses(q, sinks, page_select):
-            return self.fallback.forward(q, k_pool, v_pool, page_table, kv_len, scale=scale,
-                                         sliding_window=sliding_window, sinks=sinks, doc_start=doc_start,
-                                         page_select=page_select, select_block=select_block)
-        layout, window_left = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
-                                            page_select, select_block)
+        visibility = dict(sliding_window=sliding_window, doc_start=doc_start, page_select=page_select,
+                          select_block=select_block)
+        if not self.expresses(q, k_pool, sinks=sinks, **visibility):
+            return self.fallback.forward(q, k_pool, v_pool, page_table, kv_len, scale=scale, sinks=sinks,
+                                         **visibility)
+        layout, window_left, sparsity = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
+                                                      page_select, select_block)
         b, h, c, _ = q.shape
+        sparse = {} if sparsity is None else dict(block_sparse=sparsity)  # kernels before it take no such argument
         out, lse = self.kernels.forward(self._queries(q, layout), _gather(k_pool, layout, b),
                                         _gather(v_pool, layout, b), scale=scale, window_left=window_left,
-                                        layout=layout)
+                                        layout=layout, **sparse)
         if layout.varlen:  # [H, B * C] -> [B, H, C]
             lse = lse.view(h, b, c).transpose(0, 1)
         return self._heads_first(out, b, layout), lse
@@ -232,21 +312,23 @@ class Flash4Attention:
                  sliding_window=None, sinks=None, doc_start=None, page_select=None, select_block=None,
                  block_tokens=None):
         """Adds dK/dV of every visible key into dk_pool/dv_pool; returns (dq [B, H, C, D], None)."""
-        if not self.expresses(q, sinks, page_select):
+        visibility = dict(sliding_window=sliding_window, doc_start=doc_start, page_select=page_select,
+                          select_block=select_block)
+        if not self.expresses(q, k_pool, sinks=sinks, **visibility):
             return self.fallback.backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len,
-                                          scale=scale, sliding_window=sliding_window, sinks=sinks,
-                                          doc_start=doc_start, page_select=page_select, select_block=select_block)
+                                          scale=scale, sinks=sinks, **visibility)
         if dk_pool.shape != k_pool.shape or dv_pool.shape != k_pool.shape:
             raise ValueError("dk_pool and dv_pool must match k_pool's shape")
-        layout, window_left = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
-                                            page_select, select_block)
+        layout, window_left, sparsity = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
+                                                      page_select, select_block)
         b, h, c, _ = q.shape
         if layout.varlen:  # [B, H, C] -> [H, B * C]
             lse = lse.transpose(0, 1).reshape(h, b * c)
+        sparse = {} if sparsity is None else dict(block_sparse=sparsity)
         dq, dk, dv = self.kernels.backward(
             self._queries(d_out, layout), self._queries(q, layout), _gather(k_pool, layout, b),
             _gather(v_pool, layout, b), self._queries(out, layout), lse.contiguous(), scale=scale,
-            window_left=window_left, layout=layout,
+            window_left=window_left, layout=layout, **sparse,
         )
         _add_at(dk_pool, layout, dk)
         _add_at(dv_pool, layout, dv)

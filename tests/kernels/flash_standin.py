@@ -4,6 +4,14 @@ pages, packing of documents and scattering of gradients can be checked on CPU.
 Layouts as FA4's: q [B, C, H, D] with k/v [B, S, H_kv, D], or variable lengths q [T_q, H, D] with
 k/v [T_k, H_kv, D] and cu_seqlens; lse [B, H, C] or [H, T_q]. Causal aligned bottom-right in each
 sequence; ``window_left`` keys before each query's own position stay visible (None: all).
+
+Block sparsity (``block_sparse``, oomb.kernels.flash4_sparse.BlockSparsity) as FA4 reads it: a query
+sees only keys of the blocks its query block lists, its mask blocks under the causal mask, its full
+blocks whole. That is stricter than FA4 on SM90/SM100, which masks full blocks causally too, so a
+block across the diagonal listed as full fails here. The lists are checked as FA4 needs them (int32,
+broadcastable batch and head dims, ascending, in range, no block in both lists). The backward reads
+its own, transposed lists and, like FA4, the forward's lse and out: lists that disagree with the
+forward's show up as wrong gradients.
 """
 
 from __future__ import annotations
@@ -11,27 +19,105 @@ from __future__ import annotations
 import torch
 
 
-def _one_sequence(q, k, v, scale, window_left):
-    """q [C, H, D], k/v [S, H_kv, D] -> out [C, H, D], lse [H, C]."""
+def _causal(c, s, window_left):
+    """[C, S] bool: bottom-right causal (the last query sees the last key), within the left window."""
+    qi = torch.arange(c)[:, None] + (s - c)
+    kj = torch.arange(s)[None, :]
+    visible = kj <= qi
+    if window_left is not None:
+        visible &= kj >= qi - window_left
+    return visible
+
+
+def _listed(lists, b, h, n_rows, n_cols):
+    """(mask, full) [n_rows, n_cols] bool: the blocks row b, query head h lists, checked as FA4 needs them."""
+    found = []
+    for cnt, idx in ((lists.mask_cnt, lists.mask_idx), (lists.full_cnt, lists.full_idx)):
+        assert cnt.dtype == idx.dtype == torch.int32, "FA4 takes int32 block lists"
+        assert cnt.dim() == 3 and idx.dim() == 4 and cnt.shape[2] == idx.shape[2] == n_rows, (cnt.shape, n_rows)
+        assert 1 <= idx.shape[3] <= n_cols, f"a list's width {idx.shape[3]} is not in 1..{n_cols}"
+        cnt = cnt[b if cnt.shape[0] > 1 else 0, h if cnt.shape[1] > 1 else 0]
+        idx = idx[b if idx.shape[0] > 1 else 0, h if idx.shape[1] > 1 else 0]
+        bits = torch.zeros(n_rows, n_cols, dtype=torch.bool)
+        for r in range(n_rows):
+            assert 0 <= cnt[r] <= idx.shape[1], f"count {int(cnt[r])} beyond the list's width {idx.shape[1]}"
+            entries = idx[r, : cnt[r]].tolist()
+            assert entries == sorted(set(entries)), f"entries must ascend, distinct: {entries}"
+            assert all(0 <= e < n_cols for e in entries), f"entries out of 0..{n_cols - 1}: {entries}"
+            bits[r, entries] = True
+        found.append(bits)
+    assert not (found[0] & found[1]).any(), "a block in both lists would be visited twice"
+    return found
+
+
+def _check_dims(lists, batch, heads):
+    for t in (lists.mask_cnt, lists.mask_idx, lists.full_cnt, lists.full_idx):
+        assert t.shape[0] in (1, batch) and t.shape[1] in (1, heads), f"dims {tuple(t.shape[:2])} vs ({batch}, {heads})"
+
+
+def _sparse_visible(sparsity, b, heads, c, s, backward):
+    """[H, C, S] bool: the keys each query sees under the forward's (or the backward's) lists of row b."""
+    bq, bkv = sparsity.block_q, sparsity.block_kv
+    n_q, n_k = -(-c // bq), -(-s // bkv)
+    lists = sparsity.backward if backward else sparsity.forward
+    causal = _causal(c, s, None)
+    visible = []
+    for h in range(heads):
+        mask, full = _listed(lists, b, h, n_k, n_q) if backward else _listed(lists, b, h, n_q, n_k)
+        if backward:
+            mask, full = mask.T, full.T
+
+        def tokens(blocks):
+            return blocks.repeat_interleave(bq, 0)[:c].repeat_interleave(bkv, 1)[:, :s]
+
+        visible.append(tokens(full) | (tokens(mask) & causal))
+    return torch.stack(visible)
+
+
+def _one_sequence(q, k, v, scale, window_left, visible=None):
+    """q [C, H, D], k/v [S, H_kv, D] -> out [C, H, D], lse [H, C]. ``visible`` [H, C, S] replaces the causal mask."""
     c, h, _ = q.shape
     s = k.shape[0]
     g = h // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     scores = torch.einsum("chd,shd->hcs", q, k) * scale
-    qi = torch.arange(c)[:, None] + (s - c)  # bottom-right: the last query sees the last key
-    kj = torch.arange(s)[None, :]
-    visible = kj <= qi
-    if window_left is not None:
-        visible &= kj >= qi - window_left
+    if visible is None:
+        visible = _causal(c, s, window_left)
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("hcs,shd->chd", torch.softmax(scores, dim=-1), v)
+    p = torch.softmax(scores, dim=-1).nan_to_num()  # a query with no key: out 0, lse -inf, as FA4's
+    out = torch.einsum("hcs,shd->chd", p, v)
     return out, lse
 
 
-def _attend(q, k, v, scale, window_left, layout):
+def _sparse_grads(d_out, q, k, v, out, lse, scale, visible):
+    """One row's dq [C, H, D], dk/dv [S, H_kv, D] from the forward's lse and out, as FA4's backward computes them."""
+    h, h_kv = q.shape[1], k.shape[1]
+    g = h // h_kv
+    kg, vg = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = torch.einsum("chd,shd->hcs", q, kg) * scale
+    p = torch.exp(scores - lse[..., None]).masked_fill(~visible, 0.0)
+    delta = (d_out * out).sum(-1).T  # [H, C] = rowsum(dO * O)
+    dp = torch.einsum("chd,shd->hcs", d_out, vg)
+    ds = p * (dp - delta[..., None])
+    dq = torch.einsum("hcs,shd->chd", ds, kg) * scale
+    dk = torch.einsum("hcs,chd->shd", ds, q) * scale
+    dv = torch.einsum("hcs,chd->shd", p, d_out)
+
+    def per_kv_head(x):  # [S, H, D] -> [S, H_kv, D]: query head h reads KV head h // g
+        return x.view(x.shape[0], h_kv, g, x.shape[-1]).sum(2)
+
+    return dq, per_kv_head(dk), per_kv_head(dv)
+
+
+def _attend(q, k, v, scale, window_left, layout, block_sparse=None):
+    if block_sparse is not None:
+        assert not layout.varlen and window_left is None, "oomb passes block sparsity with FA4's batched layout only"
+        _check_dims(block_sparse.forward, q.shape[0], q.shape[2])
+        vis = [_sparse_visible(block_sparse, b, q.shape[2], q.shape[1], k.shape[1], False) for b in range(q.shape[0])]
     if not layout.varlen:
-        outs, lses = zip(*(_one_sequence(q[b], k[b], v[b], scale, window_left) for b in range(q.shape[0])),
+        outs, lses = zip(*(_one_sequence(q[b], k[b], v[b], scale, window_left,
+                                         None if block_sparse is None else vis[b]) for b in range(q.shape[0])),
                          strict=True)
         return torch.stack(outs), torch.stack(lses)
     cu_q, cu_k = layout.cu_seqlens_q.tolist(), layout.cu_seqlens_k.tolist()
@@ -48,22 +134,43 @@ def _attend(q, k, v, scale, window_left, layout):
 
 
 class TorchFlash:
-    """The stand-in: float32/float64 like the reference, so agreement is checked to 1e-10 in float64."""
+    """The stand-in: float32/float64 like the reference, so agreement is checked to 1e-10 in float64.
+
+    ``sparse_blocks``: the (query, key) block sizes its block sparsity offers (None: none, as a kernels object
+    from before block sparsity, which the backend must never hand a page selection)."""
 
     dtypes = (torch.float32, torch.float64)
 
-    def __init__(self):
+    def __init__(self, sparse_blocks: tuple[int, int] | None = None):
         self.calls = 0
+        self.sparse_blocks = sparse_blocks
+        self.sparse_calls = 0
 
     def supports_head_dim(self, head_dim):
         return True
 
-    def forward(self, q, k, v, *, scale, window_left, layout):
-        self.calls += 1
-        return _attend(q, k, v, scale, window_left, layout)
+    def block_sparse_blocks(self, head_dim):
+        return self.sparse_blocks
 
-    def backward(self, d_out, q, k, v, out, lse, *, scale, window_left, layout):
+    def _count(self, block_sparse):
         self.calls += 1
+        if block_sparse is not None:
+            assert (block_sparse.block_q, block_sparse.block_kv) == self.sparse_blocks, "blocks it does not offer"
+            self.sparse_calls += 1
+
+    def forward(self, q, k, v, *, scale, window_left, layout, block_sparse=None):
+        self._count(block_sparse)
+        return _attend(q, k, v, scale, window_left, layout, block_sparse)
+
+    def backward(self, d_out, q, k, v, out, lse, *, scale, window_left, layout, block_sparse=None):
+        self._count(block_sparse)
+        if block_sparse is not None:
+            assert not layout.varlen and window_left is None
+            b, c, h, _ = q.shape
+            _check_dims(block_sparse.backward, b, h)
+            grads = [_sparse_grads(d_out[i], q[i], k[i], v[i], out[i], lse[i], scale,
+                                   _sparse_visible(block_sparse, i, h, c, k.shape[1], True)) for i in range(b)]
+            return tuple(torch.stack(x) for x in zip(*grads, strict=True))
         q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
         with torch.enable_grad():
             o, _ = _attend(q, k, v, scale, window_left, layout)
