@@ -176,7 +176,7 @@ class TrainConfig:
     mean key)."""
     offload: bool = False
     """Keep K/V pages and their gradients in pinned host memory, two layers on the GPU (same gradients)."""
-    offload_gpu_memory: str = "0"
+    offload_gpu_memory: str = "auto"
     """With train.offload: GPU memory for keeping whole layers' pages on the GPU (the first layers that fit;
     no copies for them, less host memory), e.g. 40GiB; auto: what the memory plan leaves free, less 1 GiB;
     0: only the two working layers."""

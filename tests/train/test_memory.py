@@ -177,9 +177,11 @@ def test_offload_gpu_memory_is_checked_and_settled_by_the_plan(monkeypatch):
         check_config(load_run_config(None, [*base, "train.offload_gpu_memory=lots"]))
     cfg = load_run_config(None, [*base, "train.offload_gpu_memory=3GiB"])
     assert offload_gpu_allowance(cfg) == 3 * 2**30
-    assert offload_gpu_allowance(load_run_config(None, base)) == 0  # default: two working layers only
-    # auto is settled by the plan to a byte count (0 here: on the CPU nothing is offloaded), and is 0 unplanned.
-    cfg = load_run_config(None, [*base, "train.offload_gpu_memory=auto"])
+    assert offload_gpu_allowance(load_run_config(None, [*base, "train.offload_gpu_memory=0"])) == 0
+    # auto (the default) is settled by the plan to a byte count (0 here: on the CPU nothing is offloaded),
+    # and is 0 unplanned.
+    cfg = load_run_config(None, base)
+    assert cfg.train.offload_gpu_memory == "auto"
     assert offload_gpu_allowance(cfg) == 0
     memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16)
     assert cfg.train.offload_gpu_memory == "0"

@@ -48,6 +48,11 @@ def test_the_longest_context_does_not_depend_on_what_is_settled_first(capsys):
     assert at_1_5m["fits"] and at_1_5m["settings"]["master_weights"] is False
     # The allowance is the chosen plan's: what the GPU leaves beside the run without master weights.
     assert at_1_5m["gpu_bytes"] <= 141 * GiB and at_1_5m["settings"]["offload_resident_layers"] > 0
+    # auto is the default allowance: offload alone reports the same; 0 keeps only two layers on the GPU.
+    default = _plan_json(capsys, "model.preset=qwen2.5-7b", "train.offload=true")
+    assert default["largest_seq_len"] == 1_593_344
+    paper = _plan_json(capsys, "model.preset=qwen2.5-7b", "train.offload=true", "train.offload_gpu_memory=0")
+    assert paper["largest_seq_len"] == 1_138_048 and paper["settings"]["offload_resident_layers"] == 0
 
 
 def test_auto_is_at_least_every_fixed_choice_and_the_order_of_choices_does_not_matter():
@@ -270,3 +275,24 @@ def test_the_cache_and_the_layer_inputs_in_host_memory(monkeypatch):
         _resolve(["model.preset=qwen2.5-7b", "train.cache_attention=gpu"])
     with pytest.raises(ConfigError, match="train.cache_attention=host keeps attention outputs"):
         _resolve(["model.preset=qwen2.5-7b", "train.cache_attention=host", "train.offload=true"])
+
+
+@pytest.mark.parametrize("allowance,resident", [("auto", 28), ("0", 0)])
+def test_the_startup_line_says_where_offloaded_pages_are(monkeypatch, allowance, resident):
+    # The default allowance (auto) keeps every layer of a 7B step at 128K on a 141 GiB GPU: no page is copied.
+    from rich.console import Console
+
+    from oomb.train import trainer
+
+    monkeypatch.setattr(memory, "available_memory", lambda device: (H200["gpu_bytes"], H200["host_bytes"]))
+    cfg = load_config(None, ["model.preset=qwen2.5-7b", "data.seq_len=131072", "train.offload=true",
+                             f"train.offload_gpu_memory={allowance}"])
+    check_config(cfg)
+    plan, line = trainer._check_memory(cfg, torch.device("cuda"), torch.bfloat16, Console(quiet=True))
+    assert plan.settings["offload_resident_layers"] == resident
+    if resident:
+        assert line.endswith(f"offload: the pages of 28 layers kept on the GPU (train.offload_gpu_memory="
+                             f"{plan.settings['offload_gpu_bytes']} bytes)")
+        assert cfg.train.offload_gpu_memory == str(plan.settings["offload_gpu_bytes"])  # recorded for a resume
+    else:
+        assert line.endswith("offload: every layer's pages in host memory")
