@@ -268,6 +268,17 @@ def describe_step_choice(cfg: Config, auto: set[str] | frozenset[str], *, planne
             + cache + (f" ({cache_why})" if "cache_attention" in auto else "") + by_layer)
 
 
+def describe_offload(cfg: Config, plan: MemoryPlan | None) -> str:
+    """With train.offload and a plan, where the store keeps the pages, as the plan settled it (else "")."""
+    if not cfg.train.offload or plan is None:
+        return ""
+    resident = plan.settings["offload_resident_layers"]
+    if not resident:
+        return ", offload: every layer's pages in host memory"
+    return (f", offload: the pages of {resident} layer{'s' * (resident != 1)} kept on the GPU "
+            f"(train.offload_gpu_memory={cfg.train.offload_gpu_memory} bytes)")
+
+
 def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, *, torchrun: bool = False
                  ) -> MemoryPlan | None:
     """Refuse a run whose plan does not fit this machine (train.memory_check=false skips it).

@@ -39,7 +39,7 @@ from oomb.train.faults import (
     measure_memory,
 )
 from oomb.train.inputs import build_inputs, model_config, position_notes
-from oomb.train.memory import check_memory, describe_step_choice
+from oomb.train.memory import check_memory, describe_offload, describe_step_choice
 from oomb.train.model import build, prepare_for_training
 from oomb.train.monitor import memory_fields, plot_run
 from oomb.train.optim import MasterWeights, build_optimizer, check_optimizer, wants_master_weights
@@ -194,13 +194,7 @@ def _check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, console
             "note: train.master_weights=auto: fp32 master weights do not fit beside this run, so the optimizer "
             f"steps the {dtype} weights directly (updates below half a {dtype} step are lost); "
             "train.optimizer=adamw8bit or lora.r=16 make room for them")
-    choice = describe_step_choice(cfg, auto, planned=plan is not None)
-    if cfg.train.offload and plan is not None:  # how much of the store the GPU keeps, as the plan settled it
-        resident = plan.settings["offload_resident_layers"]
-        choice += (f", offload: the pages of {resident} layer{'s' * (resident != 1)} kept on the GPU "
-                   f"(train.offload_gpu_memory={cfg.train.offload_gpu_memory} bytes)" if resident
-                   else ", offload: every layer's pages in host memory")
-    return plan, choice
+    return plan, describe_step_choice(cfg, auto, planned=plan is not None) + describe_offload(cfg, plan)
 
 
 def _kernels(cfg: Config, device: torch.device) -> str:
