@@ -306,8 +306,14 @@ def plan_memory(
     if attention == "fa4":
         # FlashAttention-4 reads keys and values laid out contiguously (kernels/flash4.py): its backward holds the
         # layer's K and V gathered out of the pages, dK and dV, and fp32 dK/dV accumulators (GQA): 8 copies of
-        # [seq_len, H_kv, D] in 16-bit units, beside the layer's own backward.
-        layer_ws += 8 * batch_size * seq_len * (shape.kv_heads // tensor_parallel) * shape.head_dim * s
+        # [keys, H_kv, D] in 16-bit units, beside the layer's own backward. Dense: every key of the sequence. A
+        # page-sparse call gathers at most the pages its lists name and the chunk's own keys
+        # (kernels/flash4_sparse.py), or nothing where the Triton kernels run it.
+        keys = seq_len
+        if page_budget is not None:
+            lists = -(-chunk_size // select_block) * (shape.kv_heads if per_head_selection else 1)
+            keys = min(seq_len, lists * page_budget * page_size + chunk_size)
+        layer_ws += 8 * batch_size * keys * (shape.kv_heads // tensor_parallel) * shape.head_dim * s
     if four_bit:  # bitsandbytes dequantizes a 4-bit weight to the compute dtype for each matmul, forward and backward
         layer_ws += max(four_bit) * s
     if cache_attention == "host":  # the next layer's outputs on their way back from the host

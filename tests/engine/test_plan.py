@@ -419,3 +419,26 @@ def test_the_plan_predicts_the_measured_h200_peaks(record, row, optimizer, atten
     dropped = ("CUDA context",) + (("optimizer states", "optimizer update") if optimizer is None else ())
     planned = (plan.gpu_bytes - sum(items[name] for name in dropped)) / 2**30
     assert 0.98 <= planned / measured <= 1.05, (planned, measured, planned / measured)
+
+
+def test_fa4_workspace_of_a_sparse_run_is_bounded_by_its_page_lists():
+    """fa4 gathers every key for dense attention, but for page-sparse attention at most the pages the lists name
+    plus the chunk (Qwen2.5-7B at 1M tokens: 8 GiB of gathered K/V and gradients dense, 0.1 GiB with one list of
+    64 pages per chunk of 4096)."""
+    cfg = preset_config("qwen2.5-7b")
+    n = 1 << 20
+    kw = dict(seq_len=n, chunk_size=4096, page_size=128, dtype=torch.bfloat16, device_type="cuda", offload=True,
+              optimizer="adamw", master_weights=False, attention="fa4")
+
+    def workspace(**more) -> int:
+        return _items(plan_memory(cfg, **{**kw, **more}), "gpu_bytes")["chunk workspace"]
+
+    per_key = 8 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    dense = workspace()
+    # Lists per 128 queries: 32 lists of 64 pages and the chunk, where dense gathers the whole sequence.
+    assert dense - workspace(page_budget=64, select_block=128) == per_key * (n - (32 * 64 * 128 + 4096))
+    # One list per KV head names four times as many pages: more than the sequence holds, so all of it.
+    assert workspace(page_budget=64, select_block=128, per_head_selection=True) == dense
+    # One list per chunk: the gather is smaller than the fused loss's workspace, which the chunk then needs.
+    one_list = workspace(page_budget=64, select_block=4096)
+    assert one_list == workspace(page_budget=64, select_block=4096, attention="triton") < dense - per_key * n // 2
