@@ -11,16 +11,19 @@ check before the model is built reads them), the weights only when the model is 
 so a run that its data or memory check refuses downloads no weights. Only top-level files
 are taken: safetensors weights, or ``.bin`` where a repository has none.
 
-Datasets stream: ``NAME[:CONFIG][:SPLIT]`` (split ``train`` by default) is read row by row
-from the hub, never prepared as a whole; a local folder holding a dataset repository
-(README.md with its configs, data/ files) is read the same way when its name carries a
-split (``./my-dataset:train``). Streams are not cached on disk: offline
+Datasets stream: ``NAME[@REVISION][:CONFIG][:SPLIT]`` (split ``train`` by default) is read row by
+row from the hub, never prepared as a whole. A new run pins each hub dataset without a revision to
+the commit the hub holds when it starts (``pin_dataset_revisions``), so config.json records
+``NAME@COMMIT...`` and a resumed run reads the same rows even after the dataset was updated. A
+local folder holding a dataset repository (README.md with its configs, data/ files) is read the
+same way when its name carries a split (``./my-dataset:train``). Streams are not cached on disk: offline
 (``HF_HUB_OFFLINE=1``) a hub dataset needs a local copy (``hf download --repo-type
 dataset NAME --local-dir DIR``, then ``DIR:train``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,21 +131,25 @@ def not_reachable(name: str, kind: str, error: BaseException) -> str:
 
 @dataclass(frozen=True)
 class DatasetRef:
-    """``NAME[:CONFIG][:SPLIT]``: a hub dataset id, or a local dataset repository folder."""
+    """``NAME[@REVISION][:CONFIG][:SPLIT]``: a hub dataset id (at a branch, tag or commit), or a local dataset
+    repository folder (no revision)."""
 
     name: str
     config: str | None
     split: str
+    revision: str | None = None
 
     def __str__(self) -> str:
-        return ":".join(p for p in (self.name, self.config, self.split) if p is not None)
+        name = self.name if self.revision is None else f"{self.name}@{self.revision}"
+        return ":".join(p for p in (name, self.config, self.split) if p is not None)
 
 
 def parse_dataset_ref(text: str) -> DatasetRef | None:
     """``text`` as a dataset to stream, or None when it is neither a local folder with a split nor a hub id.
 
-    ``NAME`` (split train), ``NAME:SPLIT`` or ``NAME:CONFIG:SPLIT``. A bare local folder is
-    not a reference: folders are searched for files unless their name carries a split.
+    ``NAME`` (split train), ``NAME:SPLIT`` or ``NAME:CONFIG:SPLIT``, NAME optionally ``ID@REVISION`` for a hub
+    id (``@`` never appears in one). A bare local folder is not a reference: folders are searched for files
+    unless their name carries a split.
     """
     parts = text.split(":")
     if len(parts) > 3 or not all(parts):
@@ -151,4 +158,38 @@ def parse_dataset_ref(text: str) -> DatasetRef | None:
     config, split = (None, "train") if len(parts) == 1 else (None, parts[1]) if len(parts) == 2 else parts[1:]
     if Path(name).expanduser().is_dir():
         return DatasetRef(str(Path(name).expanduser()), config, split) if len(parts) > 1 else None
-    return DatasetRef(name, config, split) if is_hub_id(name) else None
+    name, at, revision = name.partition("@")
+    if not is_hub_id(name) or (at and not revision):
+        return None
+    return DatasetRef(name, config, split, revision or None)
+
+
+def pin_dataset_revisions(paths: list[str] | None, key: str = "data.paths") -> list[str] | None:
+    """``paths`` with every hub dataset that names no revision pinned to the commit the hub holds now
+    (``owner/name:train`` -> ``owner/name@COMMIT:train``); files, folders, patterns and pinned ids unchanged.
+    Raises ConfigError, naming ``key``, where the hub cannot say (offline, unreachable, no such dataset)."""
+    if paths is None:
+        return None
+    pinned = []
+    for text in paths:
+        ref = None if Path(text).expanduser().exists() else parse_dataset_ref(text)
+        if ref is not None and ref.revision is None and not Path(ref.name).is_dir():
+            text = str(dataclasses.replace(ref, revision=_dataset_commit(ref.name, key)))
+        pinned.append(text)
+    return pinned
+
+
+def _dataset_commit(name: str, key: str) -> str:
+    """The commit a hub dataset's main branch points at now."""
+    import httpx
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
+
+    try:
+        return HfApi().dataset_info(name).sha
+    except (RepositoryNotFoundError, GatedRepoError) as e:
+        raise ConfigError(f"{key}: {name!r} is no local path, and the Hugging Face hub has no dataset by that id that "
+                          "this machine may read (private or gated datasets need a login: hf auth login, or "
+                          f"HF_TOKEN) ({type(e).__name__})") from None
+    except (OfflineModeIsEnabled, HfHubHTTPError, OSError, httpx.HTTPError) as e:
+        raise ConfigError(f"{key}: {not_reachable(name, 'dataset', e)}") from None

@@ -275,7 +275,7 @@ def open_stream(source: Source):
 
     ref = source.ref
     try:
-        return datasets.load_dataset(ref.name, ref.config, split=ref.split, streaming=True)
+        return datasets.load_dataset(ref.name, ref.config, split=ref.split, streaming=True, revision=ref.revision)
     except DatasetNotFoundError as e:
         raise DataError(f"{ref}: no local path {Path(ref.name).absolute()}, and {e} (private or gated datasets "
                         "need a login: hf auth login, or HF_TOKEN)") from None

@@ -38,6 +38,7 @@ from oomb.train.faults import (
     is_out_of_memory,
     measure_memory,
 )
+from oomb.train.hub import pin_dataset_revisions
 from oomb.train.inputs import build_inputs, model_config, position_notes
 from oomb.train.memory import check_memory, describe_offload, describe_step_choice
 from oomb.train.model import build, prepare_for_training
@@ -159,11 +160,14 @@ def _check_before_work(cfg: Config, ctx) -> Path | None:
     """Model folder, run folder and the checkpoint to resume from; returns that checkpoint."""
     check_model_path(cfg)
     resume_from = check_paths(cfg)
-    if resume_from is not None:
-        try:
-            distributed.check_checkpoint_format(resume_from, ctx)
-        except CheckpointError as e:
-            raise ConfigError(f"cannot resume: {e}") from e
+    if resume_from is None:  # a new run reads hub datasets at the commits they hold now; config.json records them
+        d = cfg.data
+        d.paths, d.val_paths = pin_dataset_revisions(d.paths), pin_dataset_revisions(d.val_paths, "data.val_paths")
+        return None
+    try:
+        distributed.check_checkpoint_format(resume_from, ctx)
+    except CheckpointError as e:
+        raise ConfigError(f"cannot resume: {e}") from e
     return resume_from
 
 

@@ -179,3 +179,85 @@ def test_oomb_train_takes_a_hub_model_from_HF_HOME_and_a_streamed_dataset_and_re
     assert [r["loss"] for r in again] == [r["loss"] for r in records]  # the same next batches after the resume
     final = "checkpoints/step-00000004/model.safetensors"
     assert (copy / final).read_bytes() == (run / final).read_bytes()
+
+
+def test_a_revision_in_a_dataset_name():
+    ref = parse_dataset_ref("owner/name@v1.2:sample-10BT:test")
+    assert (ref.name, ref.revision, ref.config, ref.split) == ("owner/name", "v1.2", "sample-10BT", "test")
+    assert str(ref) == "owner/name@v1.2:sample-10BT:test" and str(parse_dataset_ref(str(ref))) == str(ref)
+    assert parse_dataset_ref(f"owner/name@{COMMIT}").revision == COMMIT
+    assert parse_dataset_ref("owner/name").revision is None
+    assert parse_dataset_ref("owner/name@:train") is None and parse_dataset_ref("@v1:train") is None
+
+
+class _Hub:
+    """huggingface_hub.HfApi.dataset_info as the hub answers it: the commit its main branch is at now."""
+
+    def __init__(self, monkeypatch, sha: str):
+        from huggingface_hub import HfApi
+
+        self.sha, self.asked = sha, []
+        monkeypatch.setattr(HfApi, "dataset_info", lambda api, name, **kw: self.answer(name))
+
+    def answer(self, name):
+        from types import SimpleNamespace
+
+        self.asked.append(name)
+        return SimpleNamespace(sha=self.sha)
+
+
+def test_pinning_names_the_hub_commit_of_hub_datasets_only(tmp_path, monkeypatch):
+    from oomb.train.hub import pin_dataset_revisions
+
+    hub = _Hub(monkeypatch, COMMIT)
+    repo = _dataset_repo(tmp_path / "repo")
+    text = tmp_path / "a.txt"
+    text.write_text("some text")
+    paths = ["owner/name:train", "owner/other@v1:test", str(text), f"{repo}:train", str(tmp_path / "*.txt"),
+             "owner/third"]
+    assert pin_dataset_revisions(paths) == [f"owner/name@{COMMIT}:train", "owner/other@v1:test", str(text),
+                                            f"{repo}:train", str(tmp_path / "*.txt"), f"owner/third@{COMMIT}:train"]
+    assert hub.asked == ["owner/name", "owner/third"] and pin_dataset_revisions(None) is None
+
+
+def test_pinning_offline_says_what_to_do(offline_hub):
+    from oomb.train.hub import pin_dataset_revisions
+
+    with pytest.raises(ConfigError, match=r"data.val_paths: .*HF_HUB_OFFLINE=1 forbids downloading it"):
+        pin_dataset_revisions(["owner/name:test"], "data.val_paths")
+
+
+def test_a_run_records_the_hub_commit_and_resumes_at_it_after_the_dataset_moved(tmp_path, monkeypatch):
+    """A new run pins owner/name to the hub's commit; config.json records it; the resume streams that commit
+    although the hub has moved on (datasets.load_dataset is pointed at a local copy of the repository)."""
+    import datasets
+
+    repo = _dataset_repo(tmp_path / "repo", rows=200)
+    real = datasets.load_dataset
+    streamed = []
+
+    def load_dataset(name, *args, revision=None, **kw):
+        streamed.append((name, revision))
+        return real(str(repo) if name == "owner/name" else name, *args, **kw)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    hub = _Hub(monkeypatch, COMMIT)
+    model = tmp_path / "model"
+    tiny_model("llama", vocab_size=300).save_pretrained(model)
+    run = tmp_path / "run"
+    assert main(["train", f"out_dir={run}", f"model.path={model}", "data.task=text", "data.paths=[owner/name:train]",
+                 "train.steps=3", "train.save_every=1", *FAST]) == 0
+    assert json.loads((run / "config.json").read_text())["data"]["paths"] == [f"owner/name@{COMMIT}:train"]
+    assert streamed and set(streamed) == {("owner/name", COMMIT)} and hub.asked == ["owner/name"]
+    first = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+    hub.sha, streamed[:] = "f" * 40, []  # the dataset got a new commit on the hub
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    (copy / "metrics.jsonl").write_text("\n".join((run / "metrics.jsonl").read_text().splitlines()[:1]) + "\n")
+    shutil.rmtree(copy / "checkpoints" / "step-00000003")
+    shutil.rmtree(copy / "checkpoints" / "step-00000002")
+    assert main(["train", f"resume={copy / 'checkpoints' / 'step-00000001'}"]) == 0
+    assert set(streamed) == {("owner/name", COMMIT)} and hub.asked == ["owner/name"]  # not asked again
+    again = [json.loads(x)["loss"] for x in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert again == first
