@@ -142,3 +142,43 @@ def _offload_runs(sparse, store_for_model):
     for name in ("offload", "offload, 2 layers kept"):
         assert torch.isfinite(grads[name]).all(), name
         assert torch.equal(grads[name], grads["gpu"]), name
+
+
+def test_sparse_step_on_fa4_block_sparsity_bf16_close_to_fp32(monkeypatch):
+    """A sparse step through FA4's block sparsity (kernels/flash4_sparse.py, asked for with OOMB_FA4_BLOCK_SPARSE=1)
+    against the same step in fp32 on the PyTorch path, bounded as above by the PyTorch path's own bf16 error. The
+    pages are forced (sink + local = budget) so the selection cannot differ between precisions."""
+    from oomb import kernels
+    from oomb.kernels import flash4, flash4_sparse
+
+    if (reason := kernels.flash4_unavailable()) is not None:
+        pytest.skip(reason)
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FA4 block sparsity is offered on Hopper only")
+    built = []
+    real = flash4_sparse.page_sparse_keys
+    monkeypatch.setattr(flash4, "page_sparse_keys", lambda *a, **k: built.append(1) or real(*a, **k))
+    ids = torch.randint(0, 4096, (1, 16384 + 50), device="cuda")
+    kw = dict(chunk_size=2048, page_size=128, selection=PageSelection(page_budget=8, block=128, sink_pages=2,
+                                                                      local_pages=6))
+    ref_model = _model(torch.float32)
+    ref_model.zero_grad(set_to_none=True)
+    oomb.chunked_backward(ref_model, ids, backend="torch", **kw)
+    g_ref = _flat_grads(ref_model)
+    model = _model(torch.bfloat16)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref_model.state_dict().items()})
+    errors = {}
+    monkeypatch.setenv(flash4.BLOCK_SPARSE_ENV, "1")
+    kernels._flash4_backend.cache_clear()  # built again, reading the variable
+    try:
+        for backend in ("torch", "fa4"):
+            model.zero_grad(set_to_none=True)
+            oomb.chunked_backward(model, ids, backend=backend, **kw)
+            g = _flat_grads(model)
+            assert torch.isfinite(g).all()
+            errors[backend] = float((g - g_ref).norm() / g_ref.norm())
+    finally:
+        kernels._flash4_backend.cache_clear()
+    print(f"sparse bf16 vs fp32: fa4 block sparsity {errors['fa4']:.5f}, torch path {errors['torch']:.5f}")
+    assert built, "the fa4 backend ran the sparse calls on FA4's block sparsity"
+    assert errors["fa4"] <= 2 * errors["torch"] + 1e-6
