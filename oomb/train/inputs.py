@@ -24,7 +24,7 @@ from oomb.train.corpus import (
 )
 from oomb.train.data import NeedleTask, PasskeyTask
 from oomb.train.demo import demo_note
-from oomb.train.hub import model_folder, tokenizer_folder
+from oomb.train.hub import model_folder, pin_dataset_revisions, tokenizer_folder
 from oomb.train.packing import PackedCorpus
 from oomb.train.rope import apply_rope, describe_rope, rope_is_scaled
 from oomb.train.rows import check_sources
@@ -219,6 +219,16 @@ def _check_task_keys(cfg: Config) -> None:
     if d.overlong not in ("drop", "truncate"):
         raise ConfigError(f"data.overlong={d.overlong!r}: choose drop (leave out samples longer than data.seq_len) "
                           "or truncate (keep their first data.seq_len tokens)")
+
+
+def pin_hub_datasets(cfg: Config) -> None:
+    """A new run's hub datasets at the commits the hub holds now (hub.pin_dataset_revisions), written into cfg so
+    config.json records them; after the data keys' own checks, so a wrong setting is named before the network is
+    asked. Only data.task=text and chat read data.paths."""
+    _check_task_keys(cfg)
+    d = cfg.data
+    if d.task in ("text", "chat"):
+        d.paths, d.val_paths = pin_dataset_revisions(d.paths), pin_dataset_revisions(d.val_paths, "data.val_paths")
 
 
 def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs | ChatInputs:
