@@ -416,8 +416,11 @@ def export_model(model, out_dir: Path, *, merge_lora: bool = True, tokenizer=Non
 
         model = copy.deepcopy(model).merge_and_unload()  # the training model keeps its adapters
     elif isinstance(peft_configs, dict) and base_model is not None:
+        # A hub id pinned as NAME@REVISION (oomb.train.hub): peft's config keeps the id and the revision apart.
+        name, at, revision = base_model.partition("@") if not Path(base_model).exists() else (base_model, "", "")
         for adapter in peft_configs.values():
-            adapter.base_model_name_or_path = base_model
+            adapter.base_model_name_or_path = name
+            adapter.revision = revision or adapter.revision
     return write_export(out_dir, model, tokenizer)
 
 

@@ -3,10 +3,14 @@
 A name that is not a local path is tried as a hub id; a local path always wins::
 
     model.path=Qwen/Qwen2.5-7B           snapshot in $HF_HOME/hub (HF_HUB_CACHE), then a local folder
+    model.path=Qwen/Qwen2.5-7B@COMMIT    that commit (a branch or tag too); a new run pins the id it is given
     data.paths=[HuggingFaceFW/fineweb-edu:sample-10BT:train]   datasets.load_dataset(..., streaming=True)
 
-Models resolve to the snapshot folder ``huggingface_hub.snapshot_download`` fills — the
-cache ``from_pretrained`` reads — in two steps: config and tokenizer files first (every
+A new run pins a hub model (and tokenizer) given without a revision to the commit it resolved
+(``pin_model_revision``), so config.json records ``NAME@COMMIT`` and a resume builds the same base;
+a pinned commit already in the cache is used without asking the hub. Models resolve to the
+snapshot folder ``huggingface_hub.snapshot_download`` fills — the cache ``from_pretrained`` reads —
+in two steps: config and tokenizer files first (every
 check before the model is built reads them), the weights only when the model is built,
 so a run that its data or memory check refuses downloads no weights. Only top-level files
 are taken: safetensors weights, or ``.bin`` where a repository has none.
@@ -68,18 +72,20 @@ def model_folder(name: str, *, weights: bool, key: str = "model.path", tokenizer
     local = Path(name).expanduser()
     if local.exists():
         return local
-    if not is_hub_id(name):
+    repo, at, pinned = name.partition("@")
+    revision = pinned or None
+    if not is_hub_id(repo) or (at and not revision):
         raise ConfigError(f"{key}={name!r} does not exist: give a local Hugging Face model folder or a hub id "
-                          "such as Qwen/Qwen2.5-0.5B")
+                          "such as Qwen/Qwen2.5-0.5B (at a revision: Qwen/Qwen2.5-0.5B@COMMIT)")
     if (name, weights) in _resolved:
         return _resolved[(name, weights)]
-    # Each call resolves the main branch again (a commit hash would make it list the repository even where the
-    # network is down and the files are cached); seconds apart, both calls find the same snapshot.
-    folder = _resolved.get((name, False)) or _snapshot(name, _CONFIG_FILES, key)
-    if weights:
-        folder = _snapshot(name, ["*.safetensors"], key)
+    cached = _cached_commit(repo, revision, weights) if revision else None
+    # Without a revision each call resolves the main branch again; seconds apart, both find the same snapshot.
+    folder = cached or _resolved.get((name, False)) or _snapshot(repo, _CONFIG_FILES, key, revision)
+    if weights and cached is None:
+        folder = _snapshot(repo, ["*.safetensors"], key, revision)
         if not any(folder.glob("*.safetensors")):
-            folder = _snapshot(name, ["*.bin"], key)
+            folder = _snapshot(repo, ["*.bin"], key, revision)
         if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
             raise ConfigError(f"{key}={name!r}: the hub snapshot {folder} holds no weights (.safetensors or .bin), "
                               "and none could be fetched: give a repository with transformers weights, or fetch "
@@ -91,18 +97,48 @@ def model_folder(name: str, *, weights: bool, key: str = "model.path", tokenizer
     return folder
 
 
+def pin_model_revision(name: str | None, key: str = "model.path", tokenizer_only: bool = False) -> str | None:
+    """``name`` as ``NAME@COMMIT`` where it is a hub id without a revision: the commit of the snapshot it resolves
+    to now (its folder's name in the cache); local folders, pinned ids and None unchanged."""
+    if name is None or Path(name).expanduser().exists() or "@" in name:
+        return name
+    folder = model_folder(name, weights=False, key=key, tokenizer_only=tokenizer_only)
+    return f"{name}@{folder.name}" if folder.parent.name == "snapshots" else name
+
+
+def _cached_commit(repo: str, commit: str, weights: bool) -> Path | None:
+    """The cache's snapshot of ``repo`` at ``commit`` where it holds the config (and, with ``weights``, every
+    weight file its index names, or one where it has no index); else None. snapshot_download would list the
+    repository on the hub for a commit whose file listing it did not cache itself, even offline."""
+    import json
+
+    folder = Path(_cache()) / f"models--{repo.replace('/', '--')}" / "snapshots" / commit
+    if not (folder / "config.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        return None
+    if not weights:
+        return folder
+    for index, kind in (("model.safetensors.index.json", "*.safetensors"), ("pytorch_model.bin.index.json", "*.bin")):
+        if (folder / index).is_file():
+            shards = set(json.loads((folder / index).read_text())["weight_map"].values())
+            return folder if all((folder / shard).is_file() for shard in shards) else None
+        if any(folder.glob(kind)):
+            return folder
+    return None
+
+
 def tokenizer_folder(name: str, key: str = "data.tokenizer") -> Path:
     """The local folder of a tokenizer (or of a model holding one): ``model_folder`` without weights."""
     return model_folder(name, weights=False, key=key, tokenizer_only=True)
 
 
-def _snapshot(name: str, patterns: list[str], key: str) -> Path:
+def _snapshot(name: str, patterns: list[str], key: str, revision: str | None = None) -> Path:
     import httpx
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(name, allow_patterns=patterns, ignore_patterns=_TOP_LEVEL_ONLY))
+        pinned = {} if revision is None else {"revision": revision}  # its default is the main branch, not None
+        return Path(snapshot_download(name, allow_patterns=patterns, ignore_patterns=_TOP_LEVEL_ONLY, **pinned))
     except (RepositoryNotFoundError, GatedRepoError) as e:
         raise ConfigError(f"{key}={name!r}: no local path {Path(name).absolute()}, and the Hugging Face hub has no "
                           "model by that id that this machine may read (private or gated repositories need a "

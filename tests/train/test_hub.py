@@ -167,7 +167,8 @@ def test_oomb_train_takes_a_hub_model_from_HF_HOME_and_a_streamed_dataset_and_re
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4] and "val_loss" in records[-1]
-    assert json.loads((run / "config.json").read_text())["model"]["path"] == "someone/tiny-c"  # as given
+    # Pinned to the commit it resolved to; the resume below builds it from the cache without asking the hub.
+    assert json.loads((run / "config.json").read_text())["model"]["path"] == f"someone/tiny-c@{COMMIT}"
 
     copy = tmp_path / "copy"  # what a crash after step 2 leaves
     shutil.copytree(run, copy)
@@ -261,3 +262,35 @@ def test_a_run_records_the_hub_commit_and_resumes_at_it_after_the_dataset_moved(
     assert set(streamed) == {("owner/name", COMMIT)} and hub.asked == ["owner/name"]  # not asked again
     again = [json.loads(x)["loss"] for x in (copy / "metrics.jsonl").read_text().splitlines()]
     assert again == first
+
+
+def test_a_pinned_hub_model_comes_from_the_cache_without_the_hub(tmp_path, offline_hub):
+    # Offline, snapshot_download would list the repository for a commit whose file listing it did not cache: the
+    # pinned commit is taken from the cache's snapshot when that holds the config and every weight file.
+    from oomb.train.hub import pin_model_revision
+
+    snapshot = _cached_model(offline_hub, "someone/tiny-p")
+    assert model_folder(f"someone/tiny-p@{COMMIT}", weights=True) == snapshot
+    assert pin_model_revision("someone/tiny-p") == f"someone/tiny-p@{COMMIT}"
+    assert pin_model_revision(f"someone/tiny-p@{COMMIT}") == f"someone/tiny-p@{COMMIT}"
+    assert pin_model_revision(str(snapshot)) == str(snapshot) and pin_model_revision(None) is None
+    with pytest.raises(ConfigError, match=r"model.path='someone/tiny-p@' does not exist"):
+        model_folder("someone/tiny-p@", weights=False)
+    # A sharded snapshot missing a shard is not taken from the cache (and offline nothing else can be had).
+    sharded = _cached_model(offline_hub, "someone/tiny-s")
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (sharded / "model-00001-of-00002.safetensors").write_bytes(b"")
+    assert model_folder(f"someone/tiny-s@{COMMIT}", weights=False) == sharded
+    with pytest.raises(ConfigError, match=r"someone/tiny-s"):
+        model_folder(f"someone/tiny-s@{COMMIT}", weights=True)
+
+
+def test_a_lora_export_of_a_pinned_hub_model_names_its_id_and_commit(tmp_path, offline_hub):
+    _cached_model(offline_hub, "someone/tiny-l")
+    run = tmp_path / "run"
+    assert main(["train", f"out_dir={run}", "model.path=someone/tiny-l", "lora.r=4", "lora.merge_on_export=false",
+                 "train.steps=1", *FAST[:-1]]) == 0
+    assert json.loads((run / "config.json").read_text())["model"]["path"] == f"someone/tiny-l@{COMMIT}"
+    adapter = json.loads((run / "export" / "adapter_config.json").read_text())
+    assert (adapter["base_model_name_or_path"], adapter["revision"]) == ("someone/tiny-l", COMMIT)
