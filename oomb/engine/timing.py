@@ -21,7 +21,12 @@ from dataclasses import dataclass
 
 from oomb.engine.sizes import ModelShape
 
-__all__ = ["H200_DENSE", "StepRates", "predict_step_seconds", "step_flops"]
+__all__ = ["ATTENTION_FORWARD_SHARE", "H200_DENSE", "StepRates", "predict_step_seconds", "step_flops"]
+
+# FlashAttention's forward runs 2 of the 7 matmuls of its forward and backward (QK^T, PV; the backward recomputes
+# QK^T and computes dV, dP, dQ, dK). Without the attention cache stage 2 runs the forward once more: that share of
+# the attention time again, at the same rate.
+ATTENTION_FORWARD_SHARE = 2 / 7
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,11 @@ def step_flops(model_config, seq_len: int, batch_size: int = 1) -> tuple[float, 
     return linear, attention
 
 
-def predict_step_seconds(model_config, seq_len: int, batch_size: int = 1, rates: StepRates = H200_DENSE) -> float:
-    """Predicted seconds of one exact step (no optimizer step) at ``rates``' setting and GPU."""
+def predict_step_seconds(model_config, seq_len: int, batch_size: int = 1, rates: StepRates = H200_DENSE,
+                         cache_attention: bool = True) -> float:
+    """Predicted seconds of one exact step (no optimizer step) at ``rates``' setting and GPU; without the attention
+    cache, with stage 2's extra attention forward (ATTENTION_FORWARD_SHARE, counted, not measured)."""
     linear, attention = step_flops(model_config, seq_len, batch_size)
+    if not cache_attention:
+        attention *= 1 + ATTENTION_FORWARD_SHARE
     return linear * rates.linear_s_per_flop + attention * rates.attention_s_per_flop

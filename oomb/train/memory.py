@@ -365,7 +365,8 @@ def needs_and_time(cfg: Config, plan: MemoryPlan, device_type: str, dtype: torch
     """What the asked length needs where it does not fit (GPU alone, or GPU and host with offload), and the
     predicted seconds of a dense step on the GPU the step rates were measured on (None: not predicted)."""
     n = cfg.data.seq_len
-    result = {"needs": None, "predicted_dense_step_s": None, "predicted_on": H200_DENSE.gpu}
+    result = {"needs": None, "predicted_dense_step_s": None, "predicted_with_attention_cache": None,
+              "predicted_on": H200_DENSE.gpu}
     if device_type != "cuda":
         return result
     if not plan.fits:
@@ -377,7 +378,9 @@ def needs_and_time(cfg: Config, plan: MemoryPlan, device_type: str, dtype: torch
         result["needs"] = {"gpu_bytes_pages_on_gpu": on_gpu.gpu_bytes, "gpu_bytes_pages_on_host": offloaded.gpu_bytes,
                            "host_bytes_pages_on_host": offloaded.host_bytes}
     if cfg.train.page_budget is None and cfg.model.quantize == "none":  # page-sparse, 4-bit (QLoRA): not measured
-        result["predicted_dense_step_s"] = predict_step_seconds(config, n, cfg.train.batch_size)
+        cached = plan.settings.get("cache_attention") in (True, "host")
+        result["predicted_dense_step_s"] = predict_step_seconds(config, n, cfg.train.batch_size, cache_attention=cached)
+        result["predicted_with_attention_cache"] = cached
     return result
 
 
@@ -390,8 +393,9 @@ def _needs_and_time_lines(cfg: Config, found: dict) -> list[str]:
                      "(train.offload=true; more GPU memory keeps whole layers' pages there and needs less host memory)")
     if (seconds := found["predicted_dense_step_s"]) is not None:
         shown = f"{seconds:,.0f}" if seconds >= 100 else f"{seconds:.1f}"
+        cache = "with" if found["predicted_with_attention_cache"] else "without"
         lines.append(f"predicted dense step on an {found['predicted_on']}: {shown} s without the optimizer "
-                     "(oomb's fastest exact setting, from measured 64K and 256K steps; docs/memory.md)")
+                     f"({cache} the attention cache; rates from measured 64K and 256K steps; docs/memory.md)")
     return lines
 
 

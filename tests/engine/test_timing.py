@@ -40,3 +40,13 @@ def test_flops_are_linear_plus_quadratic_in_the_context():
     assert step_flops(config, 1 << 16, batch_size=2) == (2 * l1, 2 * a1)
     # 6 x tokens x matmul parameters: Qwen2.5-7B's 7.07e9 (the embedding is a lookup, the LM head a matmul)
     assert l1 / (6 * (1 << 16)) == pytest.approx(7.07e9, rel=1e-3)
+
+
+def test_without_the_cache_the_attention_forward_runs_once_more():
+    config = preset_config("qwen2.5-7b")
+    n = 1 << 19
+    linear, attention = step_flops(config, n)
+    cached, uncached = predict_step_seconds(config, n), predict_step_seconds(config, n, cache_attention=False)
+    extra = attention * H200_DENSE.attention_s_per_flop * 2 / 7  # 2 of FlashAttention's 7 matmuls are the forward
+    assert uncached - cached == pytest.approx(extra) and cached == pytest.approx(
+        linear * H200_DENSE.linear_s_per_flop + attention * H200_DENSE.attention_s_per_flop)
