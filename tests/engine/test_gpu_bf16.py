@@ -75,6 +75,25 @@ def test_gradient_page_dtype_accuracy():
     assert errors["fp32"] <= errors["bf16"] * 1.05 + 1e-6
 
 
+def _bf16_errors_against_fp32(ids, backends, **kw) -> dict[str, float]:
+    """Per backend, the global relative gradient error of a bf16 chunked_backward step against the same step in
+    fp32 on the PyTorch path (same weights, rounded to bf16)."""
+    ref_model = _model(torch.float32)
+    ref_model.zero_grad(set_to_none=True)
+    oomb.chunked_backward(ref_model, ids, backend="torch", **kw)
+    g_ref = _flat_grads(ref_model)
+    model = _model(torch.bfloat16)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref_model.state_dict().items()})
+    errors = {}
+    for backend in backends:
+        model.zero_grad(set_to_none=True)
+        oomb.chunked_backward(model, ids, backend=backend, **kw)
+        g = _flat_grads(model)
+        assert torch.isfinite(g).all()
+        errors[backend] = float((g - g_ref).norm() / g_ref.norm())
+    return errors
+
+
 def test_sparse_with_documents_bf16_close_to_fp32():
     """Sparse + packed documents in bf16 (Triton, and the PyTorch path) against the same run in fp32.
 
@@ -88,19 +107,7 @@ def test_sparse_with_documents_bf16_close_to_fp32():
     doc_ids[:, 9000:] = 1
     kw = dict(chunk_size=2048, page_size=128, doc_ids=doc_ids,
               selection=PageSelection(page_budget=8, block=128, sink_pages=2, local_pages=6))
-    ref_model = _model(torch.float32)
-    ref_model.zero_grad(set_to_none=True)
-    oomb.chunked_backward(ref_model, ids, backend="torch", **kw)
-    g_ref = _flat_grads(ref_model)
-    model = _model(torch.bfloat16)
-    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref_model.state_dict().items()})
-    errors = {}
-    for backend in ("torch", "triton"):
-        model.zero_grad(set_to_none=True)
-        oomb.chunked_backward(model, ids, backend=backend, **kw)
-        g = _flat_grads(model)
-        assert torch.isfinite(g).all()
-        errors[backend] = float((g - g_ref).norm() / g_ref.norm())
+    errors = _bf16_errors_against_fp32(ids, ("torch", "triton"), **kw)
     print(f"sparse+documents bf16 vs fp32: triton {errors['triton']:.5f}, torch path {errors['torch']:.5f}")
     assert errors["triton"] <= 2 * errors["torch"] + 1e-6
 
@@ -161,22 +168,10 @@ def test_sparse_step_on_fa4_block_sparsity_bf16_close_to_fp32(monkeypatch):
     ids = torch.randint(0, 4096, (1, 16384 + 50), device="cuda")
     kw = dict(chunk_size=2048, page_size=128, selection=PageSelection(page_budget=8, block=128, sink_pages=2,
                                                                       local_pages=6))
-    ref_model = _model(torch.float32)
-    ref_model.zero_grad(set_to_none=True)
-    oomb.chunked_backward(ref_model, ids, backend="torch", **kw)
-    g_ref = _flat_grads(ref_model)
-    model = _model(torch.bfloat16)
-    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref_model.state_dict().items()})
-    errors = {}
     monkeypatch.setenv(flash4.BLOCK_SPARSE_ENV, "1")
     kernels._flash4_backend.cache_clear()  # built again, reading the variable
     try:
-        for backend in ("torch", "fa4"):
-            model.zero_grad(set_to_none=True)
-            oomb.chunked_backward(model, ids, backend=backend, **kw)
-            g = _flat_grads(model)
-            assert torch.isfinite(g).all()
-            errors[backend] = float((g - g_ref).norm() / g_ref.norm())
+        errors = _bf16_errors_against_fp32(ids, ("torch", "fa4"), **kw)
     finally:
         kernels._flash4_backend.cache_clear()
     print(f"sparse bf16 vs fp32: fa4 block sparsity {errors['fa4']:.5f}, torch path {errors['torch']:.5f}")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from oomb.kernels import reference
+
 
 def _causal(c, s, window_left):
     """[C, S] bool: bottom-right causal (the last query sees the last key), within the left window."""
@@ -175,3 +177,18 @@ class TorchFlash:
         with torch.enable_grad():
             o, _ = _attend(q, k, v, scale, window_left, layout)
             return torch.autograd.grad(o, (q, k, v), d_out)
+
+
+class FallbackSpy:
+    """The fa4 backend's fallback (the reference backend) that records which directions were handed to it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, *args, **kw):
+        self.calls.append("forward")
+        return reference.paged_attention_forward(*args, **kw)
+
+    def backward(self, *args, **kw):
+        self.calls.append("backward")
+        return reference.paged_attention_backward(*args, **kw)

@@ -7,7 +7,7 @@ tests check oomb's code around it against the reference backend in float64; the 
 
 import pytest
 import torch
-from flash_standin import TorchFlash
+from flash_standin import FallbackSpy, TorchFlash
 from helpers import assert_close_rel
 from paged_inputs import make_problem, random_doc_start, random_page_select
 
@@ -88,21 +88,6 @@ def test_documents_become_sequences_back_to_back():
     assert layout.page_ids[14:].tolist() == [4] * 4 + [5] * 4 + [6] * 4 + [7] * 4
 
 
-class _Spy:
-    """A fallback that records it was called."""
-
-    def __init__(self):
-        self.calls = []
-
-    def forward(self, *args, **kw):
-        self.calls.append("forward")
-        return reference.paged_attention_forward(*args, **kw)
-
-    def backward(self, *args, **kw):
-        self.calls.append("backward")
-        return reference.paged_attention_backward(*args, **kw)
-
-
 @pytest.mark.parametrize("what", ["sinks", "page_select", "dtype"])
 def test_what_fa4_cannot_express_goes_to_the_fallback_in_both_directions(what):
     torch.manual_seed(0)
@@ -112,7 +97,7 @@ def test_what_fa4_cannot_express_goes_to_the_fallback_in_both_directions(what):
     kw = dict(scale=d**-0.5, sinks=pb.sinks)
     if what == "page_select":
         kw.update(page_select=random_page_select(b, 1, c, kv_len, page, 8, 2), select_block=8)
-    spy = _Spy()
+    spy = FallbackSpy()
     attention, kernels = _attention(fallback=spy)
     out, lse = attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
     dk, dv = torch.zeros_like(pb.k_pool), torch.zeros_like(pb.v_pool)

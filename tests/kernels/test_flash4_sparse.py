@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from flash_standin import TorchFlash
+from flash_standin import FallbackSpy, TorchFlash
 from helpers import assert_close_rel
 from paged_inputs import make_problem, random_doc_start, random_page_select
 
@@ -248,21 +248,6 @@ def test_unchosen_pages_that_alias_a_chosen_one_do_not_lose_its_gradient(monkeyp
         _compare(Flash4Attention(kernels, fallback=None), slot, kw)
 
 
-class _Spy:
-    """A fallback that records it was called."""
-
-    def __init__(self):
-        self.calls = []
-
-    def forward(self, *args, **kw):
-        self.calls.append("forward")
-        return reference.paged_attention_forward(*args, **kw)
-
-    def backward(self, *args, **kw):
-        self.calls.append("backward")
-        return reference.paged_attention_backward(*args, **kw)
-
-
 @pytest.mark.parametrize("what", ["older-kernels", "documents", "window", "select-block", "page-size"])
 def test_selections_fa4_cannot_express_go_to_the_fallback_in_both_directions(what):
     b, h, h_kv, c, n_past, d, page = 1, 4, 2, 24, 8, 8, 8
@@ -273,7 +258,7 @@ def test_selections_fa4_cannot_express_go_to_the_fallback_in_both_directions(wha
     if what == "window":
         kw["sliding_window"] = 40
     blocks = None if what == "older-kernels" else (8, 16 if what == "page-size" else page)
-    spy, kernels = _Spy(), TorchFlash(sparse_blocks=blocks)
+    spy, kernels = FallbackSpy(), TorchFlash(sparse_blocks=blocks)
     attention = Flash4Attention(kernels, fallback=spy)
     out, lse = attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, pb.kv_len, **kw)
     dk, dv = torch.zeros_like(pb.k_pool), torch.zeros_like(pb.v_pool)
@@ -304,7 +289,7 @@ def test_fa4_block_sparsity_bf16_matches_the_reference_on_gpu(c, kv_len, budget,
     pb = make_problem(1, h, h_kv, c, kv_len, d, page, dtype=torch.bfloat16, device="cuda")
     sel = random_page_select(1, h_sel, c, kv_len, page, select_block, budget, device="cuda")
     kw = dict(scale=d**-0.5, page_select=_with_common_page(sel), select_block=select_block)
-    spy = _Spy()
+    spy = FallbackSpy()
     attention = Flash4Attention(flash4.FlashAttention4(block_sparse=True), fallback=spy)
     q32, k32, v32 = pb.q.float(), pb.k_pool.float(), pb.v_pool.float()
     out, lse = attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
