@@ -10,8 +10,9 @@ ops) — the 64K step of benchmarks/results/core-7b-vs-transformers-64k.json (ca
 256K step of core-7b-vs-transformers-256k.json (cache in host memory, which costs no time), without an
 optimizer; tests/engine/test_timing.py refits them from those records. Between them the fit predicts
 31.69 s at 128K, where `oomb train` measured 31.65 s with AdamW (train-7b-auto.json). The prediction is for
-that setting and GPU: other settings (shorter chunks, no cache, offload) and page-sparse attention
-are slower or faster by amounts measured only at some lengths (docs/benchmarks.md). Every layer is
+that setting and GPU, or without the attention cache with stage 2's extra attention forward counted
+(ATTENTION_FORWARD_SHARE); other settings (shorter chunks, offload) and page-sparse attention are slower or
+faster by amounts measured only at some lengths (docs/benchmarks.md). Every layer is
 counted as attending the whole context (sliding-window layers attend less).
 """
 

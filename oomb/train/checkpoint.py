@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from oomb.train.hub import split_revision
 from oomb.train.optim import MASTER_WEIGHTS_KEY, MasterWeights
 from oomb.train.quantize import is_quantized, merged_export_model
 
@@ -417,7 +418,8 @@ def export_model(model, out_dir: Path, *, merge_lora: bool = True, tokenizer=Non
         model = copy.deepcopy(model).merge_and_unload()  # the training model keeps its adapters
     elif isinstance(peft_configs, dict) and base_model is not None:
         # A hub id pinned as NAME@REVISION (oomb.train.hub): peft's config keeps the id and the revision apart.
-        name, at, revision = base_model.partition("@") if not Path(base_model).exists() else (base_model, "", "")
+        hub = None if Path(base_model).exists() else split_revision(base_model)
+        name, revision = hub if hub is not None else (base_model, None)
         for adapter in peft_configs.values():
             adapter.base_model_name_or_path = name
             adapter.revision = revision or adapter.revision

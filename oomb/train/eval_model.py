@@ -10,7 +10,7 @@ import torch
 from oomb.train.checkpoint import CheckpointError, find_checkpoint, load_weights
 from oomb.train.checks import check_remote_code
 from oomb.train.config import Config, ConfigError, load_config
-from oomb.train.hub import is_hub_id, model_folder, tokenizer_folder
+from oomb.train.hub import model_folder, split_revision, tokenizer_folder
 from oomb.train.presets import build_model, preset_names
 from oomb.train.rope import rope_is_scaled
 
@@ -73,7 +73,7 @@ def load_eval_model(spec: str, device: torch.device, dtype_name: str = "auto", *
         torch.manual_seed(0)
         model = build_model(spec, dtype=_dtype(dtype_name, device), device=device)
         return LoadedModel(model, "preset", spec, None, None)
-    if is_hub_id(spec):  # fetched into the Hugging Face cache, or found there
+    if split_revision(spec) is not None:  # a hub id (at a revision too): fetched into the cache, or found there
         try:
             folder = model_folder(spec, weights=True, key="model")
         except ConfigError as e:

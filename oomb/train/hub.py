@@ -28,6 +28,7 @@ dataset NAME --local-dir DIR``, then ``DIR:train``).
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,15 @@ def is_hub_id(name: str) -> bool:
     except HFValidationError:
         return False
     return True
+
+
+def split_revision(name: str) -> tuple[str, str | None] | None:
+    """``ID[@REVISION]`` as (ID, REVISION or None), or None where ID is no hub id or the revision is empty
+    (``@`` never appears in a hub id)."""
+    repo, at, revision = name.partition("@")
+    if not is_hub_id(repo) or (at and not revision):
+        return None
+    return repo, revision or None
 
 
 def _offline() -> bool:
@@ -72,11 +82,10 @@ def model_folder(name: str, *, weights: bool, key: str = "model.path", tokenizer
     local = Path(name).expanduser()
     if local.exists():
         return local
-    repo, at, pinned = name.partition("@")
-    revision = pinned or None
-    if not is_hub_id(repo) or (at and not revision):
+    if (hub := split_revision(name)) is None:
         raise ConfigError(f"{key}={name!r} does not exist: give a local Hugging Face model folder or a hub id "
                           "such as Qwen/Qwen2.5-0.5B (at a revision: Qwen/Qwen2.5-0.5B@COMMIT)")
+    repo, revision = hub
     if (name, weights) in _resolved:
         return _resolved[(name, weights)]
     cached = _cached_commit(repo, revision, weights) if revision else None
@@ -132,19 +141,28 @@ def tokenizer_folder(name: str, key: str = "data.tokenizer") -> Path:
 
 
 def _snapshot(name: str, patterns: list[str], key: str, revision: str | None = None) -> Path:
-    import httpx
     from huggingface_hub import snapshot_download
+
+    pinned = {} if revision is None else {"revision": revision}  # its default is the main branch, not None
+    with _hub_errors(name, "model", f"{key}={name!r}"):
+        return Path(snapshot_download(name, allow_patterns=patterns, ignore_patterns=_TOP_LEVEL_ONLY, **pinned))
+
+
+@contextmanager
+def _hub_errors(name: str, kind: str, where: str):
+    """A hub request for ``name`` (a ``kind``, "model" or "dataset") whose failures become ConfigErrors that begin
+    with ``where`` (the setting) and say what was tried and what to change."""
+    import httpx
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        pinned = {} if revision is None else {"revision": revision}  # its default is the main branch, not None
-        return Path(snapshot_download(name, allow_patterns=patterns, ignore_patterns=_TOP_LEVEL_ONLY, **pinned))
+        yield
     except (RepositoryNotFoundError, GatedRepoError) as e:
-        raise ConfigError(f"{key}={name!r}: no local path {Path(name).absolute()}, and the Hugging Face hub has no "
-                          "model by that id that this machine may read (private or gated repositories need a "
-                          f"login: hf auth login, or HF_TOKEN) ({type(e).__name__})") from None
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, httpx.HTTPError) as e:
-        raise ConfigError(f"{key}={name!r}: {not_reachable(name, 'model', e)}") from None
+        raise ConfigError(f"{where}: no local path {Path(name).absolute()}, and the Hugging Face hub has no {kind} "
+                          f"by that id that this machine may read (private or gated repositories need a login: hf "
+                          f"auth login, or HF_TOKEN) ({type(e).__name__})") from None
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, httpx.HTTPError) as e:  # OSError: offline mode too
+        raise ConfigError(f"{where}: {not_reachable(name, kind, e)}") from None
 
 
 def not_reachable(name: str, kind: str, error: BaseException) -> str:
@@ -194,10 +212,8 @@ def parse_dataset_ref(text: str) -> DatasetRef | None:
     config, split = (None, "train") if len(parts) == 1 else (None, parts[1]) if len(parts) == 2 else parts[1:]
     if Path(name).expanduser().is_dir():
         return DatasetRef(str(Path(name).expanduser()), config, split) if len(parts) > 1 else None
-    name, at, revision = name.partition("@")
-    if not is_hub_id(name) or (at and not revision):
-        return None
-    return DatasetRef(name, config, split, revision or None)
+    hub = split_revision(name)
+    return None if hub is None else DatasetRef(hub[0], config, split, hub[1])
 
 
 def pin_dataset_revisions(paths: list[str] | None, key: str = "data.paths") -> list[str] | None:
@@ -217,15 +233,7 @@ def pin_dataset_revisions(paths: list[str] | None, key: str = "data.paths") -> l
 
 def _dataset_commit(name: str, key: str) -> str:
     """The commit a hub dataset's main branch points at now."""
-    import httpx
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
 
-    try:
+    with _hub_errors(name, "dataset", key):
         return HfApi().dataset_info(name).sha
-    except (RepositoryNotFoundError, GatedRepoError) as e:
-        raise ConfigError(f"{key}: {name!r} is no local path, and the Hugging Face hub has no dataset by that id that "
-                          "this machine may read (private or gated datasets need a login: hf auth login, or "
-                          f"HF_TOKEN) ({type(e).__name__})") from None
-    except (OfflineModeIsEnabled, HfHubHTTPError, OSError, httpx.HTTPError) as e:
-        raise ConfigError(f"{key}: {not_reachable(name, 'dataset', e)}") from None

@@ -276,6 +276,10 @@ def test_a_pinned_hub_model_comes_from_the_cache_without_the_hub(tmp_path, offli
     assert pin_model_revision(str(snapshot)) == str(snapshot) and pin_model_revision(None) is None
     with pytest.raises(ConfigError, match=r"model.path='someone/tiny-p@' does not exist"):
         model_folder("someone/tiny-p@", weights=False)
+    # oomb eval takes the pinned id as config.json records it.
+    from oomb.train.eval_model import load_eval_model
+
+    assert load_eval_model(f"someone/tiny-p@{COMMIT}", torch.device("cpu")).model is not None
     # A sharded snapshot missing a shard is not taken from the cache (and offline nothing else can be had).
     sharded = _cached_model(offline_hub, "someone/tiny-s")
     (sharded / "model.safetensors.index.json").write_text(json.dumps(
