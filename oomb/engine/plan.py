@@ -53,6 +53,7 @@ from oomb.engine.sizes import (
     paged_store_bytes,
     store_spec,
 )
+from oomb.kernels.flash4 import KEY_SEGMENT
 from oomb.sparse import DEFAULT_SCORE, store_key_summary
 
 # The planner's names, importable from here as before the split into sizes and activations.
@@ -306,14 +307,17 @@ def plan_memory(
     if attention == "fa4":
         # FlashAttention-4 reads keys and values laid out contiguously (kernels/flash4.py): its backward holds the
         # layer's K and V gathered out of the pages, dK and dV, and fp32 dK/dV accumulators (GQA): 8 copies of
-        # [keys, H_kv, D] in 16-bit units, beside the layer's own backward. Dense: every key of the sequence. A
-        # page-sparse call gathers at most the pages its lists name and the chunk's own keys
-        # (kernels/flash4_sparse.py), or nothing where the Triton kernels run it.
-        keys = seq_len
+        # [keys, H_kv, D] in 16-bit units, beside the layer's own backward. Dense: every key of the sequence, up
+        # to KEY_SEGMENT keys of the past and the chunk (longer pasts are attended in segments, whose merged output
+        # and dQ add two float32 copies of the chunk's queries). A page-sparse call gathers at most the pages its
+        # lists name and the chunk's own keys (kernels/flash4_sparse.py), or nothing where the Triton kernels run it.
+        keys = min(seq_len, KEY_SEGMENT + chunk_size)
+        heads = shape.heads // tensor_parallel
+        merged = 2 * tokens * heads * shape.head_dim * 4 if seq_len > KEY_SEGMENT + chunk_size else 0
         if page_budget is not None:
             lists = -(-chunk_size // select_block) * (shape.kv_heads if per_head_selection else 1)
-            keys = min(seq_len, lists * page_budget * page_size + chunk_size)
-        layer_ws += 8 * batch_size * keys * (shape.kv_heads // tensor_parallel) * shape.head_dim * s
+            keys, merged = min(seq_len, lists * page_budget * page_size + chunk_size), 0
+        layer_ws += 8 * batch_size * keys * (shape.kv_heads // tensor_parallel) * shape.head_dim * s + merged
     if four_bit:  # bitsandbytes dequantizes a 4-bit weight to the compute dtype for each matmul, forward and backward
         layer_ws += max(four_bit) * s
     if cache_attention == "host":  # the next layer's outputs on their way back from the host

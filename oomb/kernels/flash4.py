@@ -8,6 +8,14 @@ page ids. Documents packed into a row become FA4's variable-length sequences: ea
 queries in the chunk over its keys from its first token, bottom-right causal, as in the
 reference (kernels/reference.py, whose conventions hold here too).
 
+The gathered copy and FA4's dK/dV for it grow with the keys a call sees (about 8 KiB per key for
+Qwen2.5-7B). Past ``key_segment`` keys a dense call without documents or a window attends its past in
+segments of that many keys, each seen whole (no causal mask), and the chunk with the rest of the past
+causally; the outputs merge by their log-sum-exps. Each segment's backward runs against the merged
+output and log-sum-exp, which is FA4's backward over that segment's share of the softmax: the dQ of the
+segments add up to the whole call's, and each segment's dK/dV are the whole call's for its keys. So a
+call's workspace is bounded by ``key_segment`` plus the chunk at any context length.
+
 Page-sparse selections (``page_select``) become FA4's block sparsity over the union of the chosen
 pages and the chunk's own keys (kernels/flash4_sparse.py) where the kernels object offers it
 (``block_sparse_blocks``) and the call fits its blocks. What FA4 cannot express here goes to the
@@ -43,6 +51,10 @@ FLASH4_VERSION = "4.0.0b40"
 # tests have passed on the H200, page-sparse calls stay on the Triton kernels unless this variable is "1".
 BLOCK_SPARSE_ENV = "OOMB_FA4_BLOCK_SPARSE"
 
+# Keys of the past one dense call gathers at a time (module docstring): 2 GiB of Qwen2.5-7B's gathered keys,
+# values and their gradients. Contexts up to 256K (all the measured steps of docs/benchmarks.md) run in one call.
+KEY_SEGMENT = 262144
+
 
 @dataclass(frozen=True)
 class KeyLayout:
@@ -75,7 +87,9 @@ class KeyLayout:
 class FlashKernels(Protocol):
     """FA4's two calls, in its layouts: q [B, C, H, D] and k/v [B, S, H_kv, D], or (varlen) q [T_q, H, D]
     and k/v [T_k, H_kv, D]; lse [B, H, C] or [H, T_q]. Causal, aligned bottom-right per sequence;
-    ``window_left`` keys before each query's own (None: unlimited).
+    ``window_left`` keys before each query's own (None: unlimited); ``causal=False``: every key seen (a segment
+    of the past, batched layout, no window). The backward takes the forward's out and lse and computes its
+    gradients from them (as FA4 does), not from a softmax over the keys it is given.
 
     ``block_sparse_blocks(head_dim)``: the (query, key) block sizes in tokens of FA4's block sparsity, or None
     where it is not offered. Optional: a kernels object without it never receives ``block_sparse``, which is
@@ -89,10 +103,10 @@ class FlashKernels(Protocol):
     def block_sparse_blocks(self, head_dim: int) -> tuple[int, int] | None: ...
 
     def forward(self, q, k, v, *, scale: float, window_left: int | None, layout: KeyLayout,
-                block_sparse: BlockSparsity | None = None): ...
+                block_sparse: BlockSparsity | None = None, causal: bool = True): ...
 
     def backward(self, d_out, q, k, v, out, lse, *, scale: float, window_left: int | None, layout: KeyLayout,
-                 block_sparse: BlockSparsity | None = None): ...
+                 block_sparse: BlockSparsity | None = None, causal: bool = True): ...
 
 
 class FlashAttention4:
@@ -139,37 +153,52 @@ class FlashAttention4:
         return dict(cu_seqlens_q=layout.cu_seqlens_q, cu_seqlens_k=layout.cu_seqlens_k,
                     max_seqlen_q=layout.max_seqlen_q, max_seqlen_k=layout.max_seqlen_k)
 
-    def forward(self, q, k, v, *, scale, window_left, layout, block_sparse=None):
+    def forward(self, q, k, v, *, scale, window_left, layout, block_sparse=None, causal=True):
         sparse = self._block_sparse(block_sparse, "forward")
         out, lse = self._fa._flash_attn_fwd(
-            q, k, v, softmax_scale=scale, causal=True, window_size_left=window_left,
+            q, k, v, softmax_scale=scale, causal=causal, window_size_left=window_left,
             window_size_right=None if window_left is None else 0, return_lse=True, **self._varlen(layout), **sparse,
         )[:2]
         return out, lse
 
-    def backward(self, d_out, q, k, v, out, lse, *, scale, window_left, layout, block_sparse=None):
+    def backward(self, d_out, q, k, v, out, lse, *, scale, window_left, layout, block_sparse=None, causal=True):
         # FA4's backward sums dQ (and GQA's dK/dV) with atomic adds, in no fixed order unless asked; PyTorch's
         # switch for reproducible runs asks (the Triton kernels are deterministic either way).
         sparse = self._block_sparse(block_sparse, "backward")
         dq, dk, dv = self._fa._flash_attn_bwd(
-            q, k, v, out, d_out, lse, softmax_scale=scale, causal=True, window_size_left=window_left,
+            q, k, v, out, d_out, lse, softmax_scale=scale, causal=causal, window_size_left=window_left,
             window_size_right=None if window_left is None else 0,
             deterministic=torch.are_deterministic_algorithms_enabled(), **self._varlen(layout), **sparse,
         )[:3]
         return dq, dk, dv
 
 
+def key_range(page_table: torch.Tensor, first: int, end: int, page_size: int) -> KeyLayout:
+    """Every row's keys ``first`` .. ``end`` - 1 (FA4's batched layout)."""
+    tokens = torch.arange(first, end, device=page_table.device)
+    page_ids = page_table[:, tokens // page_size].long().reshape(-1)
+    slots = (tokens % page_size).repeat(page_table.shape[0])
+    return KeyLayout(page_ids, slots, keys_per_row=end - first)
+
+
+def key_segments(kv_len: int, q_len: int, page_size: int, segment: int) -> list[tuple[int, int]]:
+    """The (first, end) key ranges a dense call attends one at a time: the past cut at multiples of ``segment``
+    (rounded down to whole pages) up to the chunk's first key, the last range holding the rest of the past and
+    the chunk. One range where no cut falls inside the past."""
+    step = max(page_size, segment // page_size * page_size)
+    q0 = kv_len - q_len
+    cuts = list(range(step, q0 + 1, step))
+    starts = [0, *cuts]
+    return list(zip(starts, [*cuts, kv_len], strict=True))
+
+
 def key_layout(page_table: torch.Tensor, kv_len: int, q_len: int, page_size: int, sliding_window: int | None,
                doc_start: torch.Tensor | None) -> KeyLayout:
     """The keys the chunk's queries (the newest ``q_len`` of ``kv_len``) can see, and FA4's sequences."""
-    b = page_table.shape[0]
     device = page_table.device
     first_key = first_visible_page(kv_len, q_len, page_size, sliding_window) * page_size
     if doc_start is None:
-        tokens = torch.arange(first_key, kv_len, device=device)
-        page_ids = page_table[:, tokens // page_size].long().reshape(-1)
-        slots = (tokens % page_size).repeat(b)
-        return KeyLayout(page_ids, slots, keys_per_row=kv_len - first_key)
+        return key_range(page_table, first_key, kv_len, page_size)
 
     # Each row's documents in the chunk: where doc_start changes. One host transfer per call.
     starts = doc_start.to(torch.int64)
@@ -218,6 +247,11 @@ def _gather(pool: torch.Tensor, layout: KeyLayout, rows: int) -> torch.Tensor:
     return x if layout.varlen else x.view(rows, layout.keys_per_row, *x.shape[1:])
 
 
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """A float32 (or float64) copy of ``x`` to accumulate segments in: never ``x`` itself, which is added to."""
+    return x.to(torch.promote_types(x.dtype, torch.float32), copy=True)
+
+
 def _add_at(pool: torch.Tensor, layout: KeyLayout, grad: torch.Tensor) -> None:
     """Adds ``grad`` (the gathered keys' gradients, any leading shape) into the pool's tokens the layout names.
     Where every (page, slot) appears once in the layout, gather-add-scatter adds each key's gradient once; else
@@ -236,9 +270,10 @@ def _add_at(pool: torch.Tensor, layout: KeyLayout, grad: torch.Tensor) -> None:
 class Flash4Attention:
     """The ``fa4`` backend's forward and backward over the paged store (signatures of kernels/reference.py)."""
 
-    def __init__(self, kernels: FlashKernels, fallback) -> None:
+    def __init__(self, kernels: FlashKernels, fallback, key_segment: int = KEY_SEGMENT) -> None:
         self.kernels = kernels
         self.fallback = fallback  # an AttentionBackend: what FA4 cannot express
+        self.key_segment = key_segment  # keys of the past one dense call gathers at a time (module docstring)
 
     def expresses(self, q: torch.Tensor, k_pool: torch.Tensor, *, sinks=None, sliding_window=None, doc_start=None,
                   page_select=None, select_block=None) -> bool:
@@ -262,17 +297,18 @@ class Flash4Attention:
             return None
         return blocks
 
-    def _prepare(self, q, k_pool, page_table, kv_len, sliding_window, doc_start, page_select, select_block):
-        """(the keys to gather, FA4's left window, the block pairs of a page-sparse call or None)."""
+    def _prepare(self, q, k_pool, page_table, kv_len, sliding_window, doc_start, page_select, select_block,
+                 direction: str):
+        """(the keys to gather, FA4's left window, the block pairs of a page-sparse call for ``direction``
+        ("forward" or "backward") or None)."""
         _, h, c, _ = q.shape
-        _, h_kv, page_size, _ = k_pool.shape
-        check_paged_args(q, k_pool, page_table, kv_len, sliding_window)
-        check_visibility_args(q, h_kv, kv_len, page_size, doc_start, page_select, select_block)
+        page_size = k_pool.shape[2]
         window_left = None if sliding_window is None else min(sliding_window, kv_len + 1) - 1
         if page_select is None:
             return key_layout(page_table, kv_len, c, page_size, sliding_window, doc_start), window_left, None
         block_q, _ = self._sparse_blocks(q, k_pool, sliding_window, doc_start, select_block)
-        keys = page_sparse_keys(page_table, kv_len, c, page_size, page_select, select_block, block_q, h)
+        keys = page_sparse_keys(page_table, kv_len, c, page_size, page_select, select_block, block_q, h,
+                                directions=(direction,))
         layout = KeyLayout(keys.page_ids, keys.slots, keys_per_row=keys.keys_per_row, distinct=False)
         return layout, window_left, keys.sparsity
 
@@ -289,6 +325,41 @@ class Flash4Attention:
             x = x.view(b, -1, *x.shape[1:])
         return x.transpose(1, 2)
 
+    @staticmethod
+    def _check(q, k_pool, page_table, kv_len, *, sliding_window, doc_start, page_select, select_block) -> None:
+        _, h_kv, page_size, _ = k_pool.shape
+        check_paged_args(q, k_pool, page_table, kv_len, sliding_window)
+        check_visibility_args(q, h_kv, kv_len, page_size, doc_start, page_select, select_block)
+
+    def _segments(self, k_pool, page_table, kv_len, q_len, *, sliding_window, doc_start, page_select,
+                  select_block) -> list[tuple[KeyLayout, bool]] | None:
+        """A dense call's key segments with their causal flag (module docstring), or None: one call. Documents
+        (FA4's variable lengths), windows and page selections bound their keys already."""
+        if sliding_window is not None or doc_start is not None or page_select is not None:
+            return None
+        page_size = k_pool.shape[2]
+        ranges = key_segments(kv_len, q_len, page_size, self.key_segment)
+        if len(ranges) == 1:
+            return None
+        return [(key_range(page_table, first, end, page_size), end == kv_len) for first, end in ranges]
+
+    def _segmented_forward(self, q, k_pool, v_pool, segments, scale):
+        """Each segment attended alone; outputs merged by log-sum-exp in float32, one segment alive at a time."""
+        b = q.shape[0]
+        queries = q.transpose(1, 2)
+        acc = lse = None
+        for layout, causal in segments:
+            out, part = self.kernels.forward(queries, _gather(k_pool, layout, b), _gather(v_pool, layout, b),
+                                             scale=scale, window_left=None, layout=layout, causal=causal)
+            if acc is None:
+                acc, lse = _at_least_float32(out), part
+                continue
+            merged = torch.logaddexp(lse, part)  # [B, H, C]; each weight below [B, C, H, 1] like FA4's out
+            acc.mul_(torch.exp(lse - merged).transpose(1, 2).unsqueeze(-1))
+            acc.add_(_at_least_float32(out).mul_(torch.exp(part - merged).transpose(1, 2).unsqueeze(-1)))
+            lse = merged
+        return acc.to(q.dtype).transpose(1, 2), lse
+
     def forward(self, q, k_pool, v_pool, page_table, kv_len, *, scale, sliding_window=None, sinks=None,
                 doc_start=None, page_select=None, select_block=None, block_tokens=None):
         """Returns (out [B, H, C, D] in q.dtype, lse [B, H, C] float32)."""
@@ -297,9 +368,12 @@ class Flash4Attention:
         if not self.expresses(q, k_pool, sinks=sinks, **visibility):
             return self.fallback.forward(q, k_pool, v_pool, page_table, kv_len, scale=scale, sinks=sinks,
                                          **visibility)
-        layout, window_left, sparsity = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
-                                                      page_select, select_block)
+        self._check(q, k_pool, page_table, kv_len, **visibility)
         b, h, c, _ = q.shape
+        if segments := self._segments(k_pool, page_table, kv_len, c, **visibility):
+            return self._segmented_forward(q, k_pool, v_pool, segments, scale)
+        layout, window_left, sparsity = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
+                                                      page_select, select_block, "forward")
         sparse = {} if sparsity is None else dict(block_sparse=sparsity)  # kernels before it take no such argument
         out, lse = self.kernels.forward(self._queries(q, layout), _gather(k_pool, layout, b),
                                         _gather(v_pool, layout, b), scale=scale, window_left=window_left,
@@ -319,8 +393,11 @@ class Flash4Attention:
                                           scale=scale, sinks=sinks, **visibility)
         if dk_pool.shape != k_pool.shape or dv_pool.shape != k_pool.shape:
             raise ValueError("dk_pool and dv_pool must match k_pool's shape")
+        self._check(q, k_pool, page_table, kv_len, **visibility)
+        if segments := self._segments(k_pool, page_table, kv_len, q.shape[2], **visibility):
+            return self._segmented_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, segments, scale)
         layout, window_left, sparsity = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
-                                                      page_select, select_block)
+                                                      page_select, select_block, "backward")
         b, h, c, _ = q.shape
         if layout.varlen:  # [B, H, C] -> [H, B * C]
             lse = lse.transpose(0, 1).reshape(h, b * c)
@@ -333,3 +410,18 @@ class Flash4Attention:
         _add_at(dk_pool, layout, dk)
         _add_at(dv_pool, layout, dv)
         return self._heads_first(dq, b, layout), None
+
+    def _segmented_backward(self, d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, segments, scale):
+        """Each segment's backward against the whole call's out and lse: its dK/dV added into the pages, its dQ
+        summed in float32."""
+        b = q.shape[0]
+        queries, grads, outs, lse = q.transpose(1, 2), d_out.transpose(1, 2), out.transpose(1, 2), lse.contiguous()
+        dq = None
+        for layout, causal in segments:
+            part, dk, dv = self.kernels.backward(grads, queries, _gather(k_pool, layout, b),
+                                                 _gather(v_pool, layout, b), outs, lse, scale=scale,
+                                                 window_left=None, layout=layout, causal=causal)
+            _add_at(dk_pool, layout, dk)
+            _add_at(dv_pool, layout, dv)
+            dq = _at_least_float32(part) if dq is None else dq.add_(part)
+        return dq.to(q.dtype).transpose(1, 2), None

@@ -85,10 +85,11 @@ class BlockLists:
 
 @dataclass(frozen=True)
 class BlockSparsity:
-    """One page-sparse call's pairs of (query block, key block) over the gathered keys, in both of FA4's forms."""
+    """One page-sparse call's pairs of (query block, key block) over the gathered keys, in FA4's form for the
+    forward, the backward, or both (a direction not asked for is None: a call reads only its own)."""
 
-    forward: BlockLists  # rows: query blocks of block_q; entries: key blocks of block_kv
-    backward: BlockLists  # rows: key blocks; entries: query blocks
+    forward: BlockLists | None  # rows: query blocks of block_q; entries: key blocks of block_kv
+    backward: BlockLists | None  # rows: key blocks; entries: query blocks
     block_q: int
     block_kv: int
 
@@ -158,9 +159,13 @@ def compact(bits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]
     return cnt, idx[..., :width]
 
 
+DIRECTIONS = ("forward", "backward")
+
+
 def block_sparsity(page_select: torch.Tensor, where: torch.Tensor, n_union: int, q_len: int, select_block: int,
-                   block_q: int, page_size: int, num_heads: int) -> BlockSparsity:
-    """The pairs of FA4 blocks over keys gathered as the module docstring draws them.
+                   block_q: int, page_size: int, num_heads: int, directions=DIRECTIONS) -> BlockSparsity:
+    """The pairs of FA4 blocks over keys gathered as the module docstring draws them, listed for ``directions``
+    (the others None: each attention call builds only the lists its kernel reads).
 
     ``where`` [B, n_past]: each past page's place among the gathered ones (chosen_pages); ``n_union``: U.
     Memory: [B, H_sel, ceil(C / block_q), U + ceil(C / page)] bools and their int64 cumulative sums, per call
@@ -193,14 +198,18 @@ def block_sparsity(page_select: torch.Tensor, where: torch.Tensor, n_union: int,
         full_cnt, full_idx = compact(full_bits, full_width)
         return BlockLists(*(per_head(x) for x in (mask_cnt[None, None], mask_idx[None, None], full_cnt, full_idx)))
 
-    forward = lists(mask, max_mask, full, min(page_select.shape[3], n_union) + max_full)
-    backward = lists(mask.T, max_mask_of_page, full.transpose(2, 3), n_q)
+    if unknown := set(directions) - set(DIRECTIONS):
+        raise ValueError(f"directions: {sorted(unknown)} are not among {DIRECTIONS}")
+    forward = lists(mask, max_mask, full, min(page_select.shape[3], n_union) + max_full) \
+        if "forward" in directions else None
+    backward = lists(mask.T, max_mask_of_page, full.transpose(2, 3), n_q) if "backward" in directions else None
     return BlockSparsity(forward, backward, block_q, page_size)
 
 
 def page_sparse_keys(page_table: torch.Tensor, kv_len: int, q_len: int, page_size: int, page_select: torch.Tensor,
-                     select_block: int, block_q: int, num_heads: int) -> SparseKeys:
-    """The keys one page-sparse call gathers (its chosen pages, then its chunk) and FA4's pairs over them."""
+                     select_block: int, block_q: int, num_heads: int, directions=DIRECTIONS) -> SparseKeys:
+    """The keys one page-sparse call gathers (its chosen pages, then its chunk) and FA4's pairs over them, listed
+    for ``directions``."""
     b = page_table.shape[0]
     device = page_table.device
     q0 = kv_len - q_len  # the chunk starts on a page (check_visibility_args)
@@ -210,5 +219,5 @@ def page_sparse_keys(page_table: torch.Tensor, kv_len: int, q_len: int, page_siz
     page_ids = torch.cat([page_table.gather(1, pages).long().repeat_interleave(page_size, dim=1),
                           page_table[:, own // page_size].long()], dim=1)
     slots = torch.cat([torch.arange(page_size, device=device).repeat(u), own % page_size]).repeat(b)
-    sparsity = block_sparsity(page_select, where, u, q_len, select_block, block_q, page_size, num_heads)
+    sparsity = block_sparsity(page_select, where, u, q_len, select_block, block_q, page_size, num_heads, directions)
     return SparseKeys(page_ids.reshape(-1), slots, u * page_size + q_len, sparsity)

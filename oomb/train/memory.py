@@ -361,24 +361,50 @@ def print_plan(plan: MemoryPlan, longest: int, console: Console, *, gpu_source: 
         console.print(f"note: {note}")
 
 
+def plan_with_any_host(cfg: Config, device_type: str, dtype: torch.dtype, config, gpu_bytes: int | None
+                       ) -> MemoryPlan:
+    """The plan `oomb train` would settle for cfg's data.seq_len with train.offload=true on a GPU of ``gpu_bytes``
+    and a host of any size: its `auto` settings (chunk, offload GPU allowance, master weights) chosen as for a
+    run (auto_choices), so a length that does not fit here is planned at the chunk a bigger host would run, not
+    at the smallest one tried here. Settings offload refuses (the attention cache, layer recompute) are off."""
+    c = copy.deepcopy(cfg)
+    c.train.offload = True
+    if c.train.cache_attention in (True, "host"):
+        c.train.cache_attention = False
+    if c.train.recompute in ("layer", "layer-host"):
+        c.train.recompute = "chunk"
+    settings = _settings(c, device_type, dtype)
+    plan, _ = plan_first_fitting(config, auto_choices(c, device_type, c.data.seq_len), seq_len=c.data.seq_len,
+                                 **settings, device_total_bytes=gpu_bytes, host_total_bytes=None)
+    return plan
+
+
 def needs_and_time(cfg: Config, plan: MemoryPlan, device_type: str, dtype: torch.dtype, config) -> dict:
-    """What the asked length needs where it does not fit (GPU alone, or GPU and host with offload), and the
-    predicted seconds of a dense step on the GPU the step rates were measured on (None: not predicted)."""
+    """``cfg`` as asked (its `auto` settings not settled), ``plan`` its plan here. What the asked length needs where it does not fit (GPU alone, or GPU and host with offload), and the
+    predicted seconds of a dense step on the GPU the step rates were measured on (None: not predicted).
+
+    Where it does not fit, "needs" is planned as `oomb train` would run it on this GPU with a host of any size
+    (plan_with_any_host: its chunk, and the pages of as many whole layers as the GPU holds besides the rest),
+    and with the same settings and every page on the GPU; the prediction is for that offloaded run (no
+    attention cache)."""
     n = cfg.data.seq_len
     result = {"needs": None, "predicted_dense_step_s": None, "predicted_with_attention_cache": None,
               "predicted_on": H200_DENSE.gpu}
     if device_type != "cuda":
         return result
+    cached = plan.settings.get("cache_attention") in (True, "host")
     if not plan.fits:
-        settings = {**_settings(cfg, device_type, dtype), **{k: plan.settings[k] for k in
-                    ("chunk_size", "cache_attention", "master_weights") if k in plan.settings}}
-        on_gpu = plan_memory(config, seq_len=n, **{**settings, "offload": False})
-        offloaded = plan_memory(config, seq_len=n, **{**settings, "offload": True, "cache_attention": False,
-                                                      "offload_gpu_bytes": 0, "recompute": "chunk"})
+        offloaded = plan_with_any_host(cfg, device_type, dtype, config, plan.device_total_bytes)
+        same = {k: offloaded.settings[k] for k in ("chunk_size", "master_weights", "recompute", "cache_attention")}
+        on_gpu = plan_memory(config, seq_len=n, **{**_settings(cfg, device_type, dtype), **same, "offload": False,
+                                                   "offload_gpu_bytes": 0})
+        cached = False
         result["needs"] = {"gpu_bytes_pages_on_gpu": on_gpu.gpu_bytes, "gpu_bytes_pages_on_host": offloaded.gpu_bytes,
-                           "host_bytes_pages_on_host": offloaded.host_bytes}
+                           "host_bytes_pages_on_host": offloaded.host_bytes,
+                           "chunk_size": offloaded.settings["chunk_size"],
+                           "layers_on_gpu": offloaded.settings["offload_resident_layers"],
+                           "fits_gpu_offloaded": offloaded.gpu_fits}
     if cfg.train.page_budget is None and cfg.model.quantize == "none":  # page-sparse, 4-bit (QLoRA): not measured
-        cached = plan.settings.get("cache_attention") in (True, "host")
         result["predicted_dense_step_s"] = predict_step_seconds(config, n, cfg.train.batch_size, cache_attention=cached)
         result["predicted_with_attention_cache"] = cached
     return result
@@ -387,10 +413,15 @@ def needs_and_time(cfg: Config, plan: MemoryPlan, device_type: str, dtype: torch
 def _needs_and_time_lines(cfg: Config, found: dict) -> list[str]:
     lines = []
     if (needs := found["needs"]) is not None:
+        layers = needs["layers_on_gpu"]
+        kept = (f"the pages of {layers} layer{'s' * (layers != 1)} kept on the GPU" if layers
+                else "every layer's pages in host memory")
+        gpu = _gib(needs["gpu_bytes_pages_on_host"]) + ("" if needs["fits_gpu_offloaded"] else
+                                                        " (more than this GPU has, at any chunk)")
         lines.append(f"data.seq_len={cfg.data.seq_len:,} needs {_gib(needs['gpu_bytes_pages_on_gpu'])} of GPU memory "
-                     f"with every page on the GPU, or {_gib(needs['gpu_bytes_pages_on_host'])} of GPU memory and "
-                     f"{_gib(needs['host_bytes_pages_on_host'])} of host memory with the pages on the host "
-                     "(train.offload=true; more GPU memory keeps whole layers' pages there and needs less host memory)")
+                     f"with every page on the GPU, or with train.offload=true {gpu} of GPU memory and "
+                     f"{_gib(needs['host_bytes_pages_on_host'])} of host memory (chunk {needs['chunk_size']}, "
+                     f"{kept}; as `oomb train` would run it with this GPU and a host that large)")
     if (seconds := found["predicted_dense_step_s"]) is not None:
         shown = f"{seconds:,.0f}" if seconds >= 100 else f"{seconds:.1f}"
         cache = "with" if found["predicted_with_attention_cache"] else "without"
@@ -422,18 +453,19 @@ def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memo
     gpu = parse_bytes(gpu_memory) if gpu_memory is not None else gpu_here if on_cuda else None
     host = parse_bytes(host_memory) if host_memory is not None else host_here
     auto = {k for k in ("chunk_size", "cache_attention", "recompute") if getattr(cfg.train, k) == "auto"}
+    asked = copy.deepcopy(cfg)  # before its `auto` settings are settled: what a bigger machine would settle
     plan, longest = resolve_auto_settings(cfg, device.type, dtype, gpu_bytes=gpu, host_bytes=host)
     config = model_config(cfg)
     if as_json:
         warnings = [w for w in (positions_warning(cfg, config),) if w is not None]
         print(json.dumps({**plan.to_dict(), "largest_seq_len": longest, "warnings": warnings,
-                          **needs_and_time(cfg, plan, device.type, dtype, config)}, indent=2))
+                          **needs_and_time(asked, plan, device.type, dtype, config)}, indent=2))
     else:
         print_plan(plan, longest, console,
                    gpu_source="--gpu-memory" if gpu_memory is not None else f"free on {device}",
                    host_source="--host-memory" if host_memory is not None else "available on this machine")
         console.print(f"step: {describe_step_choice(cfg, auto, planned=True)}", highlight=False, soft_wrap=True)
-        for line in _needs_and_time_lines(cfg, needs_and_time(cfg, plan, device.type, dtype, config)):
+        for line in _needs_and_time_lines(cfg, needs_and_time(asked, plan, device.type, dtype, config)):
             console.print(line, highlight=False, soft_wrap=True)
         if (advice := offload_selection_note(cfg)) is not None:
             console.print(f"note: {advice}", highlight=False, soft_wrap=True)

@@ -23,6 +23,7 @@ from oomb.engine.plan import (
     saved_bytes_per_token,
     store_spec,
 )
+from oomb.kernels.flash4 import KEY_SEGMENT
 from oomb.train.presets import preset_config
 
 MiB = 2**20
@@ -421,10 +422,10 @@ def test_the_plan_predicts_the_measured_h200_peaks(record, row, optimizer, atten
     assert 0.98 <= planned / measured <= 1.05, (planned, measured, planned / measured)
 
 
-def test_fa4_workspace_of_a_sparse_run_is_bounded_by_its_page_lists():
-    """fa4 gathers every key for dense attention, but for page-sparse attention at most the pages the lists name
-    plus the chunk (Qwen2.5-7B at 1M tokens: 8 GiB of gathered K/V and gradients dense, 0.1 GiB with one list of
-    64 pages per chunk of 4096)."""
+def test_fa4_workspace_is_bounded_by_key_segments_dense_and_by_page_lists_sparse():
+    """fa4 gathers a dense call's keys up to KEY_SEGMENT of the past and the chunk (longer pasts in segments:
+    Qwen2.5-7B at 1M tokens gathers 2 GiB instead of 8), and a page-sparse call's at most the pages its lists
+    name plus the chunk."""
     cfg = preset_config("qwen2.5-7b")
     n = 1 << 20
     kw = dict(seq_len=n, chunk_size=4096, page_size=128, dtype=torch.bfloat16, device_type="cuda", offload=True,
@@ -433,12 +434,19 @@ def test_fa4_workspace_of_a_sparse_run_is_bounded_by_its_page_lists():
     def workspace(**more) -> int:
         return _items(plan_memory(cfg, **{**kw, **more}), "gpu_bytes")["chunk workspace"]
 
-    per_key = 8 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    per_key = 8 * cfg.num_key_value_heads * head_dim * 2
+    merged = 2 * 4096 * cfg.num_attention_heads * head_dim * 4  # the float32 output and dQ of segmented calls
     dense = workspace()
-    # Lists per 128 queries: 32 lists of 64 pages and the chunk, where dense gathers the whole sequence.
-    assert dense - workspace(page_budget=64, select_block=128) == per_key * (n - (32 * 64 * 128 + 4096))
-    # One list per KV head names four times as many pages: more than the sequence holds, so all of it.
-    assert workspace(page_budget=64, select_block=128, per_head_selection=True) == dense
+    assert dense == workspace(seq_len=KEY_SEGMENT + 4096) + merged == workspace(seq_len=4 * n)
+    assert workspace(seq_len=KEY_SEGMENT) == workspace(seq_len=KEY_SEGMENT + 4096) - per_key * 4096
+    # Lists per 128 queries: 32 lists of 64 pages and the chunk (as many keys as one dense segment, here).
+    sparse = workspace(page_budget=64, select_block=128)
+    assert dense - sparse == per_key * (KEY_SEGMENT - 32 * 64 * 128) + merged
+    # One list per KV head names four times as many pages: more than the sequence holds, so all of it (block
+    # sparsity gathers the union in one call).
+    assert workspace(page_budget=64, select_block=128, per_head_selection=True) - sparse == \
+        per_key * (n - 32 * 64 * 128 - 4096)
     # One list per chunk: the gather is smaller than the fused loss's workspace, which the chunk then needs.
     one_list = workspace(page_budget=64, select_block=4096)
-    assert one_list == workspace(page_budget=64, select_block=4096, attention="triton") < dense - per_key * n // 2
+    assert one_list == workspace(page_budget=64, select_block=4096, attention="triton") < sparse

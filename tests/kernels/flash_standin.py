@@ -3,7 +3,8 @@ pages, packing of documents and scattering of gradients can be checked on CPU.
 
 Layouts as FA4's: q [B, C, H, D] with k/v [B, S, H_kv, D], or variable lengths q [T_q, H, D] with
 k/v [T_k, H_kv, D] and cu_seqlens; lse [B, H, C] or [H, T_q]. Causal aligned bottom-right in each
-sequence; ``window_left`` keys before each query's own position stay visible (None: all).
+sequence; ``window_left`` keys before each query's own position stay visible (None: all); with
+``causal=False`` every key. The backward computes from the out and lse it is given, as FA4's does.
 
 Block sparsity (``block_sparse``, oomb.kernels.flash4_sparse.BlockSparsity) as FA4 reads it: a query
 sees only keys of the blocks its query block lists, its mask blocks under the causal mask, its full
@@ -21,8 +22,12 @@ import torch
 from oomb.kernels import reference
 
 
-def _causal(c, s, window_left):
-    """[C, S] bool: bottom-right causal (the last query sees the last key), within the left window."""
+def _causal(c, s, window_left, causal=True):
+    """[C, S] bool: bottom-right causal (the last query sees the last key), within the left window; every key
+    where not ``causal``."""
+    if not causal:
+        assert window_left is None, "oomb calls FA4 without the causal mask only on whole segments, no window"
+        return torch.ones(c, s, dtype=torch.bool)
     qi = torch.arange(c)[:, None] + (s - c)
     kj = torch.arange(s)[None, :]
     visible = kj <= qi
@@ -92,8 +97,9 @@ def _one_sequence(q, k, v, scale, window_left, visible=None):
     return out, lse
 
 
-def _sparse_grads(d_out, q, k, v, out, lse, scale, visible):
-    """One row's dq [C, H, D], dk/dv [S, H_kv, D] from the forward's lse and out, as FA4's backward computes them."""
+def _grads(d_out, q, k, v, out, lse, scale, visible):
+    """One sequence's dq [C, H, D], dk/dv [S, H_kv, D] from the forward's lse and out, as FA4's backward computes
+    them: a call given only some of the keys gets their share of the whole softmax's gradients."""
     h, h_kv = q.shape[1], k.shape[1]
     g = h // h_kv
     kg, vg = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
@@ -112,26 +118,37 @@ def _sparse_grads(d_out, q, k, v, out, lse, scale, visible):
     return dq, per_kv_head(dk), per_kv_head(dv)
 
 
-def _attend(q, k, v, scale, window_left, layout, block_sparse=None):
-    if block_sparse is not None:
-        assert not layout.varlen and window_left is None, "oomb passes block sparsity with FA4's batched layout only"
-        _check_dims(block_sparse.forward, q.shape[0], q.shape[2])
-        vis = [_sparse_visible(block_sparse, b, q.shape[2], q.shape[1], k.shape[1], False) for b in range(q.shape[0])]
+def _sequences(q, k, layout):
+    """(query rows, key rows) of each of FA4's sequences: rows of the batched layout, or cu_seqlens' ranges."""
     if not layout.varlen:
-        outs, lses = zip(*(_one_sequence(q[b], k[b], v[b], scale, window_left,
-                                         None if block_sparse is None else vis[b]) for b in range(q.shape[0])),
-                         strict=True)
-        return torch.stack(outs), torch.stack(lses)
+        return [((b,), (b,)) for b in range(q.shape[0])]
     cu_q, cu_k = layout.cu_seqlens_q.tolist(), layout.cu_seqlens_k.tolist()
     assert max(b - a for a, b in zip(cu_q, cu_q[1:], strict=False)) <= layout.max_seqlen_q
     assert max(b - a for a, b in zip(cu_k, cu_k[1:], strict=False)) <= layout.max_seqlen_k
     assert cu_q[-1] == q.shape[0] and cu_k[-1] == k.shape[0], "sequences must cover q and k back to back"
-    outs, lses = [], []
-    for i in range(len(cu_q) - 1):
-        o, lse = _one_sequence(q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]], scale,
-                               window_left)
-        outs.append(o)
-        lses.append(lse)
+    return [((slice(cu_q[i], cu_q[i + 1]),), (slice(cu_k[i], cu_k[i + 1]),)) for i in range(len(cu_q) - 1)]
+
+
+def _visible(q, k, layout, window_left, causal, block_sparse, backward):
+    """[H, C, S] bool of each sequence: what its queries see (the block lists' pairs, or the causal mask)."""
+    if block_sparse is not None:
+        assert not layout.varlen and window_left is None and causal, \
+            "oomb passes block sparsity with FA4's batched layout only, causal, no window"
+        _check_dims(block_sparse.backward if backward else block_sparse.forward, q.shape[0], q.shape[2])
+        return [_sparse_visible(block_sparse, b, q.shape[2], q.shape[1], k.shape[1], backward)
+                for b in range(q.shape[0])]
+    assert causal or not layout.varlen, "oomb calls FA4 without the causal mask only in the batched layout"
+    return [_causal(q[qi].shape[0], k[ki].shape[0], window_left, causal).expand(q.shape[-2], -1, -1)
+            for qi, ki in _sequences(q, k, layout)]
+
+
+def _attend(q, k, v, scale, window_left, layout, block_sparse=None, causal=True):
+    seqs = _sequences(q, k, layout)
+    visible = _visible(q, k, layout, window_left, causal, block_sparse, backward=False)
+    outs, lses = zip(*(_one_sequence(q[qi], k[ki], v[ki], scale, window_left, vis)
+                       for (qi, ki), vis in zip(seqs, visible, strict=True)), strict=True)
+    if not layout.varlen:
+        return torch.stack(outs), torch.stack(lses)
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
@@ -160,23 +177,21 @@ class TorchFlash:
             assert (block_sparse.block_q, block_sparse.block_kv) == self.sparse_blocks, "blocks it does not offer"
             self.sparse_calls += 1
 
-    def forward(self, q, k, v, *, scale, window_left, layout, block_sparse=None):
+    def forward(self, q, k, v, *, scale, window_left, layout, block_sparse=None, causal=True):
         self._count(block_sparse)
-        return _attend(q, k, v, scale, window_left, layout, block_sparse)
+        return _attend(q, k, v, scale, window_left, layout, block_sparse, causal)
 
-    def backward(self, d_out, q, k, v, out, lse, *, scale, window_left, layout, block_sparse=None):
+    def backward(self, d_out, q, k, v, out, lse, *, scale, window_left, layout, block_sparse=None, causal=True):
+        # As FA4's: from the given out and lse (a segment's share of a softmax over more keys than it is given).
         self._count(block_sparse)
-        if block_sparse is not None:
-            assert not layout.varlen and window_left is None
-            b, c, h, _ = q.shape
-            _check_dims(block_sparse.backward, b, h)
-            grads = [_sparse_grads(d_out[i], q[i], k[i], v[i], out[i], lse[i], scale,
-                                   _sparse_visible(block_sparse, i, h, c, k.shape[1], True)) for i in range(b)]
-            return tuple(torch.stack(x) for x in zip(*grads, strict=True))
-        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-        with torch.enable_grad():
-            o, _ = _attend(q, k, v, scale, window_left, layout)
-            return torch.autograd.grad(o, (q, k, v), d_out)
+        seqs = _sequences(q, k, layout)
+        visible = _visible(q, k, layout, window_left, causal, block_sparse, backward=True)
+        lse_of = (lambda qi: lse[qi]) if not layout.varlen else (lambda qi: lse[:, qi[0]])
+        grads = [_grads(d_out[qi], q[qi], k[ki], v[ki], out[qi], lse_of(qi), scale, vis)
+                 for (qi, ki), vis in zip(seqs, visible, strict=True)]
+        dq, dk, dv = zip(*grads, strict=True)
+        join = torch.stack if not layout.varlen else torch.cat
+        return join(dq), join(dk), join(dv)
 
 
 class FallbackSpy:

@@ -12,7 +12,7 @@ from helpers import assert_close_rel
 from paged_inputs import make_problem, random_doc_start, random_page_select
 
 from oomb.kernels import AttentionBackend, flash4_unavailable, get_backend, reference
-from oomb.kernels.flash4 import Flash4Attention, key_layout
+from oomb.kernels.flash4 import Flash4Attention, key_layout, key_segments
 
 REFERENCE = AttentionBackend("torch", reference.paged_attention_forward, reference.paged_attention_backward)
 
@@ -34,17 +34,13 @@ def _attention(fallback=REFERENCE):
     return Flash4Attention(kernels, fallback=fallback), kernels
 
 
-@pytest.mark.parametrize("b,h,h_kv,c,kv_len,d,page,window,docs", CASES)
-def test_fa4_backend_matches_reference(b, h, h_kv, c, kv_len, d, page, window, docs):
-    torch.manual_seed(0)
-    pb = make_problem(b, h, h_kv, c, kv_len, d, page, dtype=torch.float64)
-    kw = dict(scale=d**-0.5, sliding_window=window)
-    if docs:
-        kw["doc_start"] = random_doc_start(b, c, kv_len, docs)
-    attention, kernels = _attention()
+def _check_against_reference(attention, kernels, pb, kw, calls_per_direction=1):
+    """Forward and backward of ``attention`` against the reference backend in float64 (gradients ADDED to random
+    pools), the stand-in for FA4 having run ``calls_per_direction`` times each way."""
+    kv_len = pb.kv_len
     out, lse = attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
     ref_out, ref_lse = reference.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
-    assert kernels.calls == 1, "the stand-in for FA4 ran, not the fallback"
+    assert kernels.calls == calls_per_direction, "the stand-in for FA4 ran, not the fallback"
     assert_close_rel(out, ref_out, 1e-10, "out")
     assert_close_rel(lse, ref_lse, 1e-10, "lse")
 
@@ -54,10 +50,22 @@ def test_fa4_backend_matches_reference(b, h, h_kv, c, kv_len, d, page, window, d
     dq, d_sinks = attention.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len, **kw)
     ref_dq, _ = reference.paged_attention_backward(d_out, pb.q, ref_out, ref_lse, pb.k_pool, pb.v_pool, ref_dk,
                                                    ref_dv, pb.page_table, kv_len, **kw)
-    assert kernels.calls == 2 and d_sinks is None
+    assert kernels.calls == 2 * calls_per_direction and d_sinks is None
     assert_close_rel(dq, ref_dq, 1e-10, "dq")
     assert_close_rel(dk - dk0, ref_dk - dk0, 1e-10, "dk added")
     assert_close_rel(dv - dv0, ref_dv - dv0, 1e-10, "dv added")
+    return dk, dk0, dv, dv0
+
+
+@pytest.mark.parametrize("b,h,h_kv,c,kv_len,d,page,window,docs", CASES)
+def test_fa4_backend_matches_reference(b, h, h_kv, c, kv_len, d, page, window, docs):
+    torch.manual_seed(0)
+    pb = make_problem(b, h, h_kv, c, kv_len, d, page, dtype=torch.float64)
+    kw = dict(scale=d**-0.5, sliding_window=window)
+    if docs:
+        kw["doc_start"] = random_doc_start(b, c, kv_len, docs)
+    attention, kernels = _attention()
+    dk, dk0, dv, dv0 = _check_against_reference(attention, kernels, pb, kw)
     # Spare pages (in no row's table) and the padding slots of a ragged last page keep their bits.
     used = set(pb.page_table.reshape(-1).tolist())
     for pid in range(dk.shape[0]):
@@ -67,6 +75,47 @@ def test_fa4_backend_matches_reference(b, h, h_kv, c, kv_len, d, page, window, d
     if tail:
         last = pb.page_table[:, -1].long()
         assert torch.equal(dk[last, :, tail:], dk0[last, :, tail:])
+
+
+def test_key_segments_cut_the_past_at_whole_pages_and_keep_the_chunk_whole():
+    assert key_segments(77, 13, 8, 16) == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 77)]
+    assert key_segments(77, 13, 8, 20) == key_segments(77, 13, 8, 16)  # whole pages: 20 keys -> 16
+    assert key_segments(77, 20, 8, 16) == [(0, 16), (16, 32), (32, 48), (48, 77)]  # the chunk starts at 57
+    assert key_segments(77, 13, 8, 64) == [(0, 64), (64, 77)]
+    assert key_segments(77, 13, 8, 65) == [(0, 64), (64, 77)]
+    assert key_segments(60, 13, 8, 64) == [(0, 60)]  # no cut inside the past: one call
+    assert key_segments(16, 16, 8, 8) == [(0, 16)]  # the first chunk
+    assert key_segments(24, 8, 8, 4) == [(0, 8), (8, 16), (16, 24)]  # segments of at least a page
+
+
+SEGMENT_CASES = [
+    # b, h, h_kv, c, kv_len, d, page, key_segment, segments
+    pytest.param(1, 4, 2, 13, 77, 8, 8, 16, 5, id="gqa-ragged-chunk"),
+    pytest.param(2, 3, 3, 16, 64, 8, 8, 24, 3, id="two-rows-mha-segments-of-three-pages"),
+    pytest.param(1, 4, 1, 8, 80, 16, 8, 64, 2, id="mqa-long-last-segment"),
+]
+
+
+@pytest.mark.parametrize("b,h,h_kv,c,kv_len,d,page,key_segment,segments", SEGMENT_CASES)
+def test_a_long_past_attended_in_segments_matches_the_reference(b, h, h_kv, c, kv_len, d, page, key_segment,
+                                                                  segments):
+    torch.manual_seed(0)
+    pb = make_problem(b, h, h_kv, c, kv_len, d, page, dtype=torch.float64)
+    kernels = TorchFlash()
+    attention = Flash4Attention(kernels, fallback=REFERENCE, key_segment=key_segment)
+    _check_against_reference(attention, kernels, pb, dict(scale=d**-0.5), calls_per_direction=segments)
+
+
+@pytest.mark.parametrize("what", ["window", "documents", "page_select"])
+def test_windows_documents_and_selections_are_not_cut_into_segments(what):
+    torch.manual_seed(0)
+    b, h, h_kv, c, kv_len, d, page = 1, 4, 2, 16, 80, 8, 8
+    pb = make_problem(b, h, h_kv, c, kv_len, d, page, dtype=torch.float64)
+    kw = {"window": dict(sliding_window=70), "documents": dict(doc_start=random_doc_start(b, c, kv_len, 2)),
+          "page_select": dict(page_select=random_page_select(b, 1, c, kv_len, page, 16, 3), select_block=16)}[what]
+    kernels = TorchFlash(sparse_blocks=(8, 8))
+    attention = Flash4Attention(kernels, fallback=REFERENCE, key_segment=16)
+    _check_against_reference(attention, kernels, pb, dict(scale=d**-0.5, **kw))
 
 
 def test_a_window_gathers_only_the_pages_it_can_see():
@@ -156,6 +205,34 @@ def test_fa4_bf16_matches_the_reference_on_gpu(c, kv_len, window, docs):
     dq, _ = fa4.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len, **kw)
     ref_dq, _ = reference.paged_attention_backward(d_out.float(), q32, ref_out, ref_lse, k32, v32, ref_dk, ref_dv,
                                                    pb.page_table, kv_len, **kw)
+    assert_close_rel(dq.float(), ref_dq, 1e-2, "dq")
+    assert_close_rel(dk, ref_dk, 1e-2, "dk")
+    assert_close_rel(dv, ref_dv, 1e-2, "dv")
+
+
+@pytest.mark.gpu
+def test_fa4_bf16_in_key_segments_matches_the_reference_on_gpu():
+    # 4096 queries over 32K keys in four segments of 8192 (the default cuts from 256K keys on): FA4 without the
+    # causal mask on the past's segments, its backward from the merged out and lse.
+    if (reason := flash4_unavailable()) is not None:
+        pytest.skip(reason)
+    from oomb.kernels.flash4 import FlashAttention4
+
+    torch.manual_seed(0)
+    h, h_kv, d, page, c, kv_len = 28, 4, 128, 128, 4096, 32768
+    pb = make_problem(1, h, h_kv, c, kv_len, d, page, dtype=torch.bfloat16, device="cuda")
+    fa4 = Flash4Attention(FlashAttention4(), fallback=None, key_segment=8192)
+    q32, k32, v32 = pb.q.float(), pb.k_pool.float(), pb.v_pool.float()
+    out, lse = fa4.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, scale=d**-0.5)
+    ref_out, ref_lse = reference.paged_attention_forward(q32, k32, v32, pb.page_table, kv_len, scale=d**-0.5)
+    assert_close_rel(out.float(), ref_out, 1e-2, "out")
+    assert_close_rel(lse, ref_lse, 1e-3, "lse")
+    d_out = torch.randn_like(pb.q)
+    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    ref_dk, ref_dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    dq, _ = fa4.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len, scale=d**-0.5)
+    ref_dq, _ = reference.paged_attention_backward(d_out.float(), q32, ref_out, ref_lse, k32, v32, ref_dk, ref_dv,
+                                                   pb.page_table, kv_len, scale=d**-0.5)
     assert_close_rel(dq.float(), ref_dq, 1e-2, "dq")
     assert_close_rel(dk, ref_dk, 1e-2, "dk")
     assert_close_rel(dv, ref_dv, 1e-2, "dv")

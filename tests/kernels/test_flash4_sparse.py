@@ -248,6 +248,20 @@ def test_unchosen_pages_that_alias_a_chosen_one_do_not_lose_its_gradient(monkeyp
         _compare(Flash4Attention(kernels, fallback=None), slot, kw)
 
 
+def test_each_call_gets_only_its_own_directions_lists():
+    pb, kw = _problem(2, 4, 2, 1, 32, 10, 16, 8, 16, 3)
+    seen = []
+
+    def record(direction, s):
+        seen.append((direction, s.forward is not None, s.backward is not None))
+        return s
+
+    _compare(Flash4Attention(_Mutated((8, 8), record), fallback=None), pb, kw)
+    assert seen == [("forward", True, False), ("backward", False, True)]
+    with pytest.raises(ValueError, match="sideways"):
+        page_sparse_keys(pb.page_table, pb.kv_len, 32, 8, kw["page_select"], 16, 8, 4, directions=("sideways",))
+
+
 @pytest.mark.parametrize("what", ["older-kernels", "documents", "window", "select-block", "page-size"])
 def test_selections_fa4_cannot_express_go_to_the_fallback_in_both_directions(what):
     b, h, h_kv, c, n_past, d, page = 1, 4, 2, 24, 8, 8, 8
