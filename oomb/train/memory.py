@@ -380,8 +380,9 @@ def plan_with_any_host(cfg: Config, device_type: str, dtype: torch.dtype, config
 
 
 def needs_and_time(cfg: Config, plan: MemoryPlan, device_type: str, dtype: torch.dtype, config) -> dict:
-    """``cfg`` as asked (its `auto` settings not settled), ``plan`` its plan here. What the asked length needs where it does not fit (GPU alone, or GPU and host with offload), and the
+    """What the asked length needs where it does not fit (GPU alone, or GPU and host with offload), and the
     predicted seconds of a dense step on the GPU the step rates were measured on (None: not predicted).
+    ``cfg``: the config as asked (its `auto` settings not settled); ``plan``: its plan on this machine.
 
     Where it does not fit, "needs" is planned as `oomb train` would run it on this GPU with a host of any size
     (plan_with_any_host: its chunk, and the pages of as many whole layers as the GPU holds besides the rest),
