@@ -40,6 +40,10 @@ Rows, in this order (the JSON is rewritten after every row, so a run cut short k
 plan (no optimizer) leaves free on the GPU less oomb.engine.plan.AUTO_GPU_MARGIN_BYTES, so the pages fill
 the GPU and the host together. Default 0: only the two working layers on the GPU, as in the paper.
 
+``--fused-ops``: liger's fused RMSNorm, SwiGLU and RoPE as `oomb train` swaps them in (default ``auto``:
+on CUDA where liger imports; records made before 2026-12-05 ran ``none``). ``--fa4-block-sparse``:
+page-sparse rows on FA4's block sparsity (kernels/flash4_sparse.py) where the fa4 backend runs them.
+
 ``--time-budget S``: rows not started within S seconds are recorded as skipped (the device scripts
 give the bench a hard timeout as well). ``--device cpu --dtype float32`` runs the same rows on CPU
 with wall-clock timing (tests/bench/test_offload_bench.py).
@@ -66,7 +70,10 @@ import torch
 import oomb
 from benchmarks.common import add_step_arguments, command_line, int_list, run_benchmark, time_steps
 from oomb.engine import store_for_model
+from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
+from oomb.engine.fused_ops import use_fused_ops
 from oomb.engine.plan import AUTO_GPU_MARGIN_BYTES, plan_memory
+from oomb.kernels.flash4 import BLOCK_SPARSE_ENV
 from oomb.sparse import PageSelection
 
 GIB = 2**30
@@ -342,8 +349,12 @@ class Bench:
         self.device = torch.device(args.device)
         self.cuda = self.device.type == "cuda"
         self.dtype = getattr(torch, args.dtype)
+        if args.fa4_block_sparse:  # before the fa4 backend is first built (it is built once per process)
+            os.environ[BLOCK_SPARSE_ENV] = "1"
         self.model = build_model(args.preset, dtype=self.dtype, device=self.device)
         self.model.train()
+        # liger's RMSNorm, SwiGLU and RoPE as `oomb train` swaps them in (train.fused_ops=auto: on CUDA)
+        self.fused = use_fused_ops(self.model, args.fused_ops)
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)
         self.vocab = self.model.config.vocab_size
@@ -366,7 +377,7 @@ class Bench:
             self.model.config, offload_gpu_memory=self.args.offload_gpu_memory, seq_len=s.seq_len, batch_size=1,
             chunk_size=self.args.chunk, page_size=self.args.page, dtype=self.dtype, page_budget=s.budget,
             select_block=s.block or 128, offload=s.offload, device_type="cuda" if self.cuda else "cpu",
-            device_total_bytes=self.device_total, host_total_bytes=self.host_total)
+            fused_ops=bool(self.fused), device_total_bytes=self.device_total, host_total_bytes=self.host_total)
 
     def planned_longest(self) -> int:
         """The longest sparse + offload row (first select block) the planner says fits, with this bench's
@@ -581,7 +592,8 @@ def run(args) -> dict:
         "select_blocks": args.select_blocks, "host_total_gib": bench.host_total / GIB,
         "gpu_total_gib": bench.device_total / GIB if cuda else None,
         "host_margin_gib": args.host_margin_gib, "time_budget_s": args.time_budget,
-        "planner_method": PLAN_NO_OPTIMIZER,
+        "planner_method": PLAN_NO_OPTIMIZER, "fused_ops": args.fused_ops, "fused_modules": bench.fused,
+        "fa4_block_sparse": args.fa4_block_sparse,
     }
     results: list[dict] = []
     repeat = None
@@ -757,6 +769,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="cpu: check the bench on a tiny preset (no GPU memory numbers, wall-clock timing)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="parameters, gradients and pages (float32 only to check the bench quickly on CPU)")
+    p.add_argument("--fused-ops", default="auto", choices=FUSED_OPS_MODES,
+                   help="liger's fused RMSNorm/SwiGLU/RoPE as `oomb train` uses them (train.fused_ops; records before "
+                        "2026-12-05 ran without: none)")
+    p.add_argument("--fa4-block-sparse", action="store_true",
+                   help="page-sparse rows on FA4's block sparsity (OOMB_FA4_BLOCK_SPARSE=1; kernels/flash4_sparse.py)")
     add_step_arguments(p)
     args = p.parse_args(argv)
     args.argv = argv

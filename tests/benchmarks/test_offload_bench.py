@@ -231,6 +231,8 @@ def test_cpu_run_report(cpu_report):
     assert r["command"].startswith("python -m benchmarks.offload")
     assert r["versions"]["torch"] == torch.__version__ and r["select_blocks"] == [32, 16]
     assert r["dtype"] == "float32" and r["planner_method"] == ob.PLAN_NO_OPTIMIZER and r["host_total_gib"] > 0
+    # fused ops as `oomb train` (auto): liger's kernels only on CUDA, so none on this CPU run
+    assert r["fused_ops"] == "auto" and r["fused_modules"] == [] and r["fa4_block_sparse"] is False
     rows = r["results"]
     kinds = [(x["kind"], x["mode"], x["select_block"], x["offload"], x["seq_len"]) for x in rows]
     assert kinds[:6] == [("pair", "dense", None, False, 64), ("pair", "dense", None, True, 64),
