@@ -174,6 +174,22 @@ def versus_baseline(results: list[dict]) -> list[dict]:
     return rows
 
 
+def expand_rows(runs: list[tuple], backends: list[str], modes: list[str], chunks: list[int]) -> list[tuple]:
+    """Each (tokens, system, layer checkpointing, options) row once per backend, recompute mode and chunk size,
+    named system[backend]{mode}@chunk where there are several (rows whose options fix their chunk, the
+    `oomb train` choice, keep it; layer checkpointing only with whole-chunk recompute). Returns (tokens, name,
+    layer checkpointing, options with recompute and chunk_size, backend) rows."""
+    def name(system, b, m, c, fixed):
+        return (system + ("" if len(backends) == 1 else f"[{b}]") + ("" if len(modes) == 1 else f"{{{m}}}")
+                + ("" if len(chunks) == 1 or fixed else f"@{c}"))
+
+    return [(n, name(system, b, m, c, "chunk_size" in options), layer_ckpt,
+             {"recompute": m, "chunk_size": c, **options}, b)
+            for n, system, layer_ckpt, options in runs for b in backends for m in modes
+            for c in (chunks[:1] if "chunk_size" in options else chunks)
+            if not (layer_ckpt and m != "chunk")]
+
+
 def run(args) -> dict:
     device = torch.device("cuda")
     if args.fa4_block_sparse:  # before the fa4 backend is first built (it is built once per process)
@@ -228,18 +244,13 @@ def run(args) -> dict:
             + [(n, "oomb-sparse", False, sparse) for n in args.sparse_lengths]
             + [(n, "oomb-sparse+cached-attn", False, {**sparse, "cache_attention": True})
                for n in args.sparse_cache_lengths])
-    backends = args.backend.split(",")  # several: each row once per backend, named system[backend]
-    modes = args.recompute.split(",")  # several: each row once per mode, named system{mode}
-    runs = [(n, system + ("" if len(backends) == 1 else f"[{b}]") + ("" if len(modes) == 1 else f"{{{m}}}"),
-             layer_ckpt, {"recompute": m, **options}, b)
-            for n, system, layer_ckpt, options in runs for b in backends for m in modes
-            if not (layer_ckpt and m != "chunk")]
+    runs = expand_rows(runs, args.backend.split(","), args.recompute.split(","), args.chunk)
     for n, system, layer_ckpt, options, backend in runs:
         ids = torch.randint(0, vocab, (1, n), device=device)
         if layer_ckpt:  # transformers' per-layer checkpointing inside each chunk
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-        options = {"chunk_size": args.chunk, "page_size": args.page, **options}
+        options = {"page_size": args.page, **options}
 
         def step(ids=ids, options=options, backend=backend):
             oomb.chunked_backward(model, ids, backend=backend, **options)
@@ -307,8 +318,8 @@ def run(args) -> dict:
         "auto_settings": auto,
         # transformers' RoPE against liger's (the baseline's, and oomb's rows' with fused ops since 2026-12-04), per
         # chunk and for a step at each profiled length (measured after plain_rope() above: transformers' own)
-        "rope": ({"chunk": args.chunk, "per_chunk": rope_cost(cfg, args.chunk),
-                  "calls_per_step": {n: rope_calls_per_step(cfg.num_hidden_layers, n, args.chunk)
+        "rope": ({"chunk": args.chunk[0], "per_chunk": rope_cost(cfg, args.chunk[0]),
+                  "calls_per_step": {n: rope_calls_per_step(cfg.num_hidden_layers, n, args.chunk[0])
                                      for n in args.profile_lengths}} if args.profile_lengths else None),
         "memory_growth": summary,
     }
@@ -394,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                         "GPU time per kernel group, the top kernels and the GPU's idle time, in the row's profile")
     p.add_argument("--warm-each", action="store_true",
                    help="a warm-up step before every row, at its length (default: one, before the first row)")
-    p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--chunk", type=int_list, default=[4096],
+                   help="tokens per chunk of oomb's rows; a comma list times each row once per chunk size")
     p.add_argument("--page", type=int, default=128)
     p.add_argument("--backend", default="auto",
                    help="attention backend of oomb's rows; a comma list times each row once per backend")

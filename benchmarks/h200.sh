@@ -113,7 +113,9 @@ job core-7b-sparse-128k-layer-host "$C --lengths '' --sparse-cache-lengths 13107
   --fused-ops auto --warm-each --repeats 2 --backend fa4 --profile-lengths 131072"
 # The same on FA4's block sparsity (kernels/flash4_sparse.py), once its GPU tests pass:
 # OOMB_FA4_BLOCK_SPARSE=1 python3 -m pytest -q -m gpu tests/kernels/test_flash4_sparse.py
-job core-7b-sparse-128k-fa4-blocks "$C --lengths '' --sparse-cache-lengths 131072 --chunk 16384 --recompute layer-host \
+# Chunks of 8192 and 16384: a query attends its 64 pages and, causally, its own chunk (4096 keys on average with
+# chunks of 8192, 8192 with 16384), so shorter chunks halve the chunk's share of a sparse step's attention.
+job core-7b-sparse-128k-fa4-blocks "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192,16384 --recompute layer-host \
   --fused-ops auto --warm-each --repeats 2 --backend fa4 --fa4-block-sparse --profile-lengths 131072"
 job core-7b-sparse-128k-mean "$C --lengths '' --sparse-cache-lengths 131072 --select-score mean --fused-ops auto"
 job core-7b-sparse-128k-plain "$C --lengths '' --sparse-lengths 131072 --sparse-cache-lengths 131072 --chunk 4096 \

@@ -1,0 +1,21 @@
+"""benchmarks.core's rows: each row once per backend, recompute mode and chunk size, named apart."""
+
+from benchmarks.core import expand_rows
+
+
+def test_rows_are_named_by_what_varies_and_fixed_chunks_are_kept():
+    runs = [(131072, "oomb-sparse", False, {"selection": "s"}),
+            (65536, "oomb+layer-ckpt", True, {}),
+            (65536, "oomb-auto", False, {"chunk_size": 16384})]
+    rows = expand_rows(runs, ["fa4"], ["chunk", "layer-host"], [8192, 16384])
+    names = [(n, name, options["recompute"], options["chunk_size"]) for n, name, _, options, _ in rows]
+    assert names == [
+        (131072, "oomb-sparse{chunk}@8192", "chunk", 8192), (131072, "oomb-sparse{chunk}@16384", "chunk", 16384),
+        (131072, "oomb-sparse{layer-host}@8192", "layer-host", 8192),
+        (131072, "oomb-sparse{layer-host}@16384", "layer-host", 16384),
+        (65536, "oomb+layer-ckpt{chunk}@8192", "chunk", 8192), (65536, "oomb+layer-ckpt{chunk}@16384", "chunk", 16384),
+        (65536, "oomb-auto{chunk}", "chunk", 16384), (65536, "oomb-auto{layer-host}", "layer-host", 16384)]
+    assert all(options["selection"] == "s" for n, _, _, options, _ in rows if n == 131072)
+    # one of each: the plain names of the records before lists
+    one = expand_rows(runs[:1], ["auto"], ["chunk"], [4096])
+    assert one == [(131072, "oomb-sparse", False, {"recompute": "chunk", "chunk_size": 4096, "selection": "s"}, "auto")]
