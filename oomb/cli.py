@@ -5,6 +5,7 @@ The benchmarks are not part of the package: `python -m benchmarks.NAME` from the
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from rich.console import Console
@@ -45,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     console = Console(stderr=False)
+    # liger-kernel imports peft, which imports bitsandbytes, whose CPU backend logs on CPUs with AVX-512 BF16 that
+    # an optional CPU 4-bit kernel package is missing, on every command: noise that reads as a broken install.
+    # (oomb's 4-bit runs are on CUDA; a library user's logging is left as they set it.)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     if args.command == "train":
         return _train(args, console)
     if args.command == "plan":

@@ -63,6 +63,9 @@ OPTIONS: dict[str, dict] = {
     "per_head": {"per_head": True},
     "sink1+local4+per_head": {"sink_pages": 1, "local_pages": 4, "per_head": True},
     "bound": {"score": "bound"},  # pages ranked by the upper bound over their keys (per-channel min / max)
+    # The same with one page list per chunk instead of per 128 queries: what offload moves least for (docs/offload.md,
+    # issue 24: the default block's quality against this one's decides the default with offload).
+    "bound+chunk_block": {"score": "bound", "block": "chunk"},
 }
 
 
@@ -210,7 +213,10 @@ def past_pages(length: int, s: Study) -> int:
 
 
 def selection(s: Study, budget: int, option: str) -> PageSelection:
-    return PageSelection(page_budget=budget, block=s.block, **OPTIONS[option])
+    fields = {"page_budget": budget, "block": s.block, **OPTIONS[option]}
+    if fields["block"] == "chunk":  # one list per chunk
+        fields["block"] = s.chunk_size
+    return PageSelection(**fields)
 
 
 # ----------------------------------------------------------------------------- model and training

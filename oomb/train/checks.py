@@ -64,12 +64,17 @@ def check_config(cfg: Config) -> None:
             raise ConfigError(f"{name}={value!r}: use a whole number or auto")
         if value <= 0:
             raise ConfigError(f"{name} must be positive, got {value}")
+    if cfg.data.seq_len < 2:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len}: a sequence needs at least 2 tokens (one to read, one to "
+                          "predict); use data.seq_len >= 2")
     if t.chunk_size != "auto":
         if not isinstance(t.chunk_size, int) or isinstance(t.chunk_size, bool) or t.chunk_size <= 0:
             raise ConfigError(f"train.chunk_size={t.chunk_size!r}: use auto (the memory plan picks the fastest that "
                               f"fits) or a positive multiple of train.page_size={t.page_size}")
         if t.chunk_size % t.page_size:
-            raise ConfigError(f"train.chunk_size={t.chunk_size} must be a multiple of train.page_size={t.page_size}")
+            near = max(t.page_size, round(t.chunk_size / t.page_size) * t.page_size)
+            raise ConfigError(f"train.chunk_size={t.chunk_size} must be a multiple of train.page_size={t.page_size}: "
+                              f"try train.chunk_size={near}, or auto")
     if t.save_every < 0 or t.keep_last < 0:
         raise ConfigError(f"train.save_every and train.keep_last must be >= 0, got {t.save_every}, {t.keep_last}")
     if t.on_nonfinite not in ("stop", "skip"):

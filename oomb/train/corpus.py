@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from oomb.train.hub import DatasetRef, parse_dataset_ref
+from oomb.train.hub import DatasetRef, looks_local, parse_dataset_ref
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
@@ -136,8 +136,9 @@ def find_sources(paths: str | Path | Sequence[str | Path],
         if not path.exists():
             ref = parse_dataset_ref(text)
             if ref is None:
-                raise DataError(f"data path {path} does not exist (nor is it a Hugging Face hub dataset id "
-                                "such as owner/name or owner/name:split)")
+                hub = "" if looks_local(text) else (" (nor is it a Hugging Face hub dataset id such as owner/name "
+                                                    "or owner/name:split)")
+                raise DataError(f"data path {path} does not exist ({path.absolute()}){hub}")
             sources.append(Source(Path(ref.name), "stream", str(ref), ref))
         elif path.is_dir():
             found = _sources_in_dir(path, suffixes, path)

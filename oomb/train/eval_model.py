@@ -25,7 +25,7 @@ class LoadedModel:
     source: str  # "huggingface", "checkpoint" or "preset"
     name: str  # what the user gave
     tokenizer_dir: Path | None  # where a tokenizer may live (None: none)
-    run_config: Config | None  # the training run's config, for a checkpoint
+    run_config: Config | None  # the training run's config, for a checkpoint or a run's export folder
 
 
 def resolve_device(name: str) -> torch.device:
@@ -66,7 +66,9 @@ def load_eval_model(spec: str, device: torch.device, dtype_name: str = "auto", *
         if ckpt is not None:
             return _from_checkpoint(spec, ckpt, device, dtype_name, trust_remote_code)
         if (path / "config.json").is_file():
-            return _from_huggingface(spec, path, device, _dtype(dtype_name, device), trust_remote_code)
+            loaded = _from_huggingface(spec, path, device, _dtype(dtype_name, device), trust_remote_code)
+            loaded.run_config = _run_config_of_export(path)
+            return loaded
         raise EvalError(f"{path} is neither a Hugging Face model folder (config.json and weights) nor an oomb "
                         "run folder (checkpoints/latest) or checkpoint folder (manifest.json)")
     if spec in preset_names():
@@ -80,6 +82,18 @@ def load_eval_model(spec: str, device: torch.device, dtype_name: str = "auto", *
             raise EvalError(f"{e}; nor is it a built-in preset ({', '.join(preset_names())})") from None
         return _from_huggingface(spec, folder, device, _dtype(dtype_name, device), trust_remote_code)
     raise EvalError(f"model {spec!r}: no such folder, and not a built-in preset ({', '.join(preset_names())})")
+
+
+def _run_config_of_export(path: Path) -> Config | None:
+    """The config of the run whose ``export/`` folder ``path`` is (its task, seed and passkey digits are the
+    evaluation's defaults, as for the run's checkpoints), or None for any other model folder."""
+    run_file = path.parent / "config.json"
+    if path.name != "export" or not (path.parent / "checkpoints").is_dir() or not run_file.is_file():
+        return None
+    try:
+        return load_config(run_file)
+    except (ConfigError, OSError, ValueError):  # not an oomb run's config after all
+        return None
 
 
 def _from_huggingface(spec: str, path: Path, device: torch.device, dtype: torch.dtype,

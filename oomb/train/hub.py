@@ -51,6 +51,22 @@ def is_hub_id(name: str) -> bool:
     return True
 
 
+# Suffixes that name a file, never a hub repository: a missing path ending in one is a mistyped local path.
+FILE_SUFFIXES = frozenset((".txt", ".md", ".jsonl", ".json", ".parquet", ".csv", ".arrow", ".py", ".gz", ".zst",
+                           ".safetensors", ".bin", ".yaml", ".yml"))
+
+
+def looks_local(name: str) -> bool:
+    """Whether ``name`` reads as a local path and never as a hub id: it starts with ".", "/" or "~", its first
+    part is a folder here (``data/missing``, where ``data/`` exists), or it ends in a file suffix (``.txt``)."""
+    path = Path(name)
+    if name.startswith((".", "/", "~", "\\")):
+        return True
+    if len(path.parts) > 1 and Path(path.parts[0]).is_dir():
+        return True
+    return path.suffix.lower() in FILE_SUFFIXES
+
+
 def split_revision(name: str) -> tuple[str, str | None] | None:
     """``ID[@REVISION]`` as (ID, REVISION or None), or None where ID is no hub id or the revision is empty
     (``@`` never appears in a hub id)."""
@@ -82,6 +98,9 @@ def model_folder(name: str, *, weights: bool, key: str = "model.path", tokenizer
     local = Path(name).expanduser()
     if local.exists():
         return local
+    if looks_local(name):
+        raise ConfigError(f"{key}={name!r} does not exist ({local.absolute()}): give a local Hugging Face model "
+                          "folder, or a hub id such as Qwen/Qwen2.5-0.5B")
     if (hub := split_revision(name)) is None:
         raise ConfigError(f"{key}={name!r} does not exist: give a local Hugging Face model folder or a hub id "
                           "such as Qwen/Qwen2.5-0.5B (at a revision: Qwen/Qwen2.5-0.5B@COMMIT)")
@@ -212,6 +231,8 @@ def parse_dataset_ref(text: str) -> DatasetRef | None:
     config, split = (None, "train") if len(parts) == 1 else (None, parts[1]) if len(parts) == 2 else parts[1:]
     if Path(name).expanduser().is_dir():
         return DatasetRef(str(Path(name).expanduser()), config, split) if len(parts) > 1 else None
+    if looks_local(name):  # a mistyped file or folder here, not a dataset to ask the hub for
+        return None
     hub = split_revision(name)
     return None if hub is None else DatasetRef(hub[0], config, split, hub[1])
 

@@ -200,8 +200,11 @@ def text_suffixes(cfg: Config) -> tuple[str, ...]:
 
 
 def _check_task_keys(cfg: Config) -> None:
-    """Keys that belong to another task than data.task are refused, not silently ignored."""
+    """data.task is one of TASKS, and keys that belong to another task are refused, not silently ignored."""
     d = cfg.data
+    if d.task not in TASKS:
+        raise ConfigError(f"data.task={d.task!r}: choose passkey, needle (built-in retrieval), text (data.paths) or "
+                          "chat (conversations in data.paths)")
     for key, value, default, tasks in (("document_mask", d.document_mask, False, ("text", "chat")),
                                        ("text_field", d.text_field, "text", ("text",)),
                                        ("suffixes", d.suffixes, None, ("text",)),
@@ -237,9 +240,6 @@ def pin_hub_revisions(cfg: Config) -> None:
 def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs | ChatInputs:
     """The run's data, checked against the model's config (vocabulary, positions)."""
     d, t = cfg.data, cfg.train
-    if d.task not in TASKS:
-        raise ConfigError(f"data.task={d.task!r}: choose passkey, needle (built-in retrieval), text (data.paths) or "
-                          "chat (conversations in data.paths)")
     _check_task_keys(cfg)
     loss = loss_on(cfg)
     if d.needles < 1:

@@ -390,7 +390,7 @@ def needs_and_time(cfg: Config, plan: MemoryPlan, device_type: str, dtype: torch
     attention cache)."""
     n = cfg.data.seq_len
     result = {"needs": None, "predicted_dense_step_s": None, "predicted_with_attention_cache": None,
-              "predicted_on": H200_DENSE.gpu}
+              "predicted_on": H200_DENSE.gpu, "not_predicted": None}
     if device_type != "cuda":
         return result
     cached = plan.settings.get("cache_attention") in (True, "host")
@@ -408,6 +408,8 @@ def needs_and_time(cfg: Config, plan: MemoryPlan, device_type: str, dtype: torch
     if cfg.train.page_budget is None and cfg.model.quantize == "none":  # page-sparse, 4-bit (QLoRA): not measured
         result["predicted_dense_step_s"] = predict_step_seconds(config, n, cfg.train.batch_size, cache_attention=cached)
         result["predicted_with_attention_cache"] = cached
+    else:
+        result["not_predicted"] = "page-sparse attention" if cfg.train.page_budget is not None else "a 4-bit base"
     return result
 
 
@@ -423,6 +425,9 @@ def _needs_and_time_lines(cfg: Config, found: dict) -> list[str]:
                      f"with every page on the GPU, or with train.offload=true {gpu} of GPU memory and "
                      f"{_gib(needs['host_bytes_pages_on_host'])} of host memory (chunk {needs['chunk_size']}, "
                      f"{kept}; as `oomb train` would run it with this GPU and a host that large)")
+    if found["not_predicted"] is not None:
+        lines.append(f"step time: not predicted for {found['not_predicted']} (measured only at some lengths on the "
+                     "H200: docs/benchmarks.md)")
     if (seconds := found["predicted_dense_step_s"]) is not None:
         shown = f"{seconds:,.0f}" if seconds >= 100 else f"{seconds:.1f}"
         cache = "with" if found["predicted_with_attention_cache"] else "without"
@@ -444,6 +449,9 @@ def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memo
     name = cfg.train.device
     if name not in ("auto", "cpu") and not name.startswith("cuda"):
         raise ConfigError(f"train.device={name!r}: use auto, cpu, cuda or cuda:N")
+    if name == "cpu" and gpu_memory is not None:
+        raise ConfigError(f"--gpu-memory {gpu_memory} plans for a GPU, but the config says train.device=cpu: "
+                          "add train.device=cuda (or auto) to plan the GPU run, or drop --gpu-memory")
     cuda_here = torch.cuda.is_available()
     on_cuda = name.startswith("cuda") or (name == "auto" and (cuda_here or gpu_memory is not None))
     device = torch.device(name if name.startswith("cuda") else "cuda" if on_cuda else "cpu")

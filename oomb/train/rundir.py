@@ -25,6 +25,7 @@ from pathlib import Path
 
 from oomb.train.checkpoint import (
     CheckpointError,
+    checkpoint_state,
     find_checkpoint,
     newest_good_checkpoint,
     verify_checkpoint,
@@ -105,17 +106,29 @@ def check_paths(cfg: Config) -> Path | None:
             offer = (f"The newest good checkpoint of this run is {good}; continue from it with:\n  "
                      f"{resume_command(good)}" if good is not None else "No other checkpoint of this run is intact.")
             raise ConfigError(f"cannot resume: {e}.\n{offer}") from e
+        done = checkpoint_state(ckpt).get("step", 0)
+        if done > cfg.train.steps:
+            raise ConfigError(f"resume={cfg.resume!r}: {ckpt} is after step {done}, past train.steps="
+                              f"{cfg.train.steps}; to train on, set train.steps above {done} (e.g. "
+                              f"train.steps={done + max(cfg.train.steps, 1)})")
         return ckpt
     out = Path(cfg.out_dir) if cfg.out_dir is not None else Path("runs")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out_dir={str(out)!r} is a file, not a folder")
     if cfg.out_dir is not None and out.is_dir() and any(out.iterdir()):
-        raise ConfigError(f"out_dir {out} already holds files; oomb never overwrites a run. Choose another out_dir=...")
+        raise _holds_files(out)
     parent = out.absolute()
     while not parent.exists():
         parent = parent.parent
     _check_writable(parent, f"out_dir={str(out)!r}: {parent}")
     return None
+
+
+def _holds_files(out: Path) -> ConfigError:
+    """The refusal of a new run into a folder that holds files (a run's: it says how to continue that run)."""
+    advice = f", or continue that run with resume={str(out)!r}" if (out / "config.json").exists() else ""
+    return ConfigError(f"out_dir {out} already holds files; oomb never overwrites a run. Choose another "
+                       f"out_dir=...{advice}")
 
 
 def _check_writable(folder: Path, what: str) -> None:
@@ -139,7 +152,7 @@ def prepare_out_dir(cfg: Config) -> tuple[Path, bool]:
     else:
         out = Path(cfg.out_dir)
     if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"out_dir {out} already holds files; oomb never overwrites a run. Choose another out_dir=...")
+        raise _holds_files(out)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     return out, created

@@ -217,10 +217,13 @@ def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, choic
     run = Run(cfg, out, model, optimizer, scheduler, inputs, device, saved_step=None, ctx=ctx)
     if resume_from is not None:
         _resume(run, resume_from, dtype, console)
-    n_params = sum(p.numel() for p in params)
+    n_params, n_total = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
+    sizes = (f"{n_params / 1e6:.2f}M params" if n_params == n_total else  # LoRA, a frozen embedding: say which
+             f"{n_params / 1e6:.2f}M of {n_total / 1e6:.2f}M params trained"
+             + (f", LoRA r={cfg.lora.r}" if cfg.lora.r > 0 else ""))
     masters = isinstance(optimizer, MasterWeights)
     console.print(
-        f"[bold]oomb train[/]: {cfg.model.path or cfg.model.preset} ({n_params / 1e6:.2f}M params, {dtype}"
+        f"[bold]oomb train[/]: {cfg.model.path or cfg.model.preset} ({sizes}, {dtype}"
         f"{', base in NF4' if cfg.model.quantize == 'nf4' else ''}) on "
         f"{device}; {cfg.train.steps} steps x {cfg.train.grad_accum * cfg.train.batch_size} x {cfg.data.seq_len} "
         f"tokens ({cfg.data.task}), {cfg.train.optimizer} "
@@ -270,7 +273,7 @@ def _train_steps(run: Run, console: Console, main_rank: bool, reports: Reports) 
     cfg = run.cfg
     columns = [
         TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}{task.fields[val]}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+        TextColumn("loss {task.fields[loss]}{task.fields[val]}"), TextColumn("{task.fields[tps]} tok/s"),
         TextColumn("{task.fields[memory]}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
     ]
     metrics = MetricsLog(run.out / METRICS if main_rank else None)
@@ -279,8 +282,8 @@ def _train_steps(run: Run, console: Console, main_rank: bool, reports: Reports) 
     run.started = time.perf_counter()
     try:
         with Progress(*columns, console=console) as progress:
-            bar = progress.add_task("train", total=cfg.train.steps, completed=run.start, loss=float("nan"), tps=0.0,
-                                    memory="", val="")
+            bar = progress.add_task("train", total=cfg.train.steps, completed=run.start, loss="-", tps="-",
+                                    memory="", val="")  # "-" until a step has run here
             for step in range(run.start, cfg.train.steps):
                 record = _train_step(run, step, stop)
                 validate_if_due(run, step + 1, record)  # val_loss into the record when due
@@ -290,7 +293,7 @@ def _train_steps(run: Run, console: Console, main_rank: bool, reports: Reports) 
                 except OSError as e:
                     run.write_failed(f"{run.out / METRICS} (step {step + 1})", step + 1, e)
                 reports.log(record)  # TensorBoard, W&B: train.report_to
-                progress.update(bar, advance=1, loss=run.loss_value, tps=record["tokens_per_s"],
+                progress.update(bar, advance=1, loss=f"{run.loss_value:.4f}", tps=f"{record['tokens_per_s']:,.0f}",
                                 memory=_memory_text(record), **({"val": val} if val else {}))
                 if not console.is_terminal and ((step + 1) % 10 == 0 or val):
                     console.print(f"step {step + 1}: loss {run.loss_value:.4f}{val}, "

@@ -110,3 +110,10 @@ def test_batches_built_in_worker_processes_equal_the_serial_ones():
     for a, b in zip(pooled, serial, strict=True):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
         assert torch.equal(a.answer_positions, b.answer_positions)
+
+
+def test_the_chunk_block_option_lists_pages_once_per_chunk():
+    s = sq.SMOKE
+    assert sq.selection(s, 8, "bound+chunk_block").block == s.chunk_size
+    assert sq.selection(s, 8, "bound").block == s.block != s.chunk_size
+    assert sq.selection(s, 8, "bound+chunk_block").score == sq.selection(s, 8, "bound").score == "bound"

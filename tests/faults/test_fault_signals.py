@@ -55,3 +55,28 @@ def test_second_signal_during_a_checkpoint_write_kills_at_once_and_damages_nothi
     verify_checkpoint(find_checkpoint(run))
     assert_resumes_exactly(run, straight)  # the save's debris (step-00000004.tmp) is replaced
     assert not list((run / "checkpoints").glob("*.tmp"))
+
+
+def test_ctrl_c_while_the_oomb_command_imports_torch_is_a_line_not_a_traceback(tmp_path):
+    # The first seconds of `oomb ...` import torch and transformers (`import oomb`). A KeyboardInterrupt there,
+    # made here by an oomb.engine whose names raise it, ends the command with code 130 and one line; a program
+    # that imports oomb as a library gets the KeyboardInterrupt itself.
+    import subprocess
+    import sys
+
+    script = tmp_path / "interrupted_import.py"
+    script.write_text(
+        "import sys, types\n"
+        "engine = types.ModuleType('oomb.engine')\n"
+        "def interrupted(name):\n"
+        "    raise KeyboardInterrupt\n"
+        "engine.__getattr__ = interrupted\n"
+        "sys.modules['oomb.engine'] = engine\n"
+        "sys.argv[0] = sys.argv[1]\n"
+        "import oomb\n"
+    )
+    command = subprocess.run([sys.executable, str(script), "/usr/local/bin/oomb"], capture_output=True, text=True)
+    assert command.returncode == 130 and "Traceback" not in command.stderr
+    assert "interrupted while starting, before anything was read or written" in command.stderr
+    library = subprocess.run([sys.executable, str(script), "train.py"], capture_output=True, text=True)
+    assert library.returncode != 0 and "KeyboardInterrupt" in library.stderr

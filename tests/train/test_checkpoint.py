@@ -133,6 +133,21 @@ def test_resume_without_checkpoint_is_refused(tmp_path, capsys):
     assert "holds no checkpoint" in capsys.readouterr().out
 
 
+def test_resume_with_fewer_steps_than_done_is_refused_before_work(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", f"out_dir={run}", "train.steps=4", "train.export=false", *SMALL_RUN]) == 0
+    before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
+    capsys.readouterr()
+    assert main(["train", f"resume={run}", "train.steps=2"]) == 2
+    said = capsys.readouterr().out.replace("\n", "")
+    assert "after step 4, past train.steps=2" in said and "train.steps=6" in said
+    assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before  # untouched
+    # As many steps as were done: it finishes (the export), and the progress line shows no nan loss.
+    assert main(["train", f"resume={run}", "train.steps=4"]) == 0
+    said = capsys.readouterr().out
+    assert "all 4 steps were done before" in said and "nan" not in said
+
+
 def test_a_changed_lr_on_resume_is_applied_not_ignored(tmp_path, capsys):
     """resume=... train.lr=X: the schedule continues with the new peak rate (it used to keep the saved one)."""
     run = tmp_path / "run"

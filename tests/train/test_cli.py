@@ -98,13 +98,22 @@ def test_train_refuses_a_used_out_dir(tmp_path, capsys):
     out.mkdir()
     (out / "metrics.jsonl").write_text("precious\n")
     assert main(["train", f"out_dir={out}", "train.steps=1"]) == 2
-    assert "never overwrites" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "never overwrites" in said and "resume=" not in said  # not a run: nothing to continue
     assert (out / "metrics.jsonl").read_text() == "precious\n"
+    (out / "config.json").write_text("{}")  # a run's folder: the message says how to continue it
+    assert main(["train", f"out_dir={out}", "train.steps=1"]) == 2
+    assert f"or continue that run with resume='{out}'" in capsys.readouterr().out.replace("\n", "")
 
 
 def test_train_refuses_bad_settings_before_work(tmp_path, capsys):
     assert main(["train", f"out_dir={tmp_path / 'r'}", "train.chunk_size=100"]) == 2
-    assert "multiple of train.page_size" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "multiple of train.page_size=128: try train.chunk_size=128, or auto" in out.replace("\n", "")
+    assert main(["train", f"out_dir={tmp_path / 'r'}", "data.seq_len=1"]) == 2  # a config error, not a traceback
+    assert "data.seq_len=1: a sequence needs at least 2 tokens" in capsys.readouterr().out
+    assert main(["train", f"out_dir={tmp_path / 'r'}", "data.task=txt", "data.document_mask=true"]) == 2
+    assert "data.task='txt': choose passkey, needle" in capsys.readouterr().out  # the task first, not the mask
     assert not (tmp_path / "r").exists()
     assert main(["train", "model.preset=nope"]) == 2
     assert "unknown model preset 'nope'" in capsys.readouterr().out

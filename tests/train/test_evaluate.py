@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -211,7 +212,9 @@ def test_checkpoint_loads_the_trained_weights(tmp_path):
     loaded = load_eval_model(str(run), torch.device("cpu"))
     exported = load_eval_model(str(run / "export"), torch.device("cpu"))
     assert loaded.source == "checkpoint" and loaded.run_config.train.seed == 5
-    assert exported.source == "huggingface"
+    # the run's export is a transformers folder that knows its run: the same default task, seed and digits
+    assert exported.source == "huggingface" and exported.run_config.data.task == "needle"
+    assert exported.run_config.train.seed == 5
     ref = dict(exported.model.named_parameters())
     for name, p in loaded.model.named_parameters():
         assert torch.equal(p, ref[name]), name
@@ -225,6 +228,12 @@ def test_checkpoint_loads_the_trained_weights(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["model"]["source"] == "checkpoint"
     assert results["retrieval"]["seed"] == 5 and results["retrieval"]["task"] == "needle"  # the run's
+    assert main(["eval", str(run / "export"), "--retrieval", "--lengths", "256", "--depths", "0.5", "--samples",
+                 "1", "--chunk-size", "128", "--page-size", "64", "--out", str(tmp_path / "eval-export")]) == 0
+    results = json.loads((tmp_path / "eval-export" / "results.json").read_text())
+    assert results["retrieval"]["seed"] == 5 and results["retrieval"]["task"] == "needle"
+    shutil.copytree(run / "export", tmp_path / "export")  # the same folder away from its run: no run to read
+    assert load_eval_model(str(tmp_path / "export"), torch.device("cpu")).run_config is None
 
 
 @pytest.mark.parametrize(

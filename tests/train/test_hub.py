@@ -22,7 +22,7 @@ from tiny_models import tiny_model
 from oomb.cli import main
 from oomb.train.config import ConfigError
 from oomb.train.corpus import DataError, byte_level_tokenizer, find_sources
-from oomb.train.hub import model_folder, parse_dataset_ref
+from oomb.train.hub import looks_local, model_folder, parse_dataset_ref
 from oomb.train.packing import PackedCorpus
 from oomb.train.rows import check_sources
 
@@ -86,6 +86,29 @@ def test_dataset_names_are_local_paths_first_then_streams(tmp_path, monkeypatch)
     assert repo.is_dir()
 
 
+def test_a_mistyped_local_path_is_named_missing_without_asking_the_hub(tmp_path, monkeypatch):
+    # Names that read as paths (a file suffix, a first folder that exists here, ./ or /) are never hub ids: a
+    # missing one is said to be missing, with no network error in between.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "models").mkdir()
+    import huggingface_hub
+
+    def no_network(*args, **kw):
+        raise AssertionError("the hub was asked about a local path")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+    for name in ("notes.txt", "data/missing", "./corpus", "owner/books.jsonl"):
+        assert looks_local(name), name
+        assert parse_dataset_ref(name) is None
+        with pytest.raises(DataError, match=f"data path {name.removeprefix('./')} does not exist"):
+            find_sources([name])
+    with pytest.raises(ConfigError, match="model.path='models/nope' does not exist"):
+        model_folder("models/nope", weights=False)
+    for name in ("owner/name", "Qwen/Qwen2.5-7B", "wikitext", "owner/name@v1.0"):  # hub ids stay hub ids
+        assert not looks_local(name), name
+
+
 def test_a_streamed_dataset_packs_exactly_as_its_file_does(tmp_path):
     repo = _dataset_repo(tmp_path / "repo")
     streamed = PackedCorpus(f"{repo}:train", byte_level_tokenizer(), 48, seed=3, window_rows=16)
@@ -122,8 +145,10 @@ def test_stream_errors_say_what_was_tried(tmp_path, offline_hub):
                                         r"dataset id it is streamed, never cached, and HF_HUB_OFFLINE=1 forbids "
                                         r"downloading it.*hf download --repo-type dataset someone/nothing"):
         check_sources(find_sources(["someone/nothing"]))
-    with pytest.raises(DataError, match=r"data path /no/such/texts does not exist \(nor is it a Hugging Face"):
-        find_sources(["/no/such/texts"])
+    with pytest.raises(DataError, match=r"data path /no/such/texts does not exist \(/no/such/texts\)$"):
+        find_sources(["/no/such/texts"])  # a path, never a hub id
+    with pytest.raises(DataError, match=r"data path a:b:c:d does not exist .*\(nor is it a Hugging Face hub dataset"):
+        find_sources(["a:b:c:d"])  # neither
     (tmp_path / "other" / "data").mkdir(parents=True)
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "other" / "data" / "train-00000-of-00001.parquet")
     with pytest.raises(DataError, match=r"other:train has no column 'text' \(columns: \['body'\]\); set "
@@ -139,7 +164,7 @@ def test_a_hub_model_id_loads_from_the_cache_offline_and_a_missing_one_says_wher
     with pytest.raises(ConfigError, match=r"model.path='someone/missing': no local path .*; as a hub model id it is "
                                           r"not in the cache .*hf/hub \(HF_HOME\), and HF_HUB_OFFLINE=1 forbids"):
         model_folder("someone/missing", weights=False)
-    with pytest.raises(ConfigError, match=r"model.path='/no/such/model' does not exist: give a local"):
+    with pytest.raises(ConfigError, match=r"model.path='/no/such/model' does not exist \(/no/such/model\): give"):
         model_folder("/no/such/model", weights=False)
     _cached_model(offline_hub, "someone/tiny-b")  # a snapshot with its config but without weights
     (offline_hub / "models--someone--tiny-b" / "snapshots" / COMMIT / "model.safetensors").unlink()

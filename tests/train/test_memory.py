@@ -95,6 +95,9 @@ def test_plan_cli_for_another_gpu(capsys):
     if not torch.cuda.is_available():
         assert main(args[:-5]) == 2  # no GPU here and no --gpu-memory: asks for one
         assert "--gpu-memory 141GiB" in capsys.readouterr().out.replace("\n", "")
+    # --gpu-memory with a config that says cpu: refused, not silently planned for the CPU
+    assert main(["plan", "train.device=cpu", "--gpu-memory", "141GiB"]) == 2
+    assert "but the config says train.device=cpu" in capsys.readouterr().out.replace("\n", "")
     assert main([*args, "train.master_weights=true"]) == 1
     got = json.loads(capsys.readouterr().out)
     assert got["device_type"] == "cuda" and got["device_total_bytes"] == 141 * 2**30
@@ -232,4 +235,5 @@ def test_plan_says_what_a_length_that_does_not_fit_needs_and_predicts_the_dense_
     assert got["needs"] is None and 10 < got["predicted_dense_step_s"] < 14
     # Page-sparse steps are not predicted (their rate was measured at a few lengths only).
     assert main([*args[:4], "data.seq_len=65536", "train.page_budget=64", *args[5:]]) == 0
-    assert json.loads(capsys.readouterr().out)["predicted_dense_step_s"] is None
+    got = json.loads(capsys.readouterr().out)
+    assert got["predicted_dense_step_s"] is None and got["not_predicted"] == "page-sparse attention"
