@@ -26,6 +26,9 @@ part() { PART[$1]=$2; PARTS+=("$1"); }
 C='python3 -m benchmarks.core'
 O='python3 -m benchmarks.offload'
 NOSPLIT='--dense-lengths "" --sparse-lengths "" --growth-lengths ""'
+# benchmarks.offload swaps in liger's fused ops as `oomb train` does since 2026-12-05; the jobs whose records were
+# measured before keep transformers' modules, so they reproduce those records (and compare with them).
+PLAIN='--fused-ops none'
 
 # gpu-tests: every GPU test; the gradient errors of bf16 training against fp32 that they print.
 job gpu-tests 'python3 -m pytest -q -m gpu -p no:cacheprovider tests'
@@ -120,7 +123,7 @@ job core-7b-sparse-128k-fa4-blocks "$C --lengths '' --sparse-cache-lengths 13107
 job core-7b-sparse-128k-mean "$C --lengths '' --sparse-cache-lengths 131072 --select-score mean --fused-ops auto"
 job core-7b-sparse-128k-plain "$C --lengths '' --sparse-lengths 131072 --sparse-cache-lengths 131072 --chunk 4096 \
   --fused-ops none --select-score mean"
-job sparse-profile-7b-128k "$O $NOSPLIT --select-blocks 4096 --profile-length 131072 --profile-stacks"
+job sparse-profile-7b-128k "$O $PLAIN $NOSPLIT --select-blocks 4096 --profile-length 131072 --profile-stacks"
 part sparse 'sparse-kernels sparse-steps-7b core-7b-sparse-128k-layer-host core-7b-sparse-128k-fa4-blocks core-7b-sparse-128k-bound core-7b-sparse-128k-mean core-7b-sparse-128k-plain
   sparse-profile-7b-128k'
 
@@ -138,14 +141,14 @@ job sparse-quality-blocks 'python3 -m benchmarks.studies.sparse_quality --out "$
 part quality 'sparse-quality-study sparse-quality-blocks'
 
 # offload: pages in host memory: overhead, where it goes, memory growth, the longest contexts, bit identity.
-job offload-overhead-7b "$O --preset qwen2.5-7b --chunk 4096 --dense-lengths 65536 --sparse-lengths 131072 \
+job offload-overhead-7b "$O $PLAIN --preset qwen2.5-7b --chunk 4096 --dense-lengths 65536 --sparse-lengths 131072 \
   --growth-lengths '' --select-blocks 4096,128"
-job offload-overhead-7b-one-list "$O --dense-lengths '' --sparse-lengths 131072 --growth-lengths '' --select-blocks 4096"
-job offload-profiles-7b "$O --preset qwen2.5-7b --chunk 4096 $NOSPLIT --profile-dense-length 65536 \
+job offload-overhead-7b-one-list "$O $PLAIN --dense-lengths '' --sparse-lengths 131072 --growth-lengths '' --select-blocks 4096"
+job offload-profiles-7b "$O $PLAIN --preset qwen2.5-7b --chunk 4096 $NOSPLIT --profile-dense-length 65536 \
   --profile-length 131072 --select-blocks 4096"
-job offload-memory-growth-7b "$O --preset qwen2.5-7b --chunk 4096 --dense-lengths '' --sparse-lengths '' \
+job offload-memory-growth-7b "$O $PLAIN --preset qwen2.5-7b --chunk 4096 --dense-lengths '' --sparse-lengths '' \
   --growth-lengths 65536,131072,262144,524288 --select-blocks 4096,128"
-job offload-longest-7b "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576,983040,917504 --longest-first-fit \
+job offload-longest-7b "$O $PLAIN --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576,983040,917504 --longest-first-fit \
   --select-blocks 4096 --chunk 4096 --host-margin-gib 4"
 # The longest step with both memories filled: the store keeps whole layers in what the plan leaves free on the GPU
 # (--offload-gpu-memory auto, as train.offload_gpu_memory=auto), the rest on the host; the planner's longest first,
@@ -159,9 +162,9 @@ job offload-longest-7b-split "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 
 # About 5 minutes; add --fa4-block-sparse once its GPU tests pass.
 job sparse-1m-7b "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576 --select-blocks 8192 --chunk 8192 \
   --host-margin-gib 4 --offload-gpu-memory auto"
-job offload-longest-0.5b "$O --preset qwen2.5-0.5b $NOSPLIT --longest-lengths 4194304,3670016,3145728 \
+job offload-longest-0.5b "$O $PLAIN --preset qwen2.5-0.5b $NOSPLIT --longest-lengths 4194304,3670016,3145728 \
   --longest-first-fit --select-blocks 4096 --chunk 4096 --host-margin-gib 4"
-job offload-repeat-0.5b "$O --preset qwen2.5-0.5b $NOSPLIT --repeat-steps 20 --repeat-length 32768 \
+job offload-repeat-0.5b "$O $PLAIN --preset qwen2.5-0.5b $NOSPLIT --repeat-steps 20 --repeat-length 32768 \
   --select-blocks 4096 --chunk 4096"
 job offload-copy-bandwidth 'python3 -m benchmarks.copy'
 job offload-bit-identity 'python3 -m benchmarks.offload_check'
