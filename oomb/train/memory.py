@@ -420,7 +420,7 @@ def _needs_and_time_lines(cfg: Config, found: dict) -> list[str]:
         kept = (f"the pages of {layers} layer{'s' * (layers != 1)} kept on the GPU" if layers
                 else "every layer's pages in host memory")
         gpu = _gib(needs["gpu_bytes_pages_on_host"]) + ("" if needs["fits_gpu_offloaded"] else
-                                                        " (more than this GPU has, at any chunk)")
+                                                        " (more than this GPU has, with these settings)")
         lines.append(f"data.seq_len={cfg.data.seq_len:,} needs {_gib(needs['gpu_bytes_pages_on_gpu'])} of GPU memory "
                      f"with every page on the GPU, or with train.offload=true {gpu} of GPU memory and "
                      f"{_gib(needs['host_bytes_pages_on_host'])} of host memory (chunk {needs['chunk_size']}, "
