@@ -218,18 +218,17 @@ def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, choic
     if resume_from is not None:
         _resume(run, resume_from, dtype, console)
     n_params, n_total = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
+    lora = f", LoRA r={cfg.lora.r}" if cfg.lora.r > 0 else ""
     sizes = (f"{n_params / 1e6:.2f}M params" if n_params == n_total else  # LoRA, a frozen embedding: say which
-             f"{n_params / 1e6:.2f}M of {n_total / 1e6:.2f}M params trained"
-             + (f", LoRA r={cfg.lora.r}" if cfg.lora.r > 0 else ""))
+             f"{n_params / 1e6:.2f}M of {n_total / 1e6:.2f}M params trained{lora}")
     masters = isinstance(optimizer, MasterWeights)
-    console.print(
+    console.print(  # one line in a log too (soft_wrap: no line breaks of rich's), so it can be found with grep
         f"[bold]oomb train[/]: {cfg.model.path or cfg.model.preset} ({sizes}, {dtype}"
         f"{', base in NF4' if cfg.model.quantize == 'nf4' else ''}) on "
         f"{device}; {cfg.train.steps} steps x {cfg.train.grad_accum * cfg.train.batch_size} x {cfg.data.seq_len} "
         f"tokens ({cfg.data.task}), {cfg.train.optimizer} "
         f"{'on fp32 master weights' if masters else 'without master weights'}, "
-        f"{choices}, page {cfg.train.page_size}, {_kernels(cfg, device)}; writing {out}/{METRICS}"
-    )
+        f"{choices}, page {cfg.train.page_size}, {_kernels(cfg, device)}; writing {out}/{METRICS}", soft_wrap=True)
     return run
 
 
