@@ -266,14 +266,22 @@ def check_tensor_parallel(ctx: DistributedContext, config) -> None:
     except TensorParallelError as e:
         raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel}: {e}") from e
     if ctx.data_parallel > 1:
-        _refuse_per_head_replicated(ctx, per_head_replicated_parameters(config))
+        _refuse_per_head_replicated(ctx, per_head_replicated_parameters(config), config)
 
 
-def _refuse_per_head_replicated(ctx: DistributedContext, names: list[str]) -> None:
+def _refuse_per_head_replicated(ctx: DistributedContext, names: list[str], config) -> None:
+    from oomb.engine.tensor_parallel import TensorParallelError
+    from oomb.engine.tensor_parallel import check_tensor_parallel as check
+
     if names:  # their gradient hooks would sit on the parameters FSDP2 replaces
+        try:  # every rank in one tensor parallel group, where the model splits that many ways
+            check(config, ctx.world_size)
+            ways = f"train.tensor_parallel={ctx.world_size} or 1"
+        except TensorParallelError:
+            ways = f"train.tensor_parallel=1 (the model does not split {ctx.world_size} ways)"
         raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel} with data parallel over "
                           f"{ctx.data_parallel} groups: not supported for this model ({names[0]} is replicated "
-                          f"but applied to each rank's own heads); use train.tensor_parallel={ctx.world_size} or 1")
+                          f"but applied to each rank's own heads); use {ways}")
 
 
 def split_model(model: torch.nn.Module, ctx: DistributedContext) -> torch.nn.Module:
@@ -285,7 +293,7 @@ def split_model(model: torch.nn.Module, ctx: DistributedContext) -> torch.nn.Mod
     except TensorParallelError as e:
         raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel}: {e}") from e
     if ctx.data_parallel > 1:  # checked before the model was built too; this is what the split found
-        _refuse_per_head_replicated(ctx, partially_reduced_parameters(model))
+        _refuse_per_head_replicated(ctx, partially_reduced_parameters(model), model.config)
     return model
 
 

@@ -26,7 +26,7 @@ from oomb.train.data import NeedleTask, PasskeyTask
 from oomb.train.demo import demo_note
 from oomb.train.hub import model_folder, pin_dataset_revisions, pin_model_revision, tokenizer_folder
 from oomb.train.packing import PackedCorpus
-from oomb.train.rope import apply_rope, describe_rope, rope_is_scaled
+from oomb.train.rope import SCALINGS, apply_rope, describe_rope, rope_is_scaled
 from oomb.train.rows import check_sources
 from oomb.train.windows import held_out
 
@@ -224,17 +224,21 @@ def _check_task_keys(cfg: Config) -> None:
                           "or truncate (keep their first data.seq_len tokens)")
 
 
-def pin_hub_revisions(cfg: Config) -> None:
-    """A new run's hub model, tokenizer and datasets at the commits they resolve to now (hub.pin_model_revision,
-    hub.pin_dataset_revisions), written into cfg so config.json records them and a resume reads the same; after
-    the data keys' own checks, so a wrong setting is named before the network is asked. Only data.task=text and
-    chat read data.paths."""
+def pin_run_inputs(cfg: Config) -> None:
+    """What a new run resolves now, written into cfg so config.json records it and a resume gets the same: its
+    hub model, tokenizer and datasets at the commits they resolve to (hub.pin_model_revision,
+    hub.pin_dataset_revisions; after the data keys' own checks, so a wrong setting is named before the network
+    is asked; only data.task=text and chat read data.paths), and a RoPE scaling factor left null (data.seq_len /
+    the original positions): a resume at another data.seq_len keeps the positions the weights were trained at."""
     _check_task_keys(cfg)
     cfg.model.path = pin_model_revision(cfg.model.path)
     cfg.data.tokenizer = pin_model_revision(cfg.data.tokenizer, "data.tokenizer", tokenizer_only=True)
     d = cfg.data
     if d.task in ("text", "chat"):
         d.paths, d.val_paths = pin_dataset_revisions(d.paths), pin_dataset_revisions(d.val_paths, "data.val_paths")
+    rope = cfg.model.rope
+    if rope.type in SCALINGS and rope.factor is None:
+        rope.factor = float(model_config(cfg).rope_parameters["factor"])
 
 
 def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs | ChatInputs:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,17 @@ class Run:
             return "the run has no checkpoint yet"
         return f"the newest checkpoint, {ckpt}, is intact"
 
+    def continue_command(self, *overrides: str) -> str:
+        """How to go on with ``overrides``: resume from the newest checkpoint, or, where the run has none (a
+        resume would be refused), start its config (config.json) again in a new folder."""
+        try:
+            find_checkpoint(self.out)
+        except CheckpointError:
+            config, fresh = self.out / "config.json", self.out.with_name(self.out.name + "-2")
+            return " ".join(["oomb", "train", shlex.quote(str(config)), shlex.quote(f"out_dir={fresh}"),
+                             *map(shlex.quote, overrides)])
+        return resume_command(self.out, *overrides)
+
     def save(self, step: int, data_state: dict | None = None) -> Path:
         """Write checkpoint ``step`` and rotate; a failed write stops the run (nothing on disk damaged).
 
@@ -110,8 +122,7 @@ class Run:
                 ckpt = distributed.save_checkpoint(self.ctx, self.out, step, self.model, self.optimizer,
                                                    self.scheduler, data_state=data_state)
         except NonFiniteCheckpointError as e:
-            raise RunStopped(f"{e}.\n{self.newest_checkpoint().capitalize()}. Lower train.lr and continue, e.g.:\n"
-                             f"  {resume_command(self.out, f'train.lr={self.cfg.train.lr / 2:g}')}",
+            raise RunStopped(f"{e}.\n{self.newest_checkpoint().capitalize()}. {self._nonfinite_advice()}",
                              EXIT_NONFINITE) from None
         except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, torch.save's RuntimeError: all a failed write
             raise RunStopped(
@@ -236,8 +247,18 @@ class Run:
             return {"nonfinite_at": str(site) if site is not None else "backward pass", "nonfinite_grad": parameter}
         raise RunStopped(
             f"{text}.\nNo update was made and no checkpoint was written or changed; "
-            f"{self.newest_checkpoint()}. Lower train.lr, or set train.on_nonfinite=skip, "
-            f"then continue, e.g.:\n  {resume_command(self.out, f'train.lr={t.lr / 2:g}')}", EXIT_NONFINITE)
+            f"{self.newest_checkpoint()}. {self._nonfinite_advice(skip=True)}", EXIT_NONFINITE)
+
+    def _nonfinite_advice(self, skip: bool = False) -> str:
+        """What to do after non-finite values: where a weight is non-finite before this run updated it (the
+        loaded model's), a lower learning rate cannot help; else lower train.lr (or skip such steps)."""
+        bad = next((n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+        if bad is not None and self.saved_step is None and not any(self.optimizer.state.values()):  # no update yet
+            return (f"The weight {bad} is non-finite and this run has not updated the model yet: the model it "
+                    f"started from (model.path={self.cfg.model.path}) holds non-finite values; repair or replace it")
+        lr = f"train.lr={self.cfg.train.lr / 2:g}"
+        return (f"Lower train.lr{', or set train.on_nonfinite=skip,' if skip else ''} and continue, e.g.:\n"
+                f"  {self.continue_command(lr)}")
 
     def check_update(self, step: int) -> None:
         """Stop if the optimizer step made a weight or its state non-finite (its gradients were finite).

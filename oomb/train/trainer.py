@@ -38,7 +38,7 @@ from oomb.train.faults import (
     is_out_of_memory,
     measure_memory,
 )
-from oomb.train.inputs import build_inputs, model_config, pin_hub_revisions, position_notes
+from oomb.train.inputs import build_inputs, model_config, pin_run_inputs, position_notes
 from oomb.train.memory import check_memory, describe_offload, describe_step_choice
 from oomb.train.model import build, prepare_for_training
 from oomb.train.monitor import memory_fields, plot_run
@@ -159,8 +159,8 @@ def _check_before_work(cfg: Config, ctx) -> Path | None:
     """Model folder, run folder and the checkpoint to resume from; returns that checkpoint."""
     check_model_path(cfg)
     resume_from = check_paths(cfg)
-    if resume_from is None:  # a new run reads hub datasets at the commits they hold now; config.json records them
-        pin_hub_revisions(cfg)
+    if resume_from is None:  # a new run's hub commits and RoPE factor as they resolve now; config.json records them
+        pin_run_inputs(cfg)
         return None
     try:
         distributed.check_checkpoint_format(resume_from, ctx)

@@ -83,3 +83,31 @@ def test_diagnosis_finds_the_first_layer_or_reports_a_finite_forward():
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone().nan_to_num(posinf=0.0))
     site = locate_nonfinite(model, ids, options=OPTIONS)
     assert (site.chunk, site.layer, site.module) == (1, None, "model.embed_tokens")
+
+
+def test_a_stop_before_any_checkpoint_offers_a_command_that_runs(tmp_path, capsys):
+    # Non-finite in step 1, no checkpoint yet: `resume=` would be refused, so the advice starts the run's own
+    # config again in a new folder, which runs.
+    run = tmp_path / "run"
+    proc = run_process("nan", f"out_dir={run}", *RUN, fault_step=1)
+    assert proc.returncode == EXIT_NONFINITE, (proc.stdout, proc.stderr)
+    out = " ".join(proc.stdout.split())
+    assert "the run has no checkpoint yet" in out and "resume=" not in out
+    advice = f"oomb train {run / 'config.json'} out_dir={run}-2 train.lr=0.005"
+    assert advice in out
+    assert main([*advice.split()[1:], "train.steps=1"]) == 0
+    assert sorted(losses(tmp_path / "run-2")) == [1]
+
+
+def test_a_model_that_starts_non_finite_is_named_not_blamed_on_the_learning_rate(tmp_path, capsys):
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", vocab_size=300)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(tmp_path / "model")
+    run = tmp_path / "run"
+    assert main(["train", f"model.path={tmp_path / 'model'}", f"out_dir={run}", *RUN]) == EXIT_NONFINITE
+    out = " ".join(capsys.readouterr().out.split())
+    assert "The weight model.layers.1.mlp.down_proj.weight is non-finite" in out
+    assert "holds non-finite values; repair or replace it" in out and "Lower train.lr" not in out

@@ -82,11 +82,15 @@ def test_export_carries_the_rope_and_loads_back(tmp_path, short_model):
     assert written["rope_parameters"] == {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                           "original_max_position_embeddings": 128}
     assert written["max_position_embeddings"] == 512
-    assert json.loads((out / "config.json").read_text())["model"]["rope"]["type"] == "yarn"
+    recorded = json.loads((out / "config.json").read_text())["model"]["rope"]
+    assert recorded["type"] == "yarn" and recorded["factor"] == 4.0  # the factor it settled, not null
     loaded = AutoModelForCausalLM.from_pretrained(out / "export")
     trained = build(load_config(out / "config.json"), CPU, torch.float32)
     torch.testing.assert_close(loaded.model.rotary_emb.inv_freq, trained.model.rotary_emb.inv_freq, rtol=0, atol=0)
     assert loaded.model.rotary_emb.attention_scaling == trained.model.rotary_emb.attention_scaling != 1.0
+    # A resume at a longer data.seq_len keeps the factor the weights were trained with (null would give 8).
+    assert main(["train", f"resume={out}", "train.steps=2", "data.seq_len=1024"]) == 0
+    assert json.loads((out / "export" / "config.json").read_text())["rope_parameters"]["factor"] == 4.0
 
 
 def test_dynamic_scaling_trains_chunks_like_one_full_sequence(short_model):
