@@ -79,6 +79,7 @@ class StopRequest:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
         self._hook = None
+        self._at_chunks = True
 
     @property
     def requested(self) -> bool:
@@ -94,10 +95,11 @@ class StopRequest:
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
+        step = ("dropping the step in progress at its next chunk" if self._at_chunks else
+                "finishing the step in progress (every rank stops after the same step)")
         # os.write, not print: a signal handler may run in the middle of the console's own output.
-        os.write(2, (f"\noomb: {signal.Signals(signum).name} received: dropping the step in progress at its "
-                     "next chunk, writing a checkpoint, then stopping. Send it again to stop at once "
-                     "(the last complete checkpoint stays intact).\n").encode())
+        os.write(2, (f"\noomb: {signal.Signals(signum).name} received: {step}, writing a checkpoint, then "
+                     "stopping. Send it again to stop at once (the last complete checkpoint stays intact).\n").encode())
 
     def check(self) -> None:
         if self.signum is not None:
@@ -109,6 +111,7 @@ class StopRequest:
         ``at_chunks=False``: no check inside steps; the caller reads ``requested`` between steps
         (data parallel ranks must agree where to stop, or one would wait in a collective forever).
         """
+        self._at_chunks = at_chunks
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)

@@ -123,3 +123,13 @@ def prepare_for_training(model: torch.nn.Module, cfg: Config, ctx, console) -> t
     if ctx is not None and ctx.data_parallel > 1:  # over the groups of tensor parallel ranks, if any
         model = distributed.shard_model(model, ctx.mesh["dp"] if ctx.mesh is not None else None)
     return model
+
+
+def describe_size(model: torch.nn.Module, cfg: Config) -> str:
+    """The startup line's parameter count: all of them, or (LoRA, a frozen embedding) how many of them train."""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    if trained == total:
+        return f"{trained / 1e6:.2f}M params"
+    lora = f", LoRA r={cfg.lora.r}" if cfg.lora.r > 0 else ""
+    return f"{trained / 1e6:.2f}M of {total / 1e6:.2f}M params trained{lora}"

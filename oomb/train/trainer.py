@@ -40,7 +40,7 @@ from oomb.train.faults import (
 )
 from oomb.train.inputs import build_inputs, model_config, pin_run_inputs, position_notes
 from oomb.train.memory import check_memory, describe_offload, describe_step_choice
-from oomb.train.model import build, prepare_for_training
+from oomb.train.model import build, describe_size, prepare_for_training
 from oomb.train.monitor import memory_fields, plot_run
 from oomb.train.optim import MasterWeights, build_optimizer, check_optimizer, wants_master_weights
 from oomb.train.quantize import check_quantize_runs
@@ -217,15 +217,13 @@ def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, choic
     run = Run(cfg, out, model, optimizer, scheduler, inputs, device, saved_step=None, ctx=ctx)
     if resume_from is not None:
         _resume(run, resume_from, dtype, console)
-    n_params, n_total = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
-    lora = f", LoRA r={cfg.lora.r}" if cfg.lora.r > 0 else ""
-    sizes = (f"{n_params / 1e6:.2f}M params" if n_params == n_total else  # LoRA, a frozen embedding: say which
-             f"{n_params / 1e6:.2f}M of {n_total / 1e6:.2f}M params trained{lora}")
     masters = isinstance(optimizer, MasterWeights)
+    ranks = 1 if ctx is None else ctx.data_parallel  # each step trains every data parallel rank's sequences
     console.print(  # one line in a log too (soft_wrap: no line breaks of rich's), so it can be found with grep
-        f"[bold]oomb train[/]: {cfg.model.path or cfg.model.preset} ({sizes}, {dtype}"
-        f"{', base in NF4' if cfg.model.quantize == 'nf4' else ''}) on "
-        f"{device}; {cfg.train.steps} steps x {cfg.train.grad_accum * cfg.train.batch_size} x {cfg.data.seq_len} "
+        f"[bold]oomb train[/]: {cfg.model.path or cfg.model.preset} ({describe_size(model, cfg)}, {dtype}"
+        f"{', base in NF4' if cfg.model.quantize == 'nf4' else ''}) on {device}"
+        f"{f' x {ctx.world_size} ranks' if ctx is not None else ''}; {cfg.train.steps} steps x "
+        f"{cfg.train.grad_accum * cfg.train.batch_size * ranks} x {cfg.data.seq_len} "
         f"tokens ({cfg.data.task}), {cfg.train.optimizer} "
         f"{'on fp32 master weights' if masters else 'without master weights'}, "
         f"{choices}, page {cfg.train.page_size}, {_kernels(cfg, device)}; writing {out}/{METRICS}", soft_wrap=True)

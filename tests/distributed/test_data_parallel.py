@@ -147,6 +147,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
             proc.kill()
     assert proc.returncode != 0, stdout[-2000:]
     assert "interrupted by SIGTERM" in stdout + stderr
+    assert "finishing the step in progress (every rank stops after the same step)" in " ".join(stderr.split())
     done = len((out / "metrics.jsonl").read_text().splitlines())
     assert 1 <= done < 200
     ckpt = find_checkpoint(out)
@@ -202,5 +203,7 @@ def test_ranks_whose_plans_differ_step_the_smallest_chunk(tmp_path, monkeypatch)
     proc = torchrun("-m", "oomb.cli", "train", *args, f"out_dir={tmp_path / 'run'}")
     # Rank 0 (which prints) planned again with chunks of 128, and keeps the cache, which fits it.
     assert "chunk 128, attention cache on (chosen by the memory plan)" in " ".join(proc.stdout.split())
+    # the startup line counts both ranks' sequences in a step, as metrics.jsonl's tokens do
+    assert "on cpu x 2 ranks; 1 steps x 2 x 256 tokens" in " ".join(proc.stdout.split())
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["chunk_size"] == 128
     assert sorted(losses(tmp_path / "run")) == [1]
