@@ -66,6 +66,15 @@ def check_tensor_parallel(config, degree: int) -> None:
         raise TensorParallelError(f"tensor parallel degree {degree} does not divide the MLP width {width}")
 
 
+def splits(config, degree: int) -> bool:
+    """Whether check_tensor_parallel accepts ``degree`` for this model config."""
+    try:
+        check_tensor_parallel(config, degree)
+    except TensorParallelError:
+        return False
+    return True
+
+
 def apply_tensor_parallel(model: torch.nn.Module, mesh) -> torch.nn.Module:
     """Split ``model``'s decoder layers over the 1-D device ``mesh`` in place; returns the model.
 

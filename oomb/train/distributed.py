@@ -258,27 +258,19 @@ def shard_model(model: torch.nn.Module, mesh=None) -> torch.nn.Module:
 
 def check_tensor_parallel(ctx: DistributedContext, config) -> None:
     """Refuse, before the model is built, a tensor parallel degree the model config cannot split."""
-    from oomb.engine.tensor_parallel import TensorParallelError, per_head_replicated_parameters
-    from oomb.engine.tensor_parallel import check_tensor_parallel as check
+    from oomb.engine import tensor_parallel as tp
 
     try:
-        check(config, ctx.tensor_parallel)
-    except TensorParallelError as e:
+        tp.check_tensor_parallel(config, ctx.tensor_parallel)
+    except tp.TensorParallelError as e:
         raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel}: {e}") from e
     if ctx.data_parallel > 1:
-        _refuse_per_head_replicated(ctx, per_head_replicated_parameters(config), config)
+        _refuse_replicated(ctx, tp.per_head_replicated_parameters(config), tp.splits(config, ctx.world_size))
 
 
-def _refuse_per_head_replicated(ctx: DistributedContext, names: list[str], config) -> None:
-    from oomb.engine.tensor_parallel import TensorParallelError
-    from oomb.engine.tensor_parallel import check_tensor_parallel as check
-
-    if names:  # their gradient hooks would sit on the parameters FSDP2 replaces
-        try:  # every rank in one tensor parallel group, where the model splits that many ways
-            check(config, ctx.world_size)
-            ways = f"train.tensor_parallel={ctx.world_size} or 1"
-        except TensorParallelError:
-            ways = f"train.tensor_parallel=1 (the model does not split {ctx.world_size} ways)"
+def _refuse_replicated(ctx: DistributedContext, names: list[str], all_ranks_split: bool) -> None:
+    if names:  # their gradient hooks would sit on the parameters FSDP2 replaces (every rank in one TP group?)
+        ways = f"train.tensor_parallel={ctx.world_size} or 1" if all_ranks_split else "train.tensor_parallel=1"
         raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel} with data parallel over "
                           f"{ctx.data_parallel} groups: not supported for this model ({names[0]} is replicated "
                           f"but applied to each rank's own heads); use {ways}")
@@ -286,14 +278,14 @@ def _refuse_per_head_replicated(ctx: DistributedContext, names: list[str], confi
 
 def split_model(model: torch.nn.Module, ctx: DistributedContext) -> torch.nn.Module:
     """Tensor parallel in place: each layer's heads and MLP columns split over the ranks."""
-    from oomb.engine.tensor_parallel import TensorParallelError, apply_tensor_parallel, partially_reduced_parameters
+    from oomb.engine import tensor_parallel as tp
 
     try:
-        apply_tensor_parallel(model, ctx.mesh["tp"])
-    except TensorParallelError as e:
+        tp.apply_tensor_parallel(model, ctx.mesh["tp"])
+    except tp.TensorParallelError as e:
         raise ConfigError(f"train.tensor_parallel={ctx.tensor_parallel}: {e}") from e
     if ctx.data_parallel > 1:  # checked before the model was built too; this is what the split found
-        _refuse_per_head_replicated(ctx, partially_reduced_parameters(model), model.config)
+        _refuse_replicated(ctx, tp.partially_reduced_parameters(model), tp.splits(model.config, ctx.world_size))
     return model
 
 
