@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -40,6 +41,14 @@ def add_step_arguments(parser, *, budget: bool = True) -> None:
     parser.add_argument("--page", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", default=None, help="write the JSON report here")
+
+
+def ask_fa4_block_sparse() -> None:
+    """Page-sparse calls of the fa4 backend on FA4's block sparsity (oomb.kernels.flash4.BLOCK_SPARSE_ENV), for a
+    bench's --fa4-block-sparse; before the fa4 backend is first built (it is built once per process)."""
+    from oomb.kernels.flash4 import BLOCK_SPARSE_ENV
+
+    os.environ[BLOCK_SPARSE_ENV] = "1"
 
 
 def command_line(module: str, argv: list[str] | None = None) -> str:

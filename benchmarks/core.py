@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -34,7 +33,14 @@ from pathlib import Path
 import torch
 
 import oomb
-from benchmarks.common import command_line, int_list, machine_description, run_benchmark, time_steps
+from benchmarks.common import (
+    ask_fa4_block_sparse,
+    command_line,
+    int_list,
+    machine_description,
+    run_benchmark,
+    time_steps,
+)
 from benchmarks.timeline import format_profile, step_profile
 from benchmarks.tune_attention import CANDIDATES
 from oomb.engine import linear_cross_entropy_sum, store_for_model
@@ -192,10 +198,8 @@ def expand_rows(runs: list[tuple], backends: list[str], modes: list[str], chunks
 
 def run(args) -> dict:
     device = torch.device("cuda")
-    if args.fa4_block_sparse:  # before the fa4 backend is first built (it is built once per process)
-        from oomb.kernels.flash4 import BLOCK_SPARSE_ENV
-
-        os.environ[BLOCK_SPARSE_ENV] = "1"
+    if args.fa4_block_sparse:
+        ask_fa4_block_sparse()
     baseline = run_baselines(args) if args.baseline_lengths else []
     if args.baseline_from:
         baseline += earlier_baselines(Path(args.baseline_from))

@@ -68,12 +68,18 @@ from dataclasses import dataclass
 import torch
 
 import oomb
-from benchmarks.common import add_step_arguments, command_line, int_list, run_benchmark, time_steps
+from benchmarks.common import (
+    add_step_arguments,
+    ask_fa4_block_sparse,
+    command_line,
+    int_list,
+    run_benchmark,
+    time_steps,
+)
 from oomb.engine import store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import use_fused_ops
 from oomb.engine.plan import AUTO_GPU_MARGIN_BYTES, plan_memory
-from oomb.kernels.flash4 import BLOCK_SPARSE_ENV
 from oomb.sparse import PageSelection
 
 GIB = 2**30
@@ -349,8 +355,8 @@ class Bench:
         self.device = torch.device(args.device)
         self.cuda = self.device.type == "cuda"
         self.dtype = getattr(torch, args.dtype)
-        if args.fa4_block_sparse:  # before the fa4 backend is first built (it is built once per process)
-            os.environ[BLOCK_SPARSE_ENV] = "1"
+        if args.fa4_block_sparse:
+            ask_fa4_block_sparse()
         self.model = build_model(args.preset, dtype=self.dtype, device=self.device)
         self.model.train()
         # liger's RMSNorm, SwiGLU and RoPE as `oomb train` swaps them in (train.fused_ops=auto: on CUDA)

@@ -79,7 +79,6 @@ class StopRequest:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
         self._hook = None
-        self._at_chunks = True
 
     @property
     def requested(self) -> bool:
@@ -95,7 +94,7 @@ class StopRequest:
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
-        step = ("dropping the step in progress at its next chunk" if self._at_chunks else
+        step = ("dropping the step in progress at its next chunk" if self._hook is not None else
                 "finishing the step in progress (every rank stops after the same step)")
         # os.write, not print: a signal handler may run in the middle of the console's own output.
         os.write(2, (f"\noomb: {signal.Signals(signum).name} received: {step}, writing a checkpoint, then "
@@ -111,14 +110,12 @@ class StopRequest:
         ``at_chunks=False``: no check inside steps; the caller reads ``requested`` between steps
         (data parallel ranks must agree where to stop, or one would wait in a collective forever).
         """
-        self._at_chunks = at_chunks
+        if at_chunks:  # before the handlers, which say whether the step is dropped at a chunk or finished
+            # Every chunk's forward starts with the token embedding: a boundary between chunks.
+            self._hook = model.get_input_embeddings().register_forward_pre_hook(lambda module, args: self.check())
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
-        if not at_chunks:
-            return self
-        # Every chunk's forward starts with the token embedding: a boundary between chunks.
-        self._hook = model.get_input_embeddings().register_forward_pre_hook(lambda module, args: self.check())
         return self
 
     def uninstall(self) -> None:
