@@ -123,7 +123,7 @@ class FlashAttention4:
         self._fa = interface
         self._sparse_tensors = BlockSparseTensorsTorch
         self._arch = torch.cuda.get_device_capability()[0]
-        self._block_sparse = os.environ.get(BLOCK_SPARSE_ENV) == "1" if block_sparse is None else block_sparse
+        self._offers_block_sparse = os.environ.get(BLOCK_SPARSE_ENV) == "1" if block_sparse is None else block_sparse
 
     def supports_head_dim(self, head_dim: int) -> bool:
         top = 256 if self._arch == 9 else 128
@@ -134,12 +134,12 @@ class FlashAttention4:
         tile 64 x 128 (128 x 128 up to 64), so these blocks serve both (flash4_sparse's docstring). Not on
         Blackwell (its forward's two query tiles per block want q blocks of 256, unmeasured here), nor in
         deterministic mode, which FA4's SM90 block-sparse backward lacks; only where asked (BLOCK_SPARSE_ENV)."""
-        if (not self._block_sparse or self._arch != 9 or head_dim > 128
+        if (not self._offers_block_sparse or self._arch != 9 or head_dim > 128
                 or torch.are_deterministic_algorithms_enabled()):
             return None
         return 128, 128
 
-    def _block_sparse(self, sparsity: BlockSparsity | None, direction: str) -> dict:
+    def _sparse_arguments(self, sparsity: BlockSparsity | None, direction: str) -> dict:
         """FA4's ``block_sparse_tensors`` argument of one direction ("forward" or "backward"), or nothing."""
         if sparsity is None:
             return {}
@@ -154,7 +154,7 @@ class FlashAttention4:
                     max_seqlen_q=layout.max_seqlen_q, max_seqlen_k=layout.max_seqlen_k)
 
     def forward(self, q, k, v, *, scale, window_left, layout, block_sparse=None, causal=True):
-        sparse = self._block_sparse(block_sparse, "forward")
+        sparse = self._sparse_arguments(block_sparse, "forward")
         out, lse = self._fa._flash_attn_fwd(
             q, k, v, softmax_scale=scale, causal=causal, window_size_left=window_left,
             window_size_right=None if window_left is None else 0, return_lse=True, **self._varlen(layout), **sparse,
@@ -164,7 +164,7 @@ class FlashAttention4:
     def backward(self, d_out, q, k, v, out, lse, *, scale, window_left, layout, block_sparse=None, causal=True):
         # FA4's backward sums dQ (and GQA's dK/dV) with atomic adds, in no fixed order unless asked; PyTorch's
         # switch for reproducible runs asks (the Triton kernels are deterministic either way).
-        sparse = self._block_sparse(block_sparse, "backward")
+        sparse = self._sparse_arguments(block_sparse, "backward")
         dq, dk, dv = self._fa._flash_attn_bwd(
             q, k, v, out, d_out, lse, softmax_scale=scale, causal=causal, window_size_left=window_left,
             window_size_right=None if window_left is None else 0,

@@ -258,3 +258,61 @@ def test_gather_and_add_move_heads_as_words_or_as_they_are(dtype, d, offset):
     expect[page_ids, :, slots] += grad[0].to(dtype)
     _add_at(pool, layout, grad)
     assert torch.equal(pool, expect)
+
+
+class _RecordingInterface:
+    """flash_attn.cute.interface's two entry points, recording what oomb's wrapper passes them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _flash_attn_fwd(self, q, k, v, **kw):
+        self.calls.append(("forward", kw))
+        return torch.zeros_like(q), torch.zeros(q.shape[:-1]), None
+
+    def _flash_attn_bwd(self, q, k, v, out, d_out, lse, **kw):
+        self.calls.append(("backward", kw))
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+def test_the_fa4_wrapper_hands_each_direction_its_own_block_lists(monkeypatch):
+    """FlashAttention4 (the thin layer over flash-attn-4, otherwise only run on the GPU) built with the package
+    replaced: it offers block sparsity only where asked, and each call passes FA4 its own direction's lists."""
+    import sys
+    import types
+
+    from oomb.kernels.flash4 import FlashAttention4, KeyLayout
+    from oomb.kernels.flash4_sparse import BlockLists, BlockSparsity
+
+    interface = _RecordingInterface()
+    cute = types.ModuleType("flash_attn.cute")
+    cute.interface = interface
+    sparsity_module = types.ModuleType("flash_attn.cute.block_sparsity")
+    sparsity_module.BlockSparseTensorsTorch = lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.block_sparsity", sparsity_module)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+
+    assert FlashAttention4(block_sparse=False).block_sparse_blocks(128) is None
+    fa4 = FlashAttention4(block_sparse=True)
+    assert fa4.block_sparse_blocks(128) == (128, 128)
+    assert fa4.block_sparse_blocks(256) is None
+
+    def lists(value):
+        t = torch.full((1, 1, 2), value, dtype=torch.int32)
+        return BlockLists(t, t[..., None], t, t[..., None])
+
+    sparsity = BlockSparsity(forward=lists(1), backward=lists(2), block_q=128, block_kv=128)
+    q = torch.zeros(1, 4, 2, 8)
+    layout = KeyLayout(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long), keys_per_row=4)
+    out, lse = fa4.forward(q, q, q, scale=1.0, window_left=None, layout=layout, block_sparse=sparsity)
+    fa4.backward(out, q, q, q, out, lse, scale=1.0, window_left=None, layout=layout, block_sparse=sparsity)
+    fa4.forward(q, q, q, scale=1.0, window_left=None, layout=layout, causal=False)
+    (fwd, fwd_kw), (bwd, bwd_kw), (_, dense_kw) = interface.calls
+    assert (fwd, bwd) == ("forward", "backward")
+    assert int(fwd_kw["block_sparse_tensors"]["mask_block_cnt"][0, 0, 0]) == 1
+    assert int(bwd_kw["block_sparse_tensors"]["mask_block_cnt"][0, 0, 0]) == 2
+    assert fwd_kw["block_sparse_tensors"]["block_size"] == (128, 128)
+    assert "block_sparse_tensors" not in dense_kw and dense_kw["causal"] is False
