@@ -26,10 +26,17 @@ def run_benchmark(name: str, args, run: Callable[[object], dict], print_table: C
         return 2
     report = run(args)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_report(args.out, report)
     print_table(report)
     return 0
+
+
+def write_report(path: str, report: dict) -> None:
+    """Write a JSON record whole (a temporary file renamed over it): a bench killed mid-write leaves the last one."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2)
+    os.replace(tmp, path)
 
 
 def add_step_arguments(parser, *, budget: bool = True) -> None:

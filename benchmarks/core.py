@@ -40,6 +40,7 @@ from benchmarks.common import (
     machine_description,
     run_benchmark,
     time_steps,
+    write_report,
 )
 from benchmarks.timeline import format_profile, step_profile
 from benchmarks.tune_attention import CANDIDATES
@@ -220,6 +221,10 @@ def run(args) -> dict:
         p.grad = torch.zeros_like(p)
     results = list(baseline)
 
+    def report(complete: bool) -> dict:
+        return _report(args, results, complete=complete, cfg=cfg, fused_record=fused_record,
+                       param_bytes=param_bytes, auto=auto)
+
     def record(kind, n, times=None, error=None, extra=None):
         row = {"system": kind, "seq_len": n}
         if times:
@@ -233,6 +238,8 @@ def run(args) -> dict:
         row.update(extra or {})
         results.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("step_times_s", "profile")}), flush=True)
+        if args.out:  # each row as it lands: a job stopped by its time limit keeps the rows it measured
+            write_report(args.out, report(complete=False))
 
     vocab = cfg.vocab_size
     warmed = False
@@ -304,9 +311,16 @@ def run(args) -> dict:
                 torch.cuda.empty_cache()
         model.gradient_checkpointing_disable()
 
+    return report(complete=True)
+
+
+def _report(args, results: list[dict], *, complete: bool, cfg, fused_record: dict, param_bytes: int,
+            auto: dict) -> dict:
+    """The JSON record: the rows so far; ``complete`` once every row ran (the RoPE costs only then)."""
     summary = _memory_growth([r for r in results if r["system"] == "oomb" and "error" not in r])
     return {
         "bench": "core",
+        "complete": complete,
         "command": command_line("benchmarks.core"),
         "date": datetime.date.today().isoformat(),
         "machine": machine_description(),
@@ -324,7 +338,7 @@ def run(args) -> dict:
         # chunk and for a step at each profiled length (measured after plain_rope() above: transformers' own)
         "rope": ({"chunk": args.chunk[0], "per_chunk": rope_cost(cfg, args.chunk[0]),
                   "calls_per_step": {n: rope_calls_per_step(cfg.num_hidden_layers, n, args.chunk[0])
-                                     for n in args.profile_lengths}} if args.profile_lengths else None),
+                                     for n in args.profile_lengths}} if args.profile_lengths and complete else None),
         "memory_growth": summary,
     }
 

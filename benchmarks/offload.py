@@ -75,6 +75,7 @@ from benchmarks.common import (
     int_list,
     run_benchmark,
     time_steps,
+    write_report,
 )
 from oomb.engine import store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
@@ -574,13 +575,6 @@ def summarize(meta: dict, results: list[dict], repeat: dict | None, complete: bo
             "repeat": repeat}
 
 
-def _write(report: dict, path: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(tmp, path)
-
-
 def run(args) -> dict:
     t0 = time.perf_counter()
     bench = Bench(args)
@@ -613,7 +607,7 @@ def run(args) -> dict:
             meta["stream_profiles"].append(bench.run_profile(s, args.trace_dir))
             print(json.dumps({k: v for k, v in meta["stream_profiles"][-1].items() if k != "top_kernels"}), flush=True)
             if args.out:
-                _write(summarize(meta, results, repeat, False), args.out)
+                write_report(args.out, summarize(meta, results, repeat, False))
     longest_lengths = args.longest_lengths
     if longest_lengths == "plan":
         meta["planned_longest"] = bench.planned_longest()
@@ -630,20 +624,20 @@ def run(args) -> dict:
             row = {**head, "skipped": "an earlier longest length ran (--longest-first-fit)"}
         else:
             if args.out:  # a run killed during this row still says which row it was in
-                _write({**summarize(meta, results, repeat, False), "in_progress": head}, args.out)
+                write_report(args.out, {**summarize(meta, results, repeat, False), "in_progress": head})
             row = bench.run_row(s)
         results.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("step_times_s", "plan")}), flush=True)
         if args.out:
-            _write(summarize(meta, results, repeat, False), args.out)
+            write_report(args.out, summarize(meta, results, repeat, False))
     if args.repeat_steps and args.repeat_length:
         if args.time_budget and time.perf_counter() - t0 > args.time_budget:
             repeat = {"seq_len": args.repeat_length, "skipped": "time budget"}
         else:
             def save(partial):
                 if args.out:
-                    _write({**summarize(meta, results, partial, False),
-                            "in_progress": {"kind": "repeat", "seq_len": args.repeat_length}}, args.out)
+                    write_report(args.out, {**summarize(meta, results, partial, False),
+                                            "in_progress": {"kind": "repeat", "seq_len": args.repeat_length}})
 
             save(None)
             repeat = bench.run_repeat(args.repeat_length, args.repeat_steps, on_step=save)
