@@ -50,12 +50,13 @@ def add_step_arguments(parser, *, budget: bool = True) -> None:
     parser.add_argument("--out", default=None, help="write the JSON report here")
 
 
-def ask_fa4_block_sparse() -> None:
-    """Page-sparse calls of the fa4 backend on FA4's block sparsity (oomb.kernels.flash4.BLOCK_SPARSE_ENV), for a
-    bench's --fa4-block-sparse; before the fa4 backend is first built (it is built once per process)."""
+def ask_fa4_block_sparse(on: bool) -> None:
+    """Page-sparse calls of the fa4 backend on FA4's block sparsity (the default) or, off, on the Triton kernels
+    (oomb.kernels.flash4.BLOCK_SPARSE_ENV), for a bench's --[no-]fa4-block-sparse; before the fa4 backend is
+    first built (it is built once per process)."""
     from oomb.kernels.flash4 import BLOCK_SPARSE_ENV
 
-    os.environ[BLOCK_SPARSE_ENV] = "1"
+    os.environ[BLOCK_SPARSE_ENV] = "1" if on else "0"
 
 
 def command_line(module: str, argv: list[str] | None = None) -> str:

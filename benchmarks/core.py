@@ -199,8 +199,7 @@ def expand_rows(runs: list[tuple], backends: list[str], modes: list[str], chunks
 
 def run(args) -> dict:
     device = torch.device("cuda")
-    if args.fa4_block_sparse:
-        ask_fa4_block_sparse()
+    ask_fa4_block_sparse(args.fa4_block_sparse)
     baseline = run_baselines(args) if args.baseline_lengths else []
     if args.baseline_from:
         baseline += earlier_baselines(Path(args.baseline_from))
@@ -428,9 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page", type=int, default=128)
     p.add_argument("--backend", default="auto",
                    help="attention backend of oomb's rows; a comma list times each row once per backend")
-    p.add_argument("--fa4-block-sparse", action="store_true",
-                   help="page-sparse rows of the fa4 backend on FA4's block sparsity (kernels/flash4_sparse.py; "
-                        "sets OOMB_FA4_BLOCK_SPARSE=1, which oomb uses only where asked until verified on a GPU)")
+    p.add_argument("--fa4-block-sparse", action=argparse.BooleanOptionalAction, default=True,
+                   help="page-sparse rows of the fa4 backend on FA4's block sparsity (kernels/flash4_sparse.py; oomb's "
+                        "default since 2026-12-05) or, with --no-fa4-block-sparse, on the Triton kernels "
+                        "(OOMB_FA4_BLOCK_SPARSE=0)")
     p.add_argument("--recompute", default="chunk",
                    help="how stage 2 rebuilds a chunk in oomb's rows (chunk, layer, layer-host; "
                         "oomb.engine.layer_recompute); a comma list times each row once per mode")

@@ -110,16 +110,15 @@ job sparse-kernels "python3 -m benchmarks.sparse --contexts 65536,131072,262144 
 job sparse-steps-7b 'python3 -m benchmarks.sparse --contexts 65536,131072,262144 --lengths 65536,131072 \
   --sparse-lengths 262144,524288'
 job core-7b-sparse-128k-bound "$C --lengths '' --sparse-cache-lengths 131072 --select-score bound --fused-ops auto"
-# The sparse 128K step as `oomb train` would run it now (layer-host, chunks of 16384, the cache; liger's RoPE),
-# against issue 24's floor (about 15.3 s) and target (16.5 s); one profiled step says where the rest goes.
-job core-7b-sparse-128k-layer-host "$C --lengths '' --sparse-cache-lengths 131072 --chunk 16384 --recompute layer-host \
-  --fused-ops auto --warm-each --repeats 2 --backend fa4 --profile-lengths 131072"
-# The same on FA4's block sparsity (kernels/flash4_sparse.py), once its GPU tests pass:
-# OOMB_FA4_BLOCK_SPARSE=1 python3 -m pytest -q -m gpu tests/kernels/test_flash4_sparse.py
-# Chunks of 8192 and 16384: a query attends its 64 pages and, causally, its own chunk (4096 keys on average with
-# chunks of 8192, 8192 with 16384), so shorter chunks halve the chunk's share of a sparse step's attention.
+# The sparse 128K step as `oomb train` runs it (layer-host, the cache, liger's RoPE; page-sparse calls on FA4's block
+# sparsity, the default since 2026-12-05) against issue 24's floor (about 15.3 s) and target (16.5 s); one profiled
+# step per row says where the rest goes. Chunks of 8192 and 16384: a query attends its 64 pages and, causally, its
+# own chunk (4096 keys on average with chunks of 8192, 8192 with 16384). About 5 minutes.
 job core-7b-sparse-128k-fa4-blocks "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192,16384 --recompute layer-host \
-  --fused-ops auto --warm-each --repeats 2 --backend fa4 --fa4-block-sparse --profile-lengths 131072"
+  --fused-ops auto --warm-each --repeats 2 --backend fa4 --profile-lengths 131072"
+# The same step with the page-sparse calls on the Triton kernels (before 2026-12-05), chunks of 8192.
+job core-7b-sparse-128k-layer-host "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192 --recompute layer-host \
+  --fused-ops auto --warm-each --repeats 2 --backend fa4 --no-fa4-block-sparse --profile-lengths 131072"
 job core-7b-sparse-128k-mean "$C --lengths '' --sparse-cache-lengths 131072 --select-score mean --fused-ops auto"
 job core-7b-sparse-128k-plain "$C --lengths '' --sparse-lengths 131072 --sparse-cache-lengths 131072 --chunk 4096 \
   --fused-ops none --select-score mean"
@@ -159,8 +158,8 @@ job offload-longest-7b-split "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 
 # candidate default with offload: at 1M the union of 64 lists of 128 queries is about half the past per layer
 # and chunk, copied each way; sparse-quality-blocks compares the two blocks' learning). Issue 24's target is
 # <= 150 s (230 s measured 2026-12-03: every page on the host, block 4096, chunks of 4096, no fused ops).
-# About 4 minutes; on FA4's block sparsity (its GPU tests passed 2026-12-05).
-job sparse-1m-7b "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576 --select-blocks 8192 --chunk 8192 --fa4-block-sparse \
+# About 4 minutes.
+job sparse-1m-7b "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576 --select-blocks 8192 --chunk 8192 \
   --host-margin-gib 4 --offload-gpu-memory auto"
 job offload-longest-0.5b "$O $PLAIN --preset qwen2.5-0.5b $NOSPLIT --longest-lengths 4194304,3670016,3145728 \
   --longest-first-fit --select-blocks 4096 --chunk 4096 --host-margin-gib 4"

@@ -41,8 +41,9 @@ plan (no optimizer) leaves free on the GPU less oomb.engine.plan.AUTO_GPU_MARGIN
 the GPU and the host together. Default 0: only the two working layers on the GPU, as in the paper.
 
 ``--fused-ops``: liger's fused RMSNorm, SwiGLU and RoPE as `oomb train` swaps them in (default ``auto``:
-on CUDA where liger imports; records made before 2026-12-05 ran ``none``). ``--fa4-block-sparse``:
-page-sparse rows on FA4's block sparsity (kernels/flash4_sparse.py) where the fa4 backend runs them.
+on CUDA where liger imports; records made before 2026-12-05 ran ``none``). ``--no-fa4-block-sparse``:
+page-sparse rows on the Triton kernels instead of FA4's block sparsity (kernels/flash4_sparse.py; records made
+before 2026-12-05 ran them on Triton).
 
 ``--time-budget S``: rows not started within S seconds are recorded as skipped (the device scripts
 give the bench a hard timeout as well). ``--device cpu --dtype float32`` runs the same rows on CPU
@@ -356,8 +357,8 @@ class Bench:
         self.device = torch.device(args.device)
         self.cuda = self.device.type == "cuda"
         self.dtype = getattr(torch, args.dtype)
-        if args.fa4_block_sparse:
-            ask_fa4_block_sparse()
+        if self.cuda:  # the fa4 backend runs on CUDA only
+            ask_fa4_block_sparse(args.fa4_block_sparse)
         self.model = build_model(args.preset, dtype=self.dtype, device=self.device)
         self.model.train()
         # liger's RMSNorm, SwiGLU and RoPE as `oomb train` swaps them in (train.fused_ops=auto: on CUDA)
@@ -593,7 +594,7 @@ def run(args) -> dict:
         "gpu_total_gib": bench.device_total / GIB if cuda else None,
         "host_margin_gib": args.host_margin_gib, "time_budget_s": args.time_budget,
         "planner_method": PLAN_NO_OPTIMIZER, "fused_ops": args.fused_ops, "fused_modules": bench.fused,
-        "fa4_block_sparse": args.fa4_block_sparse,
+        "fa4_block_sparse": args.fa4_block_sparse and cuda,
     }
     results: list[dict] = []
     repeat = None
@@ -772,8 +773,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-ops", default="auto", choices=FUSED_OPS_MODES,
                    help="liger's fused RMSNorm/SwiGLU/RoPE as `oomb train` uses them (train.fused_ops; records before "
                         "2026-12-05 ran without: none)")
-    p.add_argument("--fa4-block-sparse", action="store_true",
-                   help="page-sparse rows on FA4's block sparsity (OOMB_FA4_BLOCK_SPARSE=1; kernels/flash4_sparse.py)")
+    p.add_argument("--fa4-block-sparse", action=argparse.BooleanOptionalAction, default=True,
+                   help="page-sparse rows on FA4's block sparsity where the fa4 backend runs them (oomb's default "
+                        "since 2026-12-05) or, with --no-fa4-block-sparse, on the Triton kernels "
+                        "(OOMB_FA4_BLOCK_SPARSE=0)")
     add_step_arguments(p)
     args = p.parse_args(argv)
     args.argv = argv

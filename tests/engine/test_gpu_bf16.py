@@ -152,7 +152,7 @@ def _offload_runs(sparse, store_for_model):
 
 
 def test_sparse_step_on_fa4_block_sparsity_bf16_close_to_fp32(monkeypatch):
-    """A sparse step through FA4's block sparsity (kernels/flash4_sparse.py, asked for with OOMB_FA4_BLOCK_SPARSE=1)
+    """A sparse step through FA4's block sparsity (kernels/flash4_sparse.py, the default on Hopper)
     against the same step in fp32 on the PyTorch path, bounded as above by the PyTorch path's own bf16 error. The
     pages are forced (sink + local = budget) so the selection cannot differ between precisions."""
     from oomb import kernels
