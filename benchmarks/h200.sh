@@ -158,9 +158,9 @@ job offload-longest-7b-split "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 
 # candidate default with offload: at 1M the union of 64 lists of 128 queries is about half the past per layer
 # and chunk, copied each way; sparse-quality-blocks compares the two blocks' learning). Issue 24's target is
 # <= 150 s (230 s measured 2026-12-03: every page on the host, block 4096, chunks of 4096, no fused ops).
-# About 4 minutes.
+# One more step under the profiler says where the time goes (issue 24 item 4). About 7 minutes.
 job sparse-1m-7b "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576 --select-blocks 8192 --chunk 8192 \
-  --host-margin-gib 4 --offload-gpu-memory auto"
+  --host-margin-gib 4 --offload-gpu-memory auto --profile-longest"
 job offload-longest-0.5b "$O $PLAIN --preset qwen2.5-0.5b $NOSPLIT --longest-lengths 4194304,3670016,3145728 \
   --longest-first-fit --select-blocks 4096 --chunk 4096 --host-margin-gib 4"
 job offload-repeat-0.5b "$O $PLAIN --preset qwen2.5-0.5b $NOSPLIT --repeat-steps 20 --repeat-length 32768 \

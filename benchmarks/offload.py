@@ -78,6 +78,7 @@ from benchmarks.common import (
     time_steps,
     write_report,
 )
+from benchmarks.timeline import format_profile, profile_streams, step_profile
 from oomb.engine import store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import use_fused_ops
@@ -486,6 +487,10 @@ class Bench:
             times = self.time_steps(step, repeats)
             row.update(step_s=sorted(times)[len(times) // 2], step_times_s=times, steady=steady,
                        **self.memory_now(s.offload))
+            if s.kind == "longest" and self.args.profile_longest and self.cuda:
+                # one more step under torch.profiler, kernels only (a step of minutes; the host's calls would
+                # make its trace gigabytes): where the longest step's time goes
+                row["profile"] = step_profile(step, host=False)
             row["rss_before_gib"] = rss_before / GIB
             row["planner"] = planner_agreement(
                 pred, peak_gpu_bytes=None if row["peak_gpu_gib"] is None else int(row["peak_gpu_gib"] * GIB),
@@ -502,8 +507,6 @@ class Bench:
     def run_profile(self, s: Setting, trace_dir: str | None) -> dict:
         """One step under torch.profiler: per-stream GPU busy time and the compute stream's idle time
         (benchmarks.timeline), after an unprofiled step of the same length."""
-        from benchmarks.timeline import profile_streams
-
         head = s.head()
         if not self.cuda:
             return {**head, "skipped": "needs CUDA"}
@@ -628,7 +631,7 @@ def run(args) -> dict:
                 write_report(args.out, {**summarize(meta, results, repeat, False), "in_progress": head})
             row = bench.run_row(s)
         results.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("step_times_s", "plan")}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("step_times_s", "plan", "profile")}), flush=True)
         if args.out:
             write_report(args.out, summarize(meta, results, repeat, False))
     if args.repeat_steps and args.repeat_length:
@@ -675,6 +678,8 @@ def _print_table(report: dict) -> None:
               f"{r['store_host_gib']:8.2f}{r['rss_gib']:7.1f}{r['peak_rss_gib']:8.1f}"
               f"{p['predicted_gpu_bytes'] / GIB:9.2f}{_pct(p['gpu_ratio']):>6}"
               f"{p['predicted_host_bytes'] / GIB:10.2f}{_pct(p['host_ratio']):>6}")
+        if "profile" in r:
+            print(f"{'':<8}{format_profile(r['profile'])}")
     first = report.get("offload_overhead_first_step", {})
     for k, v in report["offload_overhead"].items():
         also = f" (first step, which allocates and pins the store: {100 * first[k]:+.1f}%)" if k in first else ""
@@ -757,6 +762,9 @@ def main(argv: list[str] | None = None) -> int:
                         "busy time and the compute stream's idle time (0 = skip)")
     p.add_argument("--profile-dense-length", type=int, default=0,
                    help="the same for one dense step this long (before the sparse profile; 0 = skip)")
+    p.add_argument("--profile-longest", action="store_true",
+                   help="after each longest row that ran, one more step of it under torch.profiler (kernels only): "
+                        "wall, GPU idle time and time per kernel group, in the row's 'profile'")
     p.add_argument("--profile-stacks", action="store_true",
                    help="record Python stacks in the profiled steps: each copy is traced to oomb's line that "
                         "queued it (slows the host, so their idle times are not a plain step's)")

@@ -203,18 +203,21 @@ def _by_time(totals: dict[str, list[float]], top: int) -> list[tuple[str, float,
     return sorted(((n, v[0], v[1]) for n, v in totals.items()), key=lambda t: -t[1])[:top]
 
 
-def profile_streams(fn: Callable[[], object], *, trace_path: str | None = None, stacks: bool = False) -> dict:
+def profile_streams(fn: Callable[[], object], *, trace_path: str | None = None, stacks: bool = False,
+                    host: bool = True) -> dict:
     """Run ``fn`` once under torch.profiler (CUDA activity) and summarise its streams.
 
     ``trace_path``: also keep the trace there, gzipped (it opens in chrome://tracing or Perfetto).
     ``stacks``: record Python stacks, so ``copies_by_op`` names oomb's line behind each copy (it
-    slows the host, so the step's idle time is not the plain step's).
+    slows the host, so the step's idle time is not the plain step's). ``host``: also trace the host's CUDA
+    calls (without, the trace of a step of minutes stays small: its kernels only, no host_calls).
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if host or stacks else [ProfilerActivity.CUDA]
+    with profile(activities=activities, with_stack=stacks) as prof:
         fn()
         torch.cuda.synchronize()
     fd, tmp = tempfile.mkstemp(suffix=".json")
@@ -231,10 +234,11 @@ def profile_streams(fn: Callable[[], object], *, trace_path: str | None = None, 
     return stream_summary(trace.get("traceEvents", []))
 
 
-def step_profile(fn: Callable[[], object], top: int = 25) -> dict:
+def step_profile(fn: Callable[[], object], top: int = 25, host: bool = True) -> dict:
     """Where one step's GPU time goes: ``profile_streams`` of one call of ``fn``, the parts a report keeps
-    (wall, the compute stream's busy and idle time, kernel groups, the ``top`` kernels, host CUDA calls)."""
-    s = profile_streams(fn)
+    (wall, the compute stream's busy and idle time, kernel groups, the ``top`` kernels, host CUDA calls unless
+    not ``host``)."""
+    s = profile_streams(fn, host=host)
     return {"wall_ms": s["wall_ms"], "compute_busy_ms": s["compute_busy_ms"], "compute_idle_ms": s["compute_idle_ms"],
             "kernel_groups": s["kernel_groups"], "top_kernels": s["top_kernels"][:top],
             "host_calls": s["host_calls"][:10]}
