@@ -113,8 +113,9 @@ job core-7b-sparse-128k-bound "$C --lengths '' --sparse-cache-lengths 131072 --s
 # The sparse 128K step as `oomb train` runs it (layer-host, the cache, liger's RoPE; page-sparse calls on FA4's block
 # sparsity, the default since 2026-12-05) against issue 24's floor (about 15.3 s) and target (16.5 s); one profiled
 # step per row says where the rest goes. Chunks of 8192 and 16384: a query attends its 64 pages and, causally, its
-# own chunk (4096 keys on average with chunks of 8192, 8192 with 16384). About 5 minutes.
-job core-7b-sparse-128k-fa4-blocks "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192,16384 --recompute layer-host \
+# own chunk (4096 keys on average with chunks of 8192, 8192 with 16384); whole chunks rebuilt for stage 2 (recompute
+# chunk: less recomputation, more memory) and one layer at a time. About 7 minutes.
+job core-7b-sparse-128k-fa4-blocks "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192,16384 --recompute layer-host,chunk \
   --fused-ops auto --warm-each --repeats 2 --backend fa4 --profile-lengths 131072"
 # The same step with the page-sparse calls on the Triton kernels (before 2026-12-05), chunks of 8192.
 job core-7b-sparse-128k-layer-host "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192 --recompute layer-host \
