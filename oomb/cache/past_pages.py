@@ -39,8 +39,8 @@ class PastPages:
         dev = page_lists.device
         # index_fill_, not ``named[ids] = True``: indexed assignment of a Python scalar copies it from pageable host
         # memory first, a host sync per layer and chunk (the GPU sync test counted it, H200 2026-12-05)
-        named = torch.zeros(num_past_pages, dtype=torch.bool, device=dev).index_fill_(0, page_lists.reshape(-1).long(),
-                                                                                      True)
+        named = torch.zeros(num_past_pages, dtype=torch.bool, device=dev)
+        named.index_fill_(0, page_lists.reshape(-1).long(), True)
         none = torch.full((num_past_pages,), -1, dtype=torch.int32, device=dev)
         order = torch.cumsum(named, 0, dtype=torch.int32) - 1  # a named page's row among the named ones
         pages = torch.where(named, torch.arange(num_past_pages, dtype=torch.int32, device=dev), none)

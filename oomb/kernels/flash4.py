@@ -47,7 +47,8 @@ from oomb.kernels.reference import check_paged_args, check_visibility_args
 FLASH4_VERSION = "4.0.0b40"
 
 # FA4's block sparsity runs the page-sparse calls where it can (Hopper): its GPU tests passed on the H200 and a
-# sparse 128K step of Qwen2.5-7B took 17.2 s on it against 19.8 s on the Triton kernels (docs/benchmarks.md).
+# sparse 128K step of Qwen2.5-7B took 17.2 s on it against 19.8 s on the Triton kernels the day before, though
+# recomputing more (docs/benchmarks.md).
 # This variable set to "0" keeps page-sparse calls on the Triton kernels.
 BLOCK_SPARSE_ENV = "OOMB_FA4_BLOCK_SPARSE"
 
