@@ -7,9 +7,12 @@ import os
 import shlex
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 import torch
+
+from oomb.train.checkpoint import write_text_atomic
 
 
 def int_list(text: str) -> list[int]:
@@ -32,11 +35,8 @@ def run_benchmark(name: str, args, run: Callable[[object], dict], print_table: C
 
 
 def write_report(path: str, report: dict) -> None:
-    """Write a JSON record whole (a temporary file renamed over it): a bench killed mid-write leaves the last one."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(tmp, path)
+    """Write a JSON record whole (oomb's atomic write): a bench killed mid-write leaves the last one."""
+    write_text_atomic(Path(path), json.dumps(report, indent=2))
 
 
 def add_step_arguments(parser, *, budget: bool = True) -> None:
