@@ -121,10 +121,13 @@ class Setting:
     def key(self) -> tuple:
         return (self.seq_len, self.budget, self.block, self.offload)
 
-    def head(self) -> dict:
-        """The fields that open every row of this setting."""
-        return {"kind": self.kind, "seq_len": self.seq_len, "mode": self.mode, "budget_pages": self.budget,
+    def head(self, chunk_pages: int | None = None) -> dict:
+        """The fields that open every row of this setting (``chunk_pages``: the sparse rows' cap, if any)."""
+        head = {"kind": self.kind, "seq_len": self.seq_len, "mode": self.mode, "budget_pages": self.budget,
                 "select_block": self.block, "offload": self.offload}
+        if chunk_pages and self.budget is not None:
+            head["chunk_pages"] = chunk_pages
+        return head
 
 
 def row_settings(dense_lengths, sparse_lengths, growth_lengths, longest_lengths, select_blocks,
@@ -192,7 +195,8 @@ def memory_growth(rows: list[dict]) -> dict:
 def overhead_key(row: dict) -> str:
     if row["mode"] == "dense":
         return f"dense@{row['seq_len']}"
-    return f"sparse@{row['seq_len']}/block{row['select_block']}"
+    cap = f"/chunk_pages{row['chunk_pages']}" if row.get("chunk_pages") else ""
+    return f"sparse@{row['seq_len']}/block{row['select_block']}{cap}"
 
 
 def offload_overheads(rows: list[dict], field: str = "step_s") -> dict:
@@ -369,6 +373,7 @@ class Bench:
             p.grad = torch.zeros_like(p)
         self.vocab = self.model.config.vocab_size
         self.warmed: set = set()
+        self.chunk_pages = args.chunk_pages or None  # the sparse rows' cap on a chunk's pages (None: no cap)
         self.host_total, _ = _host_memory()
         self.device_total = torch.cuda.get_device_properties(self.device).total_memory if self.cuda else None
 
@@ -379,14 +384,15 @@ class Bench:
         if s.offload and pred is not None and pred["offload_gpu_bytes"]:
             kw["offload_gpu_bytes"] = pred["offload_gpu_bytes"]
         if s.budget is not None:
-            kw["selection"] = PageSelection(page_budget=s.budget, block=s.block)
+            kw["selection"] = PageSelection(page_budget=s.budget, block=s.block, chunk_pages=self.chunk_pages)
         return kw
 
     def plan(self, s: Setting) -> dict:
         return plan_without_optimizer(
             self.model.config, offload_gpu_memory=self.args.offload_gpu_memory, seq_len=s.seq_len, batch_size=1,
             chunk_size=self.args.chunk, page_size=self.args.page, dtype=self.dtype, page_budget=s.budget,
-            select_block=s.block or 128, offload=s.offload, device_type="cuda" if self.cuda else "cpu",
+            select_block=s.block or 128, chunk_pages=self.chunk_pages if s.budget is not None else None,
+            offload=s.offload, device_type="cuda" if self.cuda else "cpu",
             fused_ops=bool(self.fused), device_total_bytes=self.device_total, host_total_bytes=self.host_total)
 
     def planned_longest(self) -> int:
@@ -447,7 +453,7 @@ class Bench:
 
     # --------------------------------------------------------------- rows
     def run_row(self, s: Setting) -> dict:
-        row = s.head()
+        row = s.head(self.chunk_pages)
         pred = self.plan(s)
         row["plan"] = pred
         try:
@@ -508,7 +514,7 @@ class Bench:
     def run_profile(self, s: Setting, trace_dir: str | None) -> dict:
         """One step under torch.profiler: per-stream GPU busy time and the compute stream's idle time
         (benchmarks.timeline), after an unprofiled step of the same length."""
-        head = s.head()
+        head = s.head(self.chunk_pages)
         if not self.cuda:
             return {**head, "skipped": "needs CUDA"}
         try:
@@ -534,8 +540,7 @@ class Bench:
     def run_repeat(self, n: int, steps: int, on_step=None) -> dict:
         """``steps`` steps at ``n`` tokens, the store kept between them; ``on_step(report so far)`` after each."""
         s = Setting("repeat", n, self.args.budget, self.args.select_blocks[0], True)
-        rep = {"seq_len": n, "mode": "sparse", "budget_pages": s.budget, "select_block": s.block, "offload": True,
-               "plan": self.plan(s), "steps": []}
+        rep = {**s.head(self.chunk_pages), "mode": "sparse", "plan": self.plan(s), "steps": []}
         self.release()
         ids = self.ids(n)
         kw = self.step_kwargs(s)
@@ -594,8 +599,8 @@ def run(args) -> dict:
         "versions": {"torch": torch.__version__, "oomb": oomb.__version__,
                      "transformers": __import__("transformers").__version__},
         "preset": args.preset, "dtype": args.dtype, "chunk_size": args.chunk, "page_size": args.page,
-        "budget_pages": args.budget,
-        "select_blocks": args.select_blocks, "host_total_gib": bench.host_total / GIB,
+        "budget_pages": args.budget, "select_blocks": args.select_blocks, "chunk_pages": args.chunk_pages or None,
+        "host_total_gib": bench.host_total / GIB,
         "gpu_total_gib": bench.device_total / GIB if cuda else None,
         "host_margin_gib": args.host_margin_gib, "time_budget_s": args.time_budget,
         "planner_method": PLAN_NO_OPTIMIZER, "fused_ops": args.fused_ops, "fused_modules": bench.fused,
@@ -622,7 +627,7 @@ def run(args) -> dict:
     settings = row_settings(args.dense_lengths, args.sparse_lengths, args.growth_lengths, longest_lengths,
                             args.select_blocks, args.budget)
     for s in settings:
-        head = s.head()
+        head = s.head(bench.chunk_pages)
         if args.time_budget and time.perf_counter() - t0 > args.time_budget:
             row = {**head, "skipped": "time budget"}
         elif (s.kind == "longest" and args.longest_first_fit
@@ -747,6 +752,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--select-blocks", type=int_list, default=[128],
                    help="queries per page-selection block (PageSelection.block); sparse rows run once per entry, "
                         "in this order (the longest and repeat rows use the first)")
+    p.add_argument("--chunk-pages", type=int, default=0,
+                   help="sparse rows: the most pages a chunk's blocks choose among (PageSelection.chunk_pages; "
+                        "train.chunk_pages=auto is the page budget with offload); default 0, no cap")
     p.add_argument("--longest-lengths", type=_longest_lengths, default=[],
                    help="one sparse + offload step at each (refused where the planner or free memory says no); "
                         "'plan': the planner's longest, then 95%% and 90%% of it")

@@ -66,6 +66,11 @@ OPTIONS: dict[str, dict] = {
     # The same with one page list per chunk instead of per 128 queries: what offload moves least for (docs/offload.md,
     # issue 24: the default block's quality against this one's decides the default with offload).
     "bound+chunk_block": {"score": "bound", "block": "chunk"},
+    # Blocks of 128 that choose among at most 1 or 2 budgets of pages a chunk (PageSelection.chunk_pages: the pages
+    # with the best score for any block), so offload moves as little as one list per chunk, or twice that. The first
+    # is train.chunk_pages=auto with offload.
+    "bound+chunk_pages": {"score": "bound", "chunk_pages_per_budget": 1},
+    "bound+chunk_pages2x": {"score": "bound", "chunk_pages_per_budget": 2},
 }
 
 
@@ -216,6 +221,8 @@ def selection(s: Study, budget: int, option: str) -> PageSelection:
     fields = {"page_budget": budget, "block": s.block, **OPTIONS[option]}
     if fields["block"] == "chunk":  # one list per chunk
         fields["block"] = s.chunk_size
+    if "chunk_pages_per_budget" in fields:
+        fields["chunk_pages"] = fields.pop("chunk_pages_per_budget") * budget
     return PageSelection(**fields)
 
 

@@ -54,7 +54,7 @@ class StepContext:
             lists = self.store.spec.num_kv_heads if policy.per_head else 1
 
             def listed(queries: int) -> int:
-                return -(-queries // policy.block) * policy.page_budget * lists
+                return policy.pages_per_list(queries) * lists
 
         self.page_lists = PageLists(sparse=self.selection is not None, listed=listed)
 

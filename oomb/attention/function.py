@@ -37,6 +37,8 @@ def visibility(step: StepContext, layer_idx: int, q: torch.Tensor, sliding_windo
         page_select = step.page_lists.chosen(layer_idx, q0, choose)
         if page_select is not None:
             kwargs.update(page_select=page_select, select_block=policy.block)
+            if policy.chunk_pages is not None:  # a row's lists name at most this many pages: fa4 gathers no more
+                kwargs.update(page_union=policy.pages_per_list(c) * page_select.shape[1])
     return kwargs
 
 

@@ -68,7 +68,10 @@ class PageLists:
             # data-dependent size would make the host wait for the selection.
             one_list = page_select.shape[:3] == (1, 1, 1)
             past = store.last_chunk().start // store.spec.page_size
-            self._past[key] = PastPages(page_select.view(-1)) if one_list else PastPages.union(page_select, past)
+            # a row's lists name at most listed(n) pages, and the union is of page indices over the batch's rows
+            most = (None if self.listed is None
+                    else page_select.shape[0] * self.listed(store.num_tokens - store.last_chunk().start))
+            self._past[key] = PastPages(page_select.view(-1)) if one_list else PastPages.union(page_select, past, most)
         return self.past_pages(store, layer_idx)[1]
 
     def past_pages(self, store: KVStore, layer_idx: int) -> tuple[bool, PastPages | None]:

@@ -33,9 +33,11 @@ class PastPages:
     _ordered_after: set = field(default_factory=set, init=False, repr=False)  # streams that waited for its making
 
     @classmethod
-    def union(cls, page_lists: torch.Tensor, num_past_pages: int) -> PastPages:
+    def union(cls, page_lists: torch.Tensor, num_past_pages: int, most: int | None = None) -> PastPages:
         """Every page of ``num_past_pages`` that some list of ``page_lists`` (any shape, page indices) names,
-        made on the device without the host waiting for the lists (module docstring)."""
+        made on the device without the host waiting for the lists (module docstring). ``most``: the most
+        distinct pages the lists can name, where the selection knows fewer than their entries (a chunk's cap,
+        PageSelection.chunk_pages); the device slot is sized for it."""
         dev = page_lists.device
         # index_fill_, not ``named[ids] = True``: indexed assignment of a Python scalar copies it from pageable host
         # memory first, a host sync per layer and chunk (the GPU sync test counted it, H200 2026-12-05)
@@ -44,7 +46,8 @@ class PastPages:
         none = torch.full((num_past_pages,), -1, dtype=torch.int32, device=dev)
         order = torch.cumsum(named, 0, dtype=torch.int32) - 1  # a named page's row among the named ones
         pages = torch.where(named, torch.arange(num_past_pages, dtype=torch.int32, device=dev), none)
-        return cls(pages, torch.where(named, order, none), rows=min(page_lists.numel(), num_past_pages))
+        rows = min(page_lists.numel(), num_past_pages, page_lists.numel() if most is None else most)
+        return cls(pages, torch.where(named, order, none), rows=rows)
 
     @property
     def num_rows(self) -> int:

@@ -152,6 +152,7 @@ def plan_memory(
     select_block: int = 128,
     per_head_selection: bool = False,
     select_score: str = DEFAULT_SCORE,
+    chunk_pages: int | None = None,
     lora_r: int = 0,
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
     optimizer: str = "adamw",
@@ -174,7 +175,8 @@ def plan_memory(
 
     ``device_type="cpu"`` puts every item in host memory (a CPU run); "cuda" puts the step on
     the GPU and the process on the host. ``page_budget`` (sparse mode) adds the page lists
-    kept between the stages. ``offload`` moves the pages to host memory and keeps two layer
+    kept between the stages; ``chunk_pages`` caps the pages a chunk's lists name (PageSelection.chunk_pages),
+    which sizes an offloaded store's device slots. ``offload`` moves the pages to host memory and keeps two layer
     slots (and the mean keys) on the GPU, as oomb.offload.OffloadedKVStore does;
     ``offload_gpu_bytes`` lets it keep the first layers whose pages fit in that many bytes whole
     on the GPU ("auto": what the GPU has left after every other item, less 1 GiB).
@@ -204,6 +206,8 @@ def plan_memory(
     require_int("lora_r", lora_r, minimum=0)
     if page_budget is not None:
         require_int("page_budget", page_budget, minimum=1)
+        if chunk_pages is not None:
+            require_int("chunk_pages", chunk_pages, minimum=page_budget)
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
     if optimizer not in OPTIMIZER_KINDS:
@@ -266,7 +270,8 @@ def plan_memory(
     pages_per_seq = -(-seq_len // page_size)
     store_bytes = paged_store_bytes(spec, batch_size=batch_size, seq_len=seq_len, chunk_size=chunk_size,
                                     offload=offload, offload_gpu_bytes=offload_gpu_bytes, page_budget=page_budget,
-                                    select_block=select_block, per_head_selection=per_head_selection)
+                                    select_block=select_block, per_head_selection=per_head_selection,
+                                    chunk_pages=chunk_pages)
     store, store_host, resident = store_bytes.device, store_bytes.host, store_bytes.resident_layers
     page_lists = 0 if page_budget is None else page_list_bytes(
         model_config, spec, batch_size=batch_size, seq_len=seq_len, chunk_size=chunk_size, page_budget=page_budget,
@@ -315,8 +320,10 @@ def plan_memory(
         heads = shape.heads // tensor_parallel
         merged = 2 * tokens * heads * shape.head_dim * 4 if seq_len > KEY_SEGMENT + chunk_size else 0
         if page_budget is not None:
-            lists = -(-chunk_size // select_block) * (shape.kv_heads if per_head_selection else 1)
-            keys, merged = min(seq_len, lists * page_budget * page_size + chunk_size), 0
+            per_list = -(-chunk_size // select_block) * page_budget
+            named = per_list if chunk_pages is None else min(per_list, chunk_pages)  # a capped chunk gathers its cap
+            lists = shape.kv_heads if per_head_selection else 1
+            keys, merged = min(seq_len, lists * named * page_size + chunk_size), 0
         layer_ws += 8 * batch_size * keys * (shape.kv_heads // tensor_parallel) * shape.head_dim * s + merged
     if four_bit:  # bitsandbytes dequantizes a 4-bit weight to the compute dtype for each matmul, forward and backward
         layer_ws += max(four_bit) * s
@@ -366,7 +373,8 @@ def plan_memory(
              "block tables, two layer slots" if offload and resident else
              "block tables, two layer slots (pages and mean keys of one layer each)"),
         item("sparse page lists", page_lists, "dense" if page_budget is None else
-             f"budget {page_budget}, block {select_block}"),
+             f"budget {page_budget}, block {select_block}"
+             + ("" if chunk_pages is None else f", at most {chunk_pages} pages a chunk")),
         item("attention output cache", attention_outputs, "off" if not cache_attention else
              "out + lse of every stage-1 chunk and layer (train.cache_attention)"
              + (" in pinned host memory" if cache_attention == "host" else ""), host_always=cache_attention == "host"),
@@ -389,7 +397,8 @@ def plan_memory(
         "family": shape.family, "seq_len": seq_len, "batch_size": batch_size, "chunk_size": chunk_size,
         "page_size": page_size, "dtype": dtype_name(dtype), "grad_dtype": dtype_name(grad_dtype),
         "page_budget": page_budget,
-        "select_block": select_block, "select_score": select_score, "lora_r": lora_r, "optimizer": optimizer,
+        "select_block": select_block, "select_score": select_score, "chunk_pages": chunk_pages, "lora_r": lora_r,
+        "optimizer": optimizer,
         "master_weights": masters,
         "layer_checkpointing": layer_checkpointing, "offload": offload,
         "offload_gpu_bytes": offload_gpu_bytes if offload else 0, "offload_resident_layers": resident,

@@ -103,6 +103,8 @@ class StepOptions:
             for name in ("sink_pages", "local_pages"):
                 require_int(f"selection.{name}", getattr(self.selection, name), minimum=0)
             _require_bool("selection.per_head", self.selection.per_head)
+            if self.selection.chunk_pages is not None:
+                require_int("selection.chunk_pages", self.selection.chunk_pages, minimum=self.selection.page_budget)
         _require_bool("offload", self.offload)
         if not (isinstance(self.cache_attention, bool) or self.cache_attention == "host"):
             raise TypeError(f"cache_attention must be True, False or 'host', got {self.cache_attention!r}")

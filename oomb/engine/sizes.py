@@ -101,7 +101,7 @@ class StoreBytes:
 
 def paged_store_bytes(spec: StoreSpec, *, batch_size: int, seq_len: int, chunk_size: int, offload: bool = False,
                       offload_gpu_bytes: int = 0, page_budget: int | None = None, select_block: int = 128,
-                      per_head_selection: bool = False) -> StoreBytes:
+                      per_head_selection: bool = False, chunk_pages: int | None = None) -> StoreBytes:
     """The paged store's bytes for ``batch_size`` sequences of ``seq_len`` tokens, as the engine allocates it.
 
     Device-resident: every page's K, V, dK, dV and key summary, and the block table. ``offload``
@@ -115,19 +115,20 @@ def paged_store_bytes(spec: StoreSpec, *, batch_size: int, seq_len: int, chunk_s
     # Host: every page's K, V, dK, dV and mean key (pinned, exactly this size). Device: block
     # tables and two layer slots, each holding one layer's mean keys and the pages one kernel
     # call reads (all past pages when dense; the page lists' union when sparse: at most one
-    # budget per selection block and list) plus the chunk's, grown by at most 5/4 over what
-    # they held. offload_gpu_bytes keeps the first layers whole on the device instead.
+    # budget per selection block and list, or the chunk's cap ``chunk_pages`` per list) plus the chunk's, grown
+    # by at most 5/4 over what they held. offload_gpu_bytes keeps the first layers whole on the device instead.
     page_layer_bytes = spec.bytes_per_token() * page_size // spec.num_layers
     layer_pages = batch_size * pages_per_seq * page_layer_bytes  # one layer's K, V, dK, dV
     layer_means = spec.layer_bytes(batch_size * pages_per_seq) - layer_pages  # and its mean keys
     # as OffloadedKVStore.reserve
     resident = min(spec.num_layers, offload_gpu_bytes // spec.layer_bytes(batch_size * pages_per_seq))
-    chunk_pages = -(-min(chunk_size, seq_len) // page_size)
+    own_pages = -(-min(chunk_size, seq_len) // page_size)  # the chunk's own
     slot_pages = pages_per_seq
     if page_budget is not None:
         lists = spec.num_kv_heads if per_head_selection else 1
-        chosen = -(-min(chunk_size, seq_len) // select_block) * page_budget * lists
-        slot_pages = min(pages_per_seq, chosen + chunk_pages)
+        per_list = -(-min(chunk_size, seq_len) // select_block) * page_budget
+        chosen = (per_list if chunk_pages is None else min(per_list, chunk_pages)) * lists
+        slot_pages = min(pages_per_seq, chosen + own_pages)
     offloaded = spec.num_layers - resident
     # Mean keys: the kept layers' on the device, the others' on the host, one layer's per slot.
     slots = (2 * batch_size * slot_pages * page_layer_bytes * 5 // 4 + 2 * layer_means) if offloaded else 0

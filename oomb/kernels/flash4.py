@@ -299,7 +299,7 @@ class Flash4Attention:
         return blocks
 
     def _prepare(self, q, k_pool, page_table, kv_len, sliding_window, doc_start, page_select, select_block,
-                 direction: str):
+                 direction: str, page_union: int | None = None):
         """(the keys to gather, FA4's left window, the block pairs of a page-sparse call for ``direction``
         ("forward" or "backward") or None)."""
         _, h, c, _ = q.shape
@@ -309,7 +309,7 @@ class Flash4Attention:
             return key_layout(page_table, kv_len, c, page_size, sliding_window, doc_start), window_left, None
         block_q, _ = self._sparse_blocks(q, k_pool, sliding_window, doc_start, select_block)
         keys = page_sparse_keys(page_table, kv_len, c, page_size, page_select, select_block, block_q, h,
-                                directions=(direction,))
+                                directions=(direction,), page_union=page_union)
         layout = KeyLayout(keys.page_ids, keys.slots, keys_per_row=keys.keys_per_row, distinct=False)
         return layout, window_left, keys.sparsity
 
@@ -362,8 +362,10 @@ class Flash4Attention:
         return acc.to(q.dtype).transpose(1, 2), lse
 
     def forward(self, q, k_pool, v_pool, page_table, kv_len, *, scale, sliding_window=None, sinks=None,
-                doc_start=None, page_select=None, select_block=None, block_tokens=None):
-        """Returns (out [B, H, C, D] in q.dtype, lse [B, H, C] float32)."""
+                doc_start=None, page_select=None, select_block=None, block_tokens=None, page_union=None):
+        """Returns (out [B, H, C, D] in q.dtype, lse [B, H, C] float32). ``page_union``: the most distinct past
+        pages one row's lists name where fewer than their entries (a chunk's cap): a page-sparse call gathers no
+        more."""
         visibility = dict(sliding_window=sliding_window, doc_start=doc_start, page_select=page_select,
                           select_block=select_block)
         if not self.expresses(q, k_pool, sinks=sinks, **visibility):
@@ -374,7 +376,7 @@ class Flash4Attention:
         if segments := self._segments(k_pool, page_table, kv_len, c, **visibility):
             return self._segmented_forward(q, k_pool, v_pool, segments, scale)
         layout, window_left, sparsity = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
-                                                      page_select, select_block, "forward")
+                                                      page_select, select_block, "forward", page_union)
         sparse = {} if sparsity is None else dict(block_sparse=sparsity)  # kernels before it take no such argument
         out, lse = self.kernels.forward(self._queries(q, layout), _gather(k_pool, layout, b),
                                         _gather(v_pool, layout, b), scale=scale, window_left=window_left,
@@ -385,7 +387,7 @@ class Flash4Attention:
 
     def backward(self, d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len, *, scale,
                  sliding_window=None, sinks=None, doc_start=None, page_select=None, select_block=None,
-                 block_tokens=None):
+                 block_tokens=None, page_union=None):
         """Adds dK/dV of every visible key into dk_pool/dv_pool; returns (dq [B, H, C, D], None)."""
         visibility = dict(sliding_window=sliding_window, doc_start=doc_start, page_select=page_select,
                           select_block=select_block)
@@ -398,7 +400,7 @@ class Flash4Attention:
         if segments := self._segments(k_pool, page_table, kv_len, q.shape[2], **visibility):
             return self._segmented_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, segments, scale)
         layout, window_left, sparsity = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
-                                                      page_select, select_block, "backward")
+                                                      page_select, select_block, "backward", page_union)
         b, h, c, _ = q.shape
         if layout.varlen:  # [B, H, C] -> [H, B * C]
             lse = lse.transpose(0, 1).reshape(h, b * c)

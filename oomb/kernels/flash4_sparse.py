@@ -51,8 +51,10 @@ one FA4 key block is one page (``page_size`` must equal FA4's key block)::
                    chosen pages, then pages     key blocks U .. U + ceil(C / page) - 1
                    nobody chose (padding)       (C may end mid-page)
 
-U = min(past pages, entries of one row's lists) is fixed by the shapes, so nothing waits for the
-GPU to learn how many pages were chosen (no .item(), no torch.unique). A row that chose fewer fills
+U = min(past pages, entries of one row's lists, the selection's cap on a chunk's pages where it has
+one: PageSelection.chunk_pages, handed over as ``page_union``) is fixed by the shapes and settings, so
+nothing waits for the GPU to learn how many pages were chosen (no .item(), no torch.unique). A row
+that chose fewer fills
 up with pages it did not choose; no list names them, so FA4 never reads them in attention and
 writes zero gradients for them. Past keys all precede the chunk, so with bottom-right causality
 (seqlen_k - seqlen_q = U * page) every query sees them: a chosen page is a full block. The chunk's
@@ -103,12 +105,14 @@ class SparseKeys(NamedTuple):
     sparsity: BlockSparsity
 
 
-def chosen_pages(page_select: torch.Tensor, n_past: int) -> tuple[torch.Tensor, torch.Tensor]:
+def chosen_pages(page_select: torch.Tensor, n_past: int,
+                 page_union: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(pages [B, U] int64: each row's chosen past pages ascending, then pages nobody chose; where [B, n_past]
-    int64: each past page's place in that order, a permutation per row). U = min(n_past, entries per row)."""
+    int64: each past page's place in that order, a permutation per row). U = min(n_past, entries per row,
+    ``page_union``: the most distinct pages a row's lists name where the selection capped them)."""
     b = page_select.shape[0]
     device = page_select.device
-    u = min(n_past, page_select[0].numel())
+    u = min(n_past, page_select[0].numel(), page_select[0].numel() if page_union is None else page_union)
     chosen = torch.zeros(b, n_past, dtype=torch.bool, device=device)
     chosen.scatter_(1, page_select.reshape(b, -1).long(), True)
     # Chosen pages first, each at its rank among them; the others after, in order: a stable partition by
@@ -207,13 +211,14 @@ def block_sparsity(page_select: torch.Tensor, where: torch.Tensor, n_union: int,
 
 
 def page_sparse_keys(page_table: torch.Tensor, kv_len: int, q_len: int, page_size: int, page_select: torch.Tensor,
-                     select_block: int, block_q: int, num_heads: int, directions=DIRECTIONS) -> SparseKeys:
+                     select_block: int, block_q: int, num_heads: int, directions=DIRECTIONS,
+                     page_union: int | None = None) -> SparseKeys:
     """The keys one page-sparse call gathers (its chosen pages, then its chunk) and FA4's pairs over them, listed
-    for ``directions``."""
+    for ``directions`` (``page_union``: as in chosen_pages)."""
     b = page_table.shape[0]
     device = page_table.device
     q0 = kv_len - q_len  # the chunk starts on a page (check_visibility_args)
-    pages, where = chosen_pages(page_select, q0 // page_size)
+    pages, where = chosen_pages(page_select, q0 // page_size, page_union)
     u = pages.shape[1]
     own = torch.arange(q0, kv_len, device=device)
     page_ids = torch.cat([page_table.gather(1, pages).long().repeat_interleave(page_size, dim=1),

@@ -218,6 +218,7 @@ def paged_attention_forward(
     page_select: torch.Tensor | None = None,  # [B, H_sel, ceil(C / select_block), K] int32
     select_block: int | None = None,
     block_tokens: int | None = None,  # accepted for signature parity with the reference; unused
+    page_union: int | None = None,  # as in the reference; unused
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out [B, H, C, D] in q.dtype, lse [B, H, C] float32)."""
     b, h, c, d, h_kv, page_size, n_pages = launch.check_args(q, k_pool, v_pool, page_table, kv_len, sliding_window,

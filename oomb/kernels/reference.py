@@ -220,6 +220,7 @@ def paged_attention_forward(
     page_select: torch.Tensor | None = None,  # [B, H_sel, ceil(C / select_block), K] int32
     select_block: int | None = None,
     block_tokens: int | None = None,
+    page_union: int | None = None,  # the most distinct pages one row's lists name (fa4 sizes its gather by it); unused
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out [B, H, C, D] in q.dtype, lse [B, H, C] float32)."""
     b, h, c, d = q.shape
@@ -277,6 +278,7 @@ def paged_attention_backward(
     page_select: torch.Tensor | None = None,  # [B, H_sel, ceil(C / select_block), K] int32
     select_block: int | None = None,
     block_tokens: int | None = None,
+    page_union: int | None = None,  # the most distinct pages one row's lists name (fa4 sizes its gather by it); unused
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Adds dK/dV of every visible page into dk_pool/dv_pool.
 

@@ -13,8 +13,14 @@ key of the page, q_mean+ . k_max + q_mean- . k_min with per-channel key minima a
 (as Quest does for decoding): a page holding one strongly matching key among many others is
 diluted in its mean key, not in its bound. It needs the store's ``key_summary="bounds"``.
 ``sink_pages`` first pages and ``local_pages`` most recent pages can be kept always;
-they count towards the budget. The result feeds the kernels' ``page_select``:
-[B, H_sel, ceil(C / block), page_budget] int32, ascending page indices.
+they count towards the budget. ``chunk_pages`` caps the distinct pages a chunk's blocks choose
+among: the ``chunk_pages`` pages whose best score over the chunk's blocks is highest, each block
+then ranking those alone, so the lists of a chunk name at most ``chunk_pages`` pages (per list)
+between them. That is what an offloaded store moves for the chunk, per layer: with blocks of 128
+and no cap, the union of a chunk's lists is most of the past at long contexts.
+
+The result feeds the kernels' ``page_select``: [B, H_sel, ceil(C / block), page_budget] int32,
+ascending page indices.
 
 A chunk's selection is made once, in stage 1, and reused in stage 2 (``oomb.cache.PageLists``
 keeps a step's page lists), so the recomputed forward and the backward see exactly the pages
@@ -51,6 +57,7 @@ class PageSelection:
     local_pages: int = 0  # the pages just before the chunk, always kept
     per_head: bool = False  # one page list per KV head instead of one for all heads
     score: str = DEFAULT_SCORE  # "bound": an upper bound of q_mean . k over the page; "mean": q_mean . k_mean
+    chunk_pages: int | None = None  # the most distinct pages one chunk's blocks choose among, per list (None: any)
 
     def __post_init__(self) -> None:
         if self.score not in SCORES:
@@ -66,6 +73,15 @@ class PageSelection:
                 f"sink_pages ({self.sink_pages}) + local_pages ({self.local_pages}) exceed page_budget "
                 f"({self.page_budget}): the always-kept pages count towards the budget"
             )
+        if self.chunk_pages is not None and self.chunk_pages < self.page_budget:
+            raise ValueError(f"chunk_pages ({self.chunk_pages}) must be at least page_budget ({self.page_budget}): "
+                             "every block chooses page_budget pages among them")
+
+    def pages_per_list(self, queries: int) -> int:
+        """The most distinct past pages one list row of a chunk of ``queries`` queries names (every block's
+        budget, or the chunk's cap): what an offloaded store may be asked for, per list."""
+        named = -(-queries // self.block) * self.page_budget
+        return named if self.chunk_pages is None else min(named, self.chunk_pages)
 
 
 @torch.no_grad()
@@ -133,6 +149,14 @@ def select_pages(
         page_end = (torch.arange(n_past, device=q.device) + 1) * page_size  # exclusive
         hidden = page_end.view(1, 1, n_past) <= block_first_doc.unsqueeze(-1)  # [B, n_qb, n_past]
         scores = scores.masked_fill(hidden.unsqueeze(1), float("-inf"))
-    picked = scores.topk(budget, dim=-1, sorted=False).indices
+    if policy.chunk_pages is not None and n_past > policy.chunk_pages and n_qb > 1:
+        # The chunk's candidates: the pages with the best score for any of its blocks (a page one block needs
+        # badly stays in), then each block's budget among them alone. Forced pages score inf, so they stay.
+        candidates = scores.amax(dim=2).topk(policy.chunk_pages, dim=-1, sorted=False).indices  # [B, H_s, cap]
+        among = scores.gather(3, candidates.unsqueeze(2).expand(-1, -1, n_qb, -1))  # [B, H_s, n_qb, cap]
+        picked = candidates.unsqueeze(2).expand(-1, -1, n_qb, -1).gather(
+            3, among.topk(budget, dim=-1, sorted=False).indices)
+    else:  # one block per chunk is its own cap
+        picked = scores.topk(budget, dim=-1, sorted=False).indices
     return picked.sort(dim=-1).values.to(torch.int32)
 

@@ -32,6 +32,7 @@ from oomb.train.config import (
     offload_gpu_bytes,
     offload_selection_note,
     parse_bytes,
+    settled_chunk_pages,
     settled_chunk_size,
 )
 from oomb.train.inputs import model_config, position_notes, positions_warning
@@ -62,7 +63,7 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
         optimizer=t.optimizer, master_weights=wants_master_weights(t.master_weights, torchrun=torchrun),
         layer_checkpointing=t.layer_checkpointing, device_type=device_type,
         page_budget=t.page_budget, select_block=t.select_block, per_head_selection=t.select_per_head,
-        select_score=t.select_score,
+        select_score=t.select_score, chunk_pages=settled_chunk_pages(cfg),
         offload=t.offload and device_type == "cuda",
         cache_attention=t.cache_attention if t.cache_attention in (True, "host") else False,
         recompute="chunk" if t.recompute == "auto" else t.recompute,

@@ -77,6 +77,19 @@ def test_offload_overheads_pair_by_mode_length_and_block():
     assert ob.offload_overheads(rows, "first_step_s") == pytest.approx({"dense@65536": 0.4})
 
 
+def test_a_cap_on_a_chunks_pages_runs_in_the_sparse_rows_and_names_their_overhead(tmp_path):
+    out = tmp_path / "capped.json"
+    rc = ob.main(["--device", "cpu", "--dtype", "float32", "--preset", "tiny", "--chunk", "64", "--page", "8",
+                  "--budget", "2", "--dense-lengths", "", "--sparse-lengths", "256", "--growth-lengths", "",
+                  "--select-blocks", "8", "--chunk-pages", "3", "--no-steady", "--out", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["chunk_pages"] == 3
+    gpu, off = r["results"]
+    assert gpu["chunk_pages"] == off["chunk_pages"] == 3
+    assert list(r["offload_overhead"]) == ["sparse@256/block8/chunk_pages3"]
+
+
 def test_row_settings_order_and_no_duplicates():
     rows = ob.row_settings([65536], [131072], [65536, 131072, 262144], [1048576], [4096, 128], 64)
     got = [(s.kind, s.mode, s.block, s.offload, s.seq_len) for s in rows]

@@ -117,3 +117,11 @@ def test_the_chunk_block_option_lists_pages_once_per_chunk():
     assert sq.selection(s, 8, "bound+chunk_block").block == s.chunk_size
     assert sq.selection(s, 8, "bound").block == s.block != s.chunk_size
     assert sq.selection(s, 8, "bound+chunk_block").score == sq.selection(s, 8, "bound").score == "bound"
+
+
+def test_the_chunk_pages_options_cap_a_chunk_at_one_or_two_budgets():
+    s = sq.SMOKE
+    for option, times in (("bound+chunk_pages", 1), ("bound+chunk_pages2x", 2)):
+        policy = sq.selection(s, 8, option)
+        assert (policy.chunk_pages, policy.block, policy.score) == (8 * times, s.block, "bound")
+    assert sq.selection(s, 8, "bound").chunk_pages is None

@@ -258,6 +258,19 @@ def check_selection(record: PageRecord, captured: dict[int, tuple[torch.Tensor, 
             raise AssertionError(f"layer {layer}, chunk at {start}: a sink or local page is missing")
         finite = scores[torch.isfinite(ranked)]
         slack = rel_tol * (float(finite.abs().max()) if finite.numel() else 1.0)
+        if policy.chunk_pages is not None and n_past > policy.chunk_pages and ranked.shape[2] > 1:
+            # The chunk's candidates: the chunk_pages pages with the best score for any block. Its lists name no
+            # more between them, nothing outside them, and each block ranks only them (pages within the slack of
+            # the cut may fall either side of it: left out of the comparison).
+            best = ranked.amax(dim=2, keepdim=True)
+            cut = best.topk(policy.chunk_pages, dim=-1).values[..., -1:]
+            if (kept.any(dim=2).sum(-1) > policy.chunk_pages).any():
+                raise AssertionError(f"layer {layer}, chunk at {start}: the lists name more than "
+                                     f"{policy.chunk_pages} pages between them")
+            if (kept & (best < cut - slack)).any():
+                raise AssertionError(f"layer {layer}, chunk at {start}: a page outside the chunk's candidates "
+                                     "was chosen")
+            ranked = ranked.masked_fill((best <= cut + slack) & ~kept, -math.inf)
         lowest_kept = ranked.masked_fill(~kept, math.inf).amin(dim=-1)
         highest_left = ranked.masked_fill(kept, -math.inf).amax(dim=-1)
         bad = highest_left > lowest_kept + slack

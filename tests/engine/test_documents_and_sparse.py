@@ -197,6 +197,73 @@ def test_bad_selection_settings():
         PageSelection(page_budget=0)
 
 
+def _random_summaries(n_past, h_kv=2, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(n_past, h_kv, 16, d, generator=g)
+    from oomb.cache.store import page_key_summary
+
+    return page_key_summary(keys, torch.full((n_past,), 16.0), "bounds"), torch.arange(n_past, dtype=torch.int32)[None]
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_a_chunks_blocks_choose_among_its_best_pages_for_any_block(per_head):
+    """chunk_pages: the candidates are the pages with the best score for any block; each block's list is its
+    own top budget among them; the lists name no more than chunk_pages pages between them (per list); sinks
+    stay; a cap that covers the past or a lone block changes nothing."""
+    from oomb.sparse import select_pages
+
+    n_past, budget, cap, block = 40, 4, 6, 16
+    summary, table = _random_summaries(n_past)
+    q = torch.randn(1, 4, 128, 8, generator=torch.Generator().manual_seed(1))  # 8 blocks
+    free = PageSelection(page_budget=budget, block=block, per_head=per_head)
+    capped = PageSelection(page_budget=budget, block=block, per_head=per_head, chunk_pages=cap)
+    lists = select_pages(q, summary, table, n_past, 16, capped)
+    uncapped = select_pages(q, summary, table, n_past, 16, free)
+    # the scores the selection ranks by, from the lists of a budget covering every page
+    assert lists.shape == uncapped.shape == (1, 2 if per_head else 1, 8, budget)
+    scores = _block_scores(q, summary, block, per_head)  # [1, H_sel, 8, n_past]
+    candidates = scores.amax(dim=2).topk(cap, dim=-1).indices.sort(dim=-1).values  # [1, H_sel, cap]
+    for h in range(lists.shape[1]):
+        named = set(lists[0, h].flatten().tolist())
+        assert named <= set(candidates[0, h].tolist()) and len(named) <= cap
+        for qb in range(8):
+            among = candidates[0, h]
+            want = among[scores[0, h, qb, among].topk(budget).indices].sort().values
+            assert lists[0, h, qb].tolist() == want.tolist()
+    assert len(set(uncapped.flatten().tolist())) > cap  # without the cap the blocks name more pages
+    # one budget of candidates: every block gets the same list, the pages best for some block
+    same = select_pages(q, summary, table, n_past, 16, PageSelection(page_budget=budget, block=block,
+                                                                       per_head=per_head, chunk_pages=budget))
+    assert (same == same[:, :, :1]).all()
+    sinks = select_pages(q, summary, table, n_past, 16, PageSelection(page_budget=budget, block=block, sink_pages=2,
+                                                                        per_head=per_head, chunk_pages=budget))
+    assert (sinks[..., :2] == torch.tensor([0, 1], dtype=torch.int32)).all()
+    for policy in (PageSelection(page_budget=budget, block=block, per_head=per_head, chunk_pages=n_past),
+                   PageSelection(page_budget=budget, block=128, per_head=per_head, chunk_pages=budget)):
+        plain = PageSelection(page_budget=budget, block=policy.block, per_head=per_head)
+        assert torch.equal(select_pages(q, summary, table, n_past, 16, policy),
+                           select_pages(q, summary, table, n_past, 16, plain))
+
+
+def _block_scores(q, summary, block, per_head):
+    """The bound score of each block's mean query against each page, written out (selection's definition)."""
+    b, h, c, d = q.shape
+    h_kv = summary.shape[1]
+    q_mean = q.reshape(b, h_kv, h // h_kv, c // block, block, d).mean(dim=(2, 4))  # [B, H_kv, blocks, D]
+    lo, hi = summary[..., d:2 * d], summary[..., 2 * d:]  # [n_past, H_kv, D]
+    scores = torch.maximum(q_mean[..., None, :] * lo.permute(1, 0, 2)[None, :, None],
+                           q_mean[..., None, :] * hi.permute(1, 0, 2)[None, :, None]).sum(-1)
+    return scores if per_head else scores.sum(dim=1, keepdim=True)
+
+
+def test_a_cap_below_the_budget_is_refused():
+    with pytest.raises(ValueError, match="chunk_pages .3. must be at least page_budget .4."):
+        PageSelection(page_budget=4, chunk_pages=3)
+    assert PageSelection(page_budget=4, block=16, chunk_pages=6).pages_per_list(64) == 6  # 4 blocks x 4 > 6
+    assert PageSelection(page_budget=4, block=16, chunk_pages=6).pages_per_list(16) == 4  # one block
+    assert PageSelection(page_budget=4, block=16).pages_per_list(64) == 16
+
+
 def test_triton_kernels_equal_torch_path_with_documents_and_pages():
     # The Triton kernels (interpreter on CPU) against the PyTorch path through the whole step.
     model = tiny_model("qwen3")  # head_dim 16

@@ -56,13 +56,15 @@ def _host_syncs(model, chunks: int, **kw) -> int:
 
 # sparse-offload: 8 lists of 2 pages per chunk against up to 56 past pages, so from the third chunk on the
 # store moves the lists' union, made on the device (PastPages.union; torch.unique made it a sync per layer).
+# sparse-capped-offload: the same lists chosen among 3 pages a chunk (chunk_pages, train.chunk_pages=auto with
+# offload uses the budget): the candidates' top-k and gather on the device, the union sized without asking.
 @pytest.mark.parametrize("setting", ["dense", "sparse", "sparse-one-list-offload", "sparse-offload",
-                                     "dense-offload"])
+                                     "sparse-capped-offload", "dense-offload"])
 def test_no_host_sync_per_layer_and_few_per_chunk(setting):
     kw = {}
     if setting.startswith("sparse"):
         block = CHUNK if "one-list" in setting else 128
-        kw["selection"] = PageSelection(page_budget=2, block=block)
+        kw["selection"] = PageSelection(page_budget=2, block=block, chunk_pages=3 if "capped" in setting else None)
     if setting.endswith("offload"):
         kw["offload"] = True
     shallow, deep = _model(2), _model(4)

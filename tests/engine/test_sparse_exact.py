@@ -82,6 +82,9 @@ CASES = {
     # packed documents (a start mid-page, one mid-block, one on a chunk boundary), offloaded store
     "documents": dict(family="llama", batch=2, seq_len=150, doc_starts=[[45, 70, 128], [19, 100]],
                       step_kw=dict(offload=True), selection=PageSelection(page_budget=2, block=16, local_pages=1)),
+    # a cap on the pages a chunk's blocks choose among (train.chunk_pages), with offload and per-head lists
+    "chunk_pages": dict(family="llama", batch=2, seq_len=170, step_kw=dict(offload=True), selection=PageSelection(
+        page_budget=2, block=8, chunk_pages=3, per_head=True)),
     # GPT-OSS: per-head sinks, alternating sliding and full layers, documents, ragged
     "gpt_oss": dict(family="gpt_oss", batch=2, seq_len=133, doc_starts=[[90], []], selection=PageSelection(
         page_budget=3, block=16, sink_pages=1, local_pages=1, per_head=True, score="mean")),
@@ -159,6 +162,25 @@ def test_a_wrong_selection_is_detected():
         call.page_select = view.page_select
     with pytest.raises(AssertionError, match="left out"):
         check_selection(record, inputs.captured, selection)
+
+
+def test_lists_past_a_chunks_cap_are_detected():
+    """check_selection holds a capped selection to its cap: the lists of uncapped blocks (each its own top
+    pages) name more pages a chunk than chunk_pages allows, and fail against the capped policy they would
+    have needed; the capped step's own lists pass."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 160))
+    capped = PageSelection(page_budget=2, block=8, chunk_pages=2)
+    for policy in (PageSelection(page_budget=2, block=8), capped):
+        _, _, record = _chunked_step(model, ids, None, policy, None, chunk_size=CHUNK, page_size=PAGE,
+                                     backend="torch")
+        inputs = OracleInputs(attention_masks(record, 1, 160), record.windows())
+        full_sequence_step(model, ids, None, inputs)
+        if policy is capped:
+            assert check_selection(record, inputs.captured, capped) > 0
+        else:
+            with pytest.raises(AssertionError, match="more than 2 pages"):
+                check_selection(record, inputs.captured, capped)
 
 
 def test_triton_interpreter_sparse_step_equals_the_oracle():

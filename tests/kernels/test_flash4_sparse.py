@@ -213,8 +213,8 @@ def test_a_wrong_block_list_is_caught(mutate):
 def test_a_gathered_order_off_by_one_from_the_lists_is_caught(monkeypatch):
     pb, kw = _problem(2, 4, 2, 1, 32, 10, 16, 8, 16, 3)
 
-    def shifted(page_select, n_past):  # the layout gathers each page one block later than the lists say
-        pages, where = chosen_pages(page_select, n_past)
+    def shifted(page_select, n_past, page_union=None):  # each page gathered one block later than the lists say
+        pages, where = chosen_pages(page_select, n_past, page_union)
         return pages.roll(1, dims=1), where
 
     monkeypatch.setattr(flash4_sparse, "chosen_pages", shifted)
@@ -336,3 +336,24 @@ def test_building_the_block_lists_does_not_wait_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert keys.keys_per_row == min(n_past, 4 * 32 * 64) * page + c
+
+
+def test_a_capped_selection_gathers_only_its_cap_and_matches_the_reference():
+    """Lists chosen among ``cap`` pages a row (PageSelection.chunk_pages) with page_union = cap x lists: FA4
+    gathers that many past pages, not the past, and attends as the reference does."""
+    b, h, h_kv, h_sel, c, n_past, d, page, select_block, budget, cap = 2, 4, 2, 2, 32, 12, 8, 8, 8, 2, 3
+    pb, kw = _problem(b, h, h_kv, h_sel, c, n_past, d, page, select_block, budget, common=False)
+    g = torch.Generator().manual_seed(3)
+    sel = torch.empty_like(kw["page_select"])
+    for row, head in itertools.product(range(b), range(h_sel)):
+        among = torch.randperm(n_past, generator=g)[:cap]
+        for blk in range(sel.shape[2]):
+            sel[row, head, blk] = among[torch.randperm(cap, generator=g)[:budget]].sort().values
+    kw["page_select"] = sel
+    keys = page_sparse_keys(pb.page_table, pb.kv_len, c, page, sel, select_block, 8, h, page_union=cap * h_sel)
+    assert keys.keys_per_row == min(n_past, cap * h_sel) * page + c  # 6 pages of 12, without the cap all 12
+    uncapped = page_sparse_keys(pb.page_table, pb.kv_len, c, page, sel, select_block, 8, h)
+    assert uncapped.keys_per_row == n_past * page + c
+    kernels = TorchFlash(sparse_blocks=(8, page))
+    _compare(Flash4Attention(kernels, fallback=None), pb, {**kw, "page_union": cap * h_sel})
+    assert kernels.sparse_calls == 2

@@ -24,6 +24,7 @@ CASES = [
     pytest.param("llama", {"selection": PageSelection(page_budget=4, block=16, per_head=True)}, id="sparse-per-head"),
     pytest.param("qwen3", {"page_budget": 2, "doc_ids": "packed"}, id="sparse-documents"),
     pytest.param("llama", {"selection": PageSelection(page_budget=3, block=16, score="bound")}, id="sparse-bound"),
+    pytest.param("llama", {"selection": PageSelection(page_budget=2, block=8, chunk_pages=3)}, id="sparse-chunk-pages"),
 ]
 
 
@@ -269,3 +270,19 @@ def test_page_lists_that_cover_the_past_bring_every_past_page(monkeypatch):
         loss, got = _step(model, ids, offload=True, **sparse)
     assert torch.equal(loss, ref_loss) and all(torch.equal(got[n], g) for n, g in ref.items())
     assert store_for_model(model).moved_bytes["to_device"] < moved["to_device"]
+
+
+def test_a_cap_on_a_chunks_pages_is_what_offload_moves():
+    """chunk_pages: the union of a chunk's lists, and so the device slot and the bytes copied per layer, is at
+    most chunk_pages pages per row, not blocks x budget; the gradients stay the device store's, bit for bit."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 320))
+    moved = {}
+    for cap in (None, 2):
+        kw = dict(chunk_size=64, page_size=8, selection=PageSelection(page_budget=2, block=8, chunk_pages=cap))
+        ref_loss, ref = _step(model, ids, **kw)
+        loss, got = _step(model, ids, offload=True, **kw)
+        assert torch.equal(loss, ref_loss) and all(torch.equal(got[n], g) for n, g in ref.items())
+        moved[cap] = store_for_model(model).moved_bytes["to_device"]
+    # Past the first chunks, 8 blocks x 2 pages = 16 rows of up to 32 past pages per layer and chunk against 2.
+    assert moved[2] < 0.5 * moved[None]

@@ -196,18 +196,42 @@ def test_offload_gpu_memory_is_checked_and_settled_by_the_plan(monkeypatch):
     assert {i.name: i.host_bytes for i in plan.items}["offloaded pages"] == 0
 
 
-def test_offload_with_small_selection_blocks_gets_a_note(capsys):
-    from oomb.train.config import load_config, offload_selection_note
+def test_offload_caps_a_chunks_pages_by_default_and_notes_an_uncapped_choice(capsys):
+    from oomb.train.config import load_config, offload_selection_note, page_selection
 
     base = ["train.offload=true", "train.page_budget=4", "train.chunk_size=1024"]
-    note = offload_selection_note(load_config(None, base))
-    assert note is not None and "train.select_block=1024" in note and "+29.9%" in note
-    assert offload_selection_note(load_config(None, [*base, "train.select_block=1024"])) is None
+    assert page_selection(load_config(None, base)).chunk_pages == 4  # auto: one budget a chunk with offload
+    assert page_selection(load_config(None, ["train.page_budget=4"])).chunk_pages is None  # auto: none without
+    assert page_selection(load_config(None, ["train.page_budget=4", "train.chunk_pages=9"])).chunk_pages == 9
+    assert offload_selection_note(load_config(None, base)) is None
+    uncapped = [*base, "train.chunk_pages=null"]
+    note = offload_selection_note(load_config(None, uncapped))
+    assert note is not None and "train.chunk_pages=auto" in note and "+29.9%" in note
+    assert offload_selection_note(load_config(None, [*uncapped, "train.select_block=1024"])) is None
     assert offload_selection_note(load_config(None, ["train.page_budget=4"])) is None  # no offload
     assert offload_selection_note(load_config(None, ["train.offload=true"])) is None  # dense
-    args = ["plan", "--host-memory", "64GiB", "data.seq_len=4096", "train.device=cpu", *base]
+    for bad, match in ((["train.chunk_pages=3"], "at least page_budget"), (["train.chunk_pages=many"], "use auto")):
+        with pytest.raises(ConfigError, match=match):
+            page_selection(load_config(None, [*base, *bad]))
+    args = ["plan", "--host-memory", "64GiB", "data.seq_len=4096", "train.device=cpu", *uncapped]
     assert main(args) == 0
-    assert "note: train.offload with train.select_block=128" in capsys.readouterr().out.replace("\n", "")
+    assert "note: train.offload with train.chunk_pages=null" in capsys.readouterr().out.replace("\n", "")
+
+
+def test_a_cap_on_a_chunks_pages_shrinks_the_offload_slots_in_the_plan():
+    from oomb.train import memory
+
+    base = ["model.preset=qwen2.5-7b", "train.offload=true", "train.offload_gpu_memory=0", "train.page_budget=64",
+            "train.chunk_size=8192", "data.seq_len=1048576"]
+    device = {}
+    for cap in ("auto", "null"):
+        settings = memory._settings(load_run_config(None, [*base, f"train.chunk_pages={cap}"]), "cuda",
+                                    torch.bfloat16)
+        plan = plan_memory(preset_config("qwen2.5-7b"), seq_len=1048576, **settings)
+        device[cap] = {i.name: i.gpu_bytes for i in plan.items}["paged store (device part)"]
+        assert plan.settings["chunk_pages"] == (64 if cap == "auto" else None)
+    # Two slots of (64 blocks x 64 pages, or 64 pages) + the chunk's 64, each of 28 KiB per token x 128 tokens
+    assert device["null"] - device["auto"] > 2 * (4096 - 64) * 128 * 4096 * 0.9
 
 
 def test_plan_says_what_a_length_that_does_not_fit_needs_and_predicts_the_dense_step(capsys):

@@ -66,10 +66,14 @@ def test_bad_sparse_settings_stop_before_work(tmp_path, capsys, args, match):
         page_selection(load_config(None, args)) if "2.5" not in args[0] else load_config(None, args)
 
 
-def test_offload_run_gives_the_same_losses_and_weights(tmp_path):
+@pytest.mark.parametrize("chunk_pages", ["null", "2"])
+def test_offload_run_gives_the_same_losses_and_weights(tmp_path, chunk_pages):
+    """The same selection with and without offload: the same run (train.chunk_pages=auto is the page budget
+    with offload and no cap without, so it is given here)."""
     on_gpu, offloaded = tmp_path / "device", tmp_path / "offload"
-    assert main(["train", f"out_dir={on_gpu}", "train.steps=2", *FAST, *SPARSE]) == 0
-    assert main(["train", f"out_dir={offloaded}", "train.steps=2", "train.offload=true", *FAST, *SPARSE]) == 0
+    sparse = [*SPARSE, f"train.chunk_pages={chunk_pages}"]
+    assert main(["train", f"out_dir={on_gpu}", "train.steps=2", *FAST, *sparse]) == 0
+    assert main(["train", f"out_dir={offloaded}", "train.steps=2", "train.offload=true", *FAST, *sparse]) == 0
     assert _losses(offloaded) == _losses(on_gpu)
     final = "checkpoints/step-00000002/model.safetensors"
     assert (offloaded / final).read_bytes() == (on_gpu / final).read_bytes()
