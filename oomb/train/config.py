@@ -20,6 +20,7 @@ import yaml
 
 from oomb.engine import StepOptions
 from oomb.sparse import DEFAULT_SCORE, PageSelection
+from oomb.train.config_yaml import ConfigLoader, yaml_escaped
 from oomb.train.rope import RopeConfig
 
 
@@ -263,7 +264,7 @@ def read_config_file(path: Path) -> dict:
         _upgrade_run_config(data)
     else:
         try:
-            data = yaml.load(text, Loader=_ConfigLoader) or {}
+            data = yaml.load(text, Loader=ConfigLoader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {e}") from e
     if not isinstance(data, dict):
@@ -273,7 +274,7 @@ def read_config_file(path: Path) -> dict:
 
 def parse_value(raw: str):
     """One ``key=value`` value as YAML (``null``, ``true``, ``3e-4``, ``[a, b]``); the empty string is null."""
-    return yaml.load(raw, Loader=_ConfigLoader) if raw else None
+    return yaml.load(raw, Loader=ConfigLoader) if raw else None
 
 
 def override_text(key: str, value) -> str:
@@ -285,51 +286,12 @@ def override_text(key: str, value) -> str:
     if value is None:
         return f"{key}=null"
     text = json.dumps(value, allow_nan=False, ensure_ascii=False)
-    return f"{key}={_YAML_RAW_UNSAFE.sub(lambda m: _yaml_escape(m.group()), text)}"
-
-
-# Outside YAML's printable set, or a line break inside a quoted scalar (NEL, LS, PS).
-_YAML_RAW_UNSAFE = re.compile("[^\x09\x0a\x0d\x20-\x7e\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]"
-                              "|[\x85\u2028\u2029]")
-
-
-def _yaml_escape(char: str) -> str:
-    return f"\\u{ord(char):04x}" if ord(char) < 0x10000 else f"\\U{ord(char):08x}"
+    return f"{key}={yaml_escaped(text)}"
 
 
 def config_json(cfg: Config) -> str:
     """The resolved config as config.json holds it (read back exactly by ``load_config``)."""
     return json.dumps(config_to_dict(cfg), indent=2, allow_nan=False)
-
-
-class _ConfigLoader(yaml.SafeLoader):
-    """yaml.SafeLoader with YAML 1.2's numbers and without duplicate keys.
-
-    PyYAML follows YAML 1.1, where ``2e-05`` and ``3e-4`` (no dot) are strings, not floats:
-    a learning rate written as Python or JSON writes it would be refused as "not a float".
-    A key given twice in one mapping is an error, not a silent "the last one wins".
-    """
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    "while reading a mapping", node.start_mark, f"found the key {key!r} twice", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-_YAML12_FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-    |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-    |[-+]?\.(?:inf|Inf|INF)
-    |\.(?:nan|NaN|NAN))$""", re.X)
-_ConfigLoader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-for _first, _resolvers in _ConfigLoader.yaml_implicit_resolvers.items():
-    _resolvers[:] = [(tag, regexp) for tag, regexp in _resolvers if tag != "tag:yaml.org,2002:float"]
-_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
 
 
 # Keys that were renamed: the error says the new one.
