@@ -113,9 +113,8 @@ job core-7b-sparse-128k-bound "$C --lengths '' --sparse-cache-lengths 131072 --s
 # The sparse 128K step as `oomb train` runs it (layer-host, the cache, liger's RoPE; page-sparse calls on FA4's block
 # sparsity, the default since 2026-12-05) against issue 24's floor (about 15.3 s) and target (16.5 s); one profiled
 # step per row says where the rest goes. Chunks of 8192 and 16384: a query attends its 64 pages and, causally, its
-# own chunk (4096 keys on average with chunks of 8192, 8192 with 16384); whole chunks rebuilt for stage 2 (recompute
-# chunk: less recomputation, more memory) and one layer at a time. About 7 minutes.
-job core-7b-sparse-128k-fa4-blocks "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192,16384 --recompute layer-host,chunk \
+# own chunk (4096 keys on average with chunks of 8192, 8192 with 16384). About 4 minutes.
+job core-7b-sparse-128k-fa4-blocks "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192,16384 --recompute layer-host \
   --fused-ops auto --warm-each --repeats 2 --backend fa4 --profile-lengths 131072"
 # The same step with the page-sparse calls on the Triton kernels (before 2026-12-05), chunks of 8192.
 job core-7b-sparse-128k-layer-host "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192 --recompute layer-host \
@@ -145,13 +144,16 @@ part quality 'sparse-quality-study sparse-quality-blocks'
 # offload: pages in host memory: overhead, where it goes, memory growth, the longest contexts, bit identity.
 job offload-overhead-7b "$O $PLAIN --preset qwen2.5-7b --chunk 4096 --dense-lengths 65536 --sparse-lengths 131072 \
   --growth-lengths '' --select-blocks 4096,128"
-# Offload at the defaults (issue 24 item 3: <= 3% dense, <= 5% sparse): what `oomb train` runs with train.offload
-# (chunks of 8192, liger's ops, FA4 with its block sparsity, blocks of 128 choosing among train.chunk_pages=auto =
-# 64 pages a chunk), every page on the host, against the same steps without offload; then a 512K sparse step, so the
-# GPU memory growth per token with every page on the host (issue 24 item 5: <= 10 MB per 10K tokens) comes from
-# 128K to 512K at that default. About 7 minutes.
-job offload-overhead-7b-default "$O --preset qwen2.5-7b --chunk 8192 --dense-lengths 65536 --sparse-lengths 131072 \
+# Offload at the defaults, sparse (issue 24 items 3 and 5: <= 5% step time, <= 10 MB of GPU memory per 10K tokens):
+# chunks of 8192 (what `oomb train` picks with train.offload at 128K), blocks of 128 choosing among 64 pages a chunk
+# (train.chunk_pages=auto with offload), every page on the host, against the same steps without offload; then a 512K
+# step, so the GPU memory growth per token with every page on the host comes from 128K to 512K. About 6 minutes.
+job offload-sparse-default-7b "$O --preset qwen2.5-7b --chunk 8192 --dense-lengths '' --sparse-lengths 131072 \
   --growth-lengths 524288 --select-blocks 128 --chunk-pages 64"
+# The dense pair at the same chunks, liger's ops and FA4 (not run yet; offload-overhead-7b has the dense pair at chunks
+# of 4096 without them). About 3 minutes.
+job offload-overhead-7b-dense-default "$O --preset qwen2.5-7b --chunk 8192 --dense-lengths 65536 --sparse-lengths '' \
+  --growth-lengths ''"
 job offload-overhead-7b-one-list "$O $PLAIN --dense-lengths '' --sparse-lengths 131072 --growth-lengths '' --select-blocks 4096"
 job offload-profiles-7b "$O $PLAIN --preset qwen2.5-7b --chunk 4096 $NOSPLIT --profile-dense-length 65536 \
   --profile-length 131072 --select-blocks 4096"
@@ -164,21 +166,23 @@ job offload-longest-7b "$O $PLAIN --preset qwen2.5-7b $NOSPLIT --longest-lengths
 # then 95% and 90% of it (issue 24: >= 1.8M tokens, the planner within 5% of what runs). About 9 minutes.
 job offload-longest-7b-split "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths plan --longest-first-fit \
   --select-blocks 4096 --chunk 4096 --host-margin-gib 4 --offload-gpu-memory auto"
-# A 1M-token sparse step as `oomb train` runs it with offload: fused ops, the pages split between GPU and host,
-# blocks of 128 choosing among 64 pages a chunk (train.chunk_pages=auto with offload: without the cap the union of
-# 64 lists of 128 queries is about half the past per layer and chunk, copied each way). Issue 24's target is
-# <= 150 s (230 s measured 2026-12-03: every page on the host, block 4096, chunks of 4096, no fused ops).
-# One more step under the profiler says where the time goes (issue 24 item 4). About 7 minutes.
-job sparse-1m-7b "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576 --select-blocks 128 --chunk-pages 64 \
-  --chunk 8192 --host-margin-gib 4 --offload-gpu-memory auto --profile-longest"
+# A 1M-token sparse step with fused ops and the pages split between GPU and host, one page list per chunk of 8192.
+# Issue 24's target is <= 150 s (230 s measured 2026-12-03: every page on the host, block 4096, chunks of 4096, no
+# fused ops). One more step under the profiler says where the time goes (issue 24 item 4). About 7 minutes.
+job sparse-1m-7b "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576 --select-blocks 8192 --chunk 8192 \
+  --host-margin-gib 4 --offload-gpu-memory auto --profile-longest"
+# The same step as `oomb train` runs it with offload now: blocks of 128 choosing among 64 pages a chunk
+# (train.chunk_pages=auto), FA4 gathering only those (not run yet). About 7 minutes.
+job sparse-1m-7b-chunk-pages "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576 --select-blocks 128 \
+  --chunk-pages 64 --chunk 8192 --host-margin-gib 4 --offload-gpu-memory auto --profile-longest"
 job offload-longest-0.5b "$O $PLAIN --preset qwen2.5-0.5b $NOSPLIT --longest-lengths 4194304,3670016,3145728 \
   --longest-first-fit --select-blocks 4096 --chunk 4096 --host-margin-gib 4"
 job offload-repeat-0.5b "$O $PLAIN --preset qwen2.5-0.5b $NOSPLIT --repeat-steps 20 --repeat-length 32768 \
   --select-blocks 4096 --chunk 4096"
 job offload-copy-bandwidth 'python3 -m benchmarks.copy'
 job offload-bit-identity 'python3 -m benchmarks.offload_check'
-part offload 'offload-overhead-7b-default offload-overhead-7b offload-overhead-7b-one-list offload-profiles-7b offload-memory-growth-7b
-  offload-longest-7b offload-longest-7b-split sparse-1m-7b offload-longest-0.5b offload-repeat-0.5b offload-copy-bandwidth offload-bit-identity'
+part offload 'offload-sparse-default-7b offload-overhead-7b-dense-default offload-overhead-7b offload-overhead-7b-one-list offload-profiles-7b offload-memory-growth-7b
+  offload-longest-7b offload-longest-7b-split sparse-1m-7b sparse-1m-7b-chunk-pages offload-longest-0.5b offload-repeat-0.5b offload-copy-bandwidth offload-bit-identity'
 
 # faults: interrupted, killed and refused runs of oomb train at 128K; a forced out-of-memory error (alone).
 job faults-h200 'python3 -m benchmarks.faults --skip-oom --out "$OUT/faults-h200"
