@@ -47,6 +47,7 @@ from benchmarks.tune_attention import CANDIDATES
 from oomb.engine import linear_cross_entropy_sum, store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import plain_rope, use_fused_ops
+from oomb.engine.grad_accumulation import plain_linears, use_fused_grad_accumulation
 from oomb.engine.sizes import ModelShape
 from oomb.engine.timing import step_flops
 from oomb.kernels import get_backend
@@ -197,6 +198,35 @@ def expand_rows(runs: list[tuple], backends: list[str], modes: list[str], chunks
             if not (layer_ckpt and m != "chunk")]
 
 
+def oomb_rows(args, auto: dict) -> list[tuple]:
+    """oomb's (tokens, row name, layer checkpointing, chunked_backward options) rows before expand_rows: the
+    `oomb train` choices of --auto-lengths, then one kind of row per length option, the sparse ones once per
+    --chunk-pages entry (named +free / +capN where there are several)."""
+    # One sparse row per cap on a chunk's pages (--chunk-pages; None: blocks choose among every past page)
+    caps = args.chunk_pages
+    sparse_rows = [("" if len(caps) == 1 else ("+free" if cap is None else f"+cap{cap}"),
+                    {"selection": PageSelection(page_budget=args.budget, score=args.select_score, chunk_pages=cap)})
+                   for cap in caps]
+    return ([(n, "oomb-auto", False, {"chunk_size": a["chunk_size"], "page_size": a["page_size"],
+                                      "cache_attention": a["cache_attention"], "recompute": a["recompute"]})
+             for n, a in auto.items()]
+            + [(n, "oomb", False, {}) for n in args.lengths]
+            + [(n, "oomb+layer-ckpt", True, {}) for n in args.ckpt_lengths]
+            + [(n, "oomb+cached-attn", False, {"cache_attention": True}) for n in args.cache_lengths]
+            + [(n, "oomb+host-cached-attn", False, {"cache_attention": "host"}) for n in args.cache_host_lengths]
+            + [(n, f"oomb-sparse{tag}", False, sparse) for n in args.sparse_lengths for tag, sparse in sparse_rows]
+            + [(n, f"oomb-sparse+cached-attn{tag}", False, {**sparse, "cache_attention": True})
+               for n in args.sparse_cache_lengths for tag, sparse in sparse_rows])
+
+
+def _caps(text: str) -> list[int | None]:
+    """--chunk-pages: '64,128' or 'none,64'."""
+    try:
+        return [None if t.strip().lower() == "none" else int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a list of page counts or 'none'") from None
+
+
 def run(args) -> dict:
     device = torch.device("cuda")
     ask_fa4_block_sparse(args.fa4_block_sparse)
@@ -208,7 +238,10 @@ def run(args) -> dict:
     model.train()
     plain_modules = dict(model.named_modules())
     fused = use_fused_ops(model, args.fused_ops)  # oomb's rows; transformers' rows get the plain modules back
-    fused_record = {"fused_ops_modules": len(fused) - ("rope" in fused), "fused_rope": "rope" in fused}
+    linears = (use_fused_grad_accumulation(model)
+               if args.fused_ops != "none" and args.grad_accumulation == "fused" else [])
+    fused_record = {"fused_ops_modules": len(fused) - ("rope" in fused), "fused_rope": "rope" in fused,
+                    "fused_grad_accumulation": len(linears)}
     tiles = dict(CANDIDATES)[args.tiles]
     if tiles:  # a tune_attention candidate instead of the default tiles, for oomb's rows
         default_tiles = kernel_tiles.choose_tiles
@@ -242,19 +275,7 @@ def run(args) -> dict:
 
     vocab = cfg.vocab_size
     warmed = False
-    # (tokens, row name, layer checkpointing, chunked_backward options)
-    sparse = {"selection": PageSelection(page_budget=args.budget, score=args.select_score)}
-    runs = ([(n, "oomb-auto", False, {"chunk_size": a["chunk_size"], "page_size": a["page_size"],
-                                       "cache_attention": a["cache_attention"], "recompute": a["recompute"]})
-               for n, a in auto.items()]
-            + [(n, "oomb", False, {}) for n in args.lengths]
-            + [(n, "oomb+layer-ckpt", True, {}) for n in args.ckpt_lengths]
-            + [(n, "oomb+cached-attn", False, {"cache_attention": True}) for n in args.cache_lengths]
-            + [(n, "oomb+host-cached-attn", False, {"cache_attention": "host"}) for n in args.cache_host_lengths]
-            + [(n, "oomb-sparse", False, sparse) for n in args.sparse_lengths]
-            + [(n, "oomb-sparse+cached-attn", False, {**sparse, "cache_attention": True})
-               for n in args.sparse_cache_lengths])
-    runs = expand_rows(runs, args.backend.split(","), args.recompute.split(","), args.chunk)
+    runs = expand_rows(oomb_rows(args, auto), args.backend.split(","), args.recompute.split(","), args.chunk)
     for n, system, layer_ckpt, options, backend in runs:
         ids = torch.randint(0, vocab, (1, n), device=device)
         if layer_ckpt:  # transformers' per-layer checkpointing inside each chunk
@@ -276,6 +297,7 @@ def run(args) -> dict:
             # No local name for the store: a live reference would keep its pools through the next length.
             record(system, n, times, extra={
                 "chunk_size": options["chunk_size"], "page_size": options["page_size"],
+                **({"chunk_pages": options["selection"].chunk_pages} if "selection" in options else {}),
                 "backend": get_backend(backend, "cuda").name,
                 "options": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in options.items()},
                 "store_gib": store_for_model(model).nbytes() / 2**30,
@@ -293,6 +315,7 @@ def run(args) -> dict:
         if name != "rope":
             model.set_submodule(name, plain_modules[name])
     plain_rope()
+    plain_linears(model)
     if args.hf_lengths:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for n in args.hf_lengths:
@@ -401,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sparse-cache-lengths", type=int_list, default=[],
                    help="also time page-sparse oomb with cache_attention=True")
     p.add_argument("--budget", type=int, default=64, help="pages per block of 128 queries for the sparse rows")
+    p.add_argument("--chunk-pages", type=_caps, default=[None], metavar="N[,N...]",
+                   help="sparse rows: the cap on the pages a chunk's blocks choose among (PageSelection.chunk_pages), "
+                        "one row per entry; 'none' = no cap (default)")
     p.add_argument("--select-score", default=DEFAULT_SCORE, choices=SCORES,
                    help=f"page score of the sparse rows: bound or mean (the paper's); default {DEFAULT_SCORE}")
     p.add_argument("--hf-lengths", type=int_list, default=[],
@@ -436,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
                         "oomb.engine.layer_recompute); a comma list times each row once per mode")
     p.add_argument("--fused-ops", default="auto", choices=FUSED_OPS_MODES,
                    help="liger's fused RMSNorm/SwiGLU in oomb's rows (oomb.engine.fused_ops); transformers' rows never")
+    p.add_argument("--grad-accumulation", default="fused", choices=["fused", "plain"],
+                   help="oomb's rows with fused ops: weight gradients added into .grad by their matmuls "
+                        "(train.fused_grad_accumulation, the default since 2026-12-05) or by autograd's add (plain; "
+                        "records made before)")
     p.add_argument("--tiles", default="default", choices=[name for name, _ in CANDIDATES],
                    help="attention tiles for oomb's rows: a candidate of benchmarks.tune_attention")
     p.add_argument("--repeats", type=int, default=1)

@@ -29,6 +29,9 @@ NOSPLIT='--dense-lengths "" --sparse-lengths "" --growth-lengths ""'
 # benchmarks.offload swaps in liger's fused ops as `oomb train` does since 2026-12-05; the jobs whose records were
 # measured before keep transformers' modules, so they reproduce those records (and compare with them).
 PLAIN='--fused-ops none'
+# Since 2026-12-05 (session 18) weight gradients are added into .grad by their matmuls where fused ops are on
+# (train.fused_grad_accumulation); the jobs whose records were measured before add them as autograd did.
+G0='--grad-accumulation plain'
 
 # gpu-tests: every GPU test; the gradient errors of bf16 training against fp32 that they print.
 job gpu-tests 'python3 -m pytest -q -m gpu -p no:cacheprovider tests'
@@ -42,39 +45,40 @@ part gpu-tests 'gpu-tests gradient-accuracy-bf16'
 # core: one training step of Qwen2.5-7B against context length, and transformers' step beside it.
 job core-7b-chunk4096 "$C --lengths 32768,65536,131072 --cache-lengths 65536,131072 --sparse-lengths 131072 \
   --sparse-cache-lengths 131072 --hf-lengths 65536,131072 --fused-ops none --select-score mean"
-job core-7b-fused-ops "$C --lengths '' --cache-lengths 65536,131072 --sparse-cache-lengths 131072 --fused-ops auto \
+job core-7b-fused-ops "$C $G0 --lengths '' --cache-lengths 65536,131072 --sparse-cache-lengths 131072 --fused-ops auto \
   --tiles default --select-score mean"
 job core-7b-no-fused-ops "$C --lengths '' --cache-lengths 65536 --fused-ops none"
 # The baseline a user would pick (transformers + FlashAttention-4 or SDPA + Liger + checkpointing, each in
 # its own process) beside what `oomb train` picks by itself and oomb's fastest settings; FA4 needs its wheels.
-job core-7b-vs-transformers-64k "$C --lengths '' --cache-lengths 65536 --auto-lengths 65536 --baseline-lengths 65536 \
+job core-7b-vs-transformers-64k "$C $G0 --lengths '' --cache-lengths 65536 --auto-lengths 65536 --baseline-lengths 65536 \
   --baseline-stacks fa4 --chunk 8192 --fused-ops auto --warm-each --repeats 2 --backend fa4"
-job core-7b-vs-transformers-128k "$C --lengths '' --baseline-lengths 131072 --cache-lengths 131072 --chunk 8192 \
+job core-7b-vs-transformers-128k "$C $G0 --lengths '' --baseline-lengths 131072 --cache-lengths 131072 --chunk 8192 \
   --fused-ops auto --warm-each --repeats 2 --backend fa4"
 # Stage 2 one layer at a time (train.recompute): every layer's input kept in host memory, beside the whole-chunk
 # recompute, with the attention cache on the GPU and in host memory, against the baseline stacks; one more step of
 # each row under the profiler (where a 64K step's GPU time goes).
-job core-7b-recompute-64k "$C --lengths '' --cache-lengths 65536 --cache-host-lengths 65536 --baseline-lengths 65536 \
+job core-7b-recompute-64k "$C $G0 --lengths '' --cache-lengths 65536 --cache-host-lengths 65536 --baseline-lengths 65536 \
   --chunk 8192 --recompute chunk,layer-host --fused-ops auto --warm-each --repeats 2 --backend fa4 --profile-lengths 65536"
 # The same at 128K with chunks of 16384 (layer-host only: whole-chunk recompute of 16384 tokens does not fit with
 # the cache); FA4's stack only (SDPA's is slower, and both do not fit one 10-minute device call with oomb's rows).
-job core-7b-recompute-128k "$C --lengths '' --cache-lengths 131072 --cache-host-lengths 131072 --baseline-lengths 131072 \
+job core-7b-recompute-128k "$C $G0 --lengths '' --cache-lengths 131072 --cache-host-lengths 131072 --baseline-lengths 131072 \
   --baseline-stacks fa4 --chunk 16384 --recompute layer-host --fused-ops auto --warm-each --repeats 2 --backend fa4"
 # 256K: the FA4 stack's step (about 2 minutes) and oomb's do not fit one 10-minute device call together: the
 # stack in one job, then what `oomb train` picks (layer-host, chunks of 16384, the cache in host memory) against it.
-job core-7b-vs-transformers-256k-baseline "$C --lengths '' --baseline-lengths 262144 --baseline-stacks fa4 --warm-each \
+job core-7b-vs-transformers-256k-baseline "$C $G0 --lengths '' --baseline-lengths 262144 --baseline-stacks fa4 --warm-each \
   --repeats 2"
-job core-7b-vs-transformers-256k "$C --lengths '' --auto-lengths 262144 \
+job core-7b-vs-transformers-256k "$C $G0 --lengths '' --auto-lengths 262144 \
   --baseline-from \"\$OUT/core-7b-vs-transformers-256k-baseline.json\" --fused-ops auto --warm-each --repeats 2 --backend fa4"
 # The lean setting: no attention cache, short chunks (less memory than the baseline).
-job core-7b-lean-64k "$C --lengths 65536 --baseline-lengths 65536 --chunk 2048 --fused-ops auto --warm-each --repeats 2 \
+job core-7b-lean-64k "$C $G0 --lengths 65536 --baseline-lengths 65536 --chunk 2048 --fused-ops auto --warm-each --repeats 2 \
   --backend fa4"
 # Page-sparse attention at 128K beside the baseline (and the dense step with the Triton kernels).
-job core-7b-sparse-vs-transformers-128k "$C --lengths '' --baseline-lengths 131072 --cache-lengths 131072 \
+job core-7b-sparse-vs-transformers-128k "$C $G0 --lengths '' --baseline-lengths 131072 --cache-lengths 131072 \
   --sparse-cache-lengths 131072 --chunk 8192 --fused-ops auto --warm-each --repeats 2 --backend triton"
 # What `oomb train` picks by itself and the step time it reports (optimizer step included), killed after
 # the steps are logged (no 45 GB final checkpoint).
 job train-7b-auto 'python3 -m benchmarks.train_steps --lengths 65536,131072 --steps 3,3 --timeout 150 \
+  --keys train.fused_grad_accumulation=false \
   --out "$OUT/train-7b-auto.json"'
 part core 'train-7b-auto core-7b-recompute-64k core-7b-recompute-128k core-7b-vs-transformers-256k-baseline
   core-7b-vs-transformers-256k core-7b-chunk4096 core-7b-fused-ops core-7b-no-fused-ops core-7b-vs-transformers-64k
@@ -109,21 +113,30 @@ part attention 'attention-fa4 attention-kernels attention-tiles-64k attention-ti
 job sparse-kernels "python3 -m benchmarks.sparse --contexts 65536,131072,262144 --lengths ''"
 job sparse-steps-7b 'python3 -m benchmarks.sparse --contexts 65536,131072,262144 --lengths 65536,131072 \
   --sparse-lengths 262144,524288'
-job core-7b-sparse-128k-bound "$C --lengths '' --sparse-cache-lengths 131072 --select-score bound --fused-ops auto"
+job core-7b-sparse-128k-bound "$C $G0 --lengths '' --sparse-cache-lengths 131072 --select-score bound --fused-ops auto"
 # The sparse 128K step as `oomb train` runs it (layer-host, the cache, liger's RoPE; page-sparse calls on FA4's block
 # sparsity, the default since 2026-12-05) against issue 24's floor (about 15.3 s) and target (16.5 s); one profiled
 # step per row says where the rest goes. Chunks of 8192 and 16384: a query attends its 64 pages and, causally, its
 # own chunk (4096 keys on average with chunks of 8192, 8192 with 16384). About 4 minutes.
-job core-7b-sparse-128k-fa4-blocks "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192,16384 --recompute layer-host \
+job core-7b-sparse-128k-fa4-blocks "$C $G0 --lengths '' --sparse-cache-lengths 131072 --chunk 8192,16384 --recompute layer-host \
   --fused-ops auto --warm-each --repeats 2 --backend fa4 --profile-lengths 131072"
+# The same step (chunks of 8192) with blocks choosing among every past page and among 64 (the budget) pages a chunk
+# (train.chunk_pages): what FA4 gathers and scatters per call shrinks from the whole past to the cap. Issue 24
+# item 4 (<= 16.5 s); each row profiled. About 4 minutes.
+job core-7b-sparse-128k-caps "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192 --recompute layer-host \
+  --fused-ops auto --warm-each --repeats 2 --backend fa4 --chunk-pages none,64 --profile-lengths 131072"
+# The capped step with weight gradients added by autograd's add instead of their matmuls (train.fused_grad_accumulation
+# off), for the comparison with core-7b-sparse-128k-caps. About 2 minutes.
+job core-7b-sparse-128k-grad-plain "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192 --recompute layer-host \
+  --fused-ops auto --warm-each --repeats 2 --backend fa4 --chunk-pages 64 --grad-accumulation plain"
 # The same step with the page-sparse calls on the Triton kernels (before 2026-12-05), chunks of 8192.
-job core-7b-sparse-128k-layer-host "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192 --recompute layer-host \
+job core-7b-sparse-128k-layer-host "$C $G0 --lengths '' --sparse-cache-lengths 131072 --chunk 8192 --recompute layer-host \
   --fused-ops auto --warm-each --repeats 2 --backend fa4 --no-fa4-block-sparse --profile-lengths 131072"
-job core-7b-sparse-128k-mean "$C --lengths '' --sparse-cache-lengths 131072 --select-score mean --fused-ops auto"
+job core-7b-sparse-128k-mean "$C $G0 --lengths '' --sparse-cache-lengths 131072 --select-score mean --fused-ops auto"
 job core-7b-sparse-128k-plain "$C --lengths '' --sparse-lengths 131072 --sparse-cache-lengths 131072 --chunk 4096 \
   --fused-ops none --select-score mean"
 job sparse-profile-7b-128k "$O $PLAIN $NOSPLIT --select-blocks 4096 --profile-length 131072 --profile-stacks"
-part sparse 'sparse-kernels sparse-steps-7b core-7b-sparse-128k-layer-host core-7b-sparse-128k-fa4-blocks core-7b-sparse-128k-bound core-7b-sparse-128k-mean core-7b-sparse-128k-plain
+part sparse 'sparse-kernels sparse-steps-7b core-7b-sparse-128k-layer-host core-7b-sparse-128k-fa4-blocks core-7b-sparse-128k-caps core-7b-sparse-128k-grad-plain core-7b-sparse-128k-bound core-7b-sparse-128k-mean core-7b-sparse-128k-plain
   sparse-profile-7b-128k'
 
 # quality: the sparse-quality study (learning and gradient quality of sparse against dense training).
@@ -148,7 +161,7 @@ job offload-overhead-7b "$O $PLAIN --preset qwen2.5-7b --chunk 4096 --dense-leng
 # chunks of 8192 (what `oomb train` picks with train.offload at 128K), blocks of 128 choosing among 64 pages a chunk
 # (train.chunk_pages=auto with offload), every page on the host, against the same steps without offload; then a 512K
 # step, so the GPU memory growth per token with every page on the host comes from 128K to 512K. About 6 minutes.
-job offload-sparse-default-7b "$O --preset qwen2.5-7b --chunk 8192 --dense-lengths '' --sparse-lengths 131072 \
+job offload-sparse-default-7b "$O $G0 --preset qwen2.5-7b --chunk 8192 --dense-lengths '' --sparse-lengths 131072 \
   --growth-lengths 524288 --select-blocks 128 --chunk-pages 64"
 # The dense pair at the same chunks, liger's ops and FA4 (not run yet; offload-overhead-7b has the dense pair at chunks
 # of 4096 without them). About 3 minutes.
@@ -164,16 +177,17 @@ job offload-longest-7b "$O $PLAIN --preset qwen2.5-7b $NOSPLIT --longest-lengths
 # The longest step with both memories filled: the store keeps whole layers in what the plan leaves free on the GPU
 # (--offload-gpu-memory auto, as train.offload_gpu_memory=auto), the rest on the host; the planner's longest first,
 # then 95% and 90% of it (issue 24: >= 1.8M tokens, the planner within 5% of what runs). About 9 minutes.
-job offload-longest-7b-split "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths plan --longest-first-fit \
+job offload-longest-7b-split "$O $G0 --preset qwen2.5-7b $NOSPLIT --longest-lengths plan --longest-first-fit \
   --select-blocks 4096 --chunk 4096 --host-margin-gib 4 --offload-gpu-memory auto"
 # A 1M-token sparse step with fused ops and the pages split between GPU and host, one page list per chunk of 8192.
 # Issue 24's target is <= 150 s (230 s measured 2026-12-03: every page on the host, block 4096, chunks of 4096, no
 # fused ops). One more step under the profiler says where the time goes (issue 24 item 4). About 7 minutes.
-job sparse-1m-7b "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576 --select-blocks 8192 --chunk 8192 \
+job sparse-1m-7b "$O $G0 --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576 --select-blocks 8192 --chunk 8192 \
   --host-margin-gib 4 --offload-gpu-memory auto --profile-longest"
 # The same step as `oomb train` runs it with offload now: blocks of 128 choosing among 64 pages a chunk
-# (train.chunk_pages=auto), FA4 gathering only those (not run yet). About 7 minutes.
-job sparse-1m-7b-chunk-pages "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576 --select-blocks 128 \
+# (train.chunk_pages=auto), FA4 gathering only those. Its first step (allocating the store, pinning the host's share)
+# timed apart, a second step timed as a run's later steps are, a third under the profiler. About 9 minutes.
+job sparse-1m-7b-chunk-pages "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576 --longest-steady --select-blocks 128 \
   --chunk-pages 64 --chunk 8192 --host-margin-gib 4 --offload-gpu-memory auto --profile-longest"
 job offload-longest-0.5b "$O $PLAIN --preset qwen2.5-0.5b $NOSPLIT --longest-lengths 4194304,3670016,3145728 \
   --longest-first-fit --select-blocks 4096 --chunk 4096 --host-margin-gib 4"

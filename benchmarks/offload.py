@@ -27,8 +27,10 @@ Rows, in this order (the JSON is rewritten after every row, so a run cut short k
    (plus ``--host-margin-gib``) must be free in host memory now; otherwise the row records why it
    was refused. A row that fails (CUDA out of memory, host memory that cannot be pinned) records
    the error and the bench goes on. ``--longest-first-fit``: the lengths are tried in the order
-   given until one runs (give them longest first). ``--longest-lengths plan``: the longest length the
-   planner says fits (multiples of ``--chunk``; with the settings of the longest rows), then 95% and 90%
+   given until one runs (give them longest first). ``--longest-steady``: the first step is timed
+   apart (``first_step_s``) and a second one gives ``step_s``, as for pairs. ``--longest-lengths
+   plan``: the longest length the planner says fits (multiples of ``--chunk``; with the settings of
+   the longest rows), then 95% and 90%
    of it: the first that runs says how close the planner's longest is to what runs;
 4. repeat: ``--repeat-steps`` consecutive sparse + offload steps at ``--repeat-length`` (first
    select block, the store kept between steps as in training), with RSS, pinned bytes and
@@ -83,6 +85,7 @@ from benchmarks.timeline import format_profile, profile_streams, step_profile
 from oomb.engine import store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import use_fused_ops
+from oomb.engine.grad_accumulation import use_fused_grad_accumulation
 from oomb.engine.plan import AUTO_GPU_MARGIN_BYTES, plan_memory
 from oomb.sparse import PageSelection
 
@@ -369,6 +372,9 @@ class Bench:
         self.model.train()
         # liger's RMSNorm, SwiGLU and RoPE as `oomb train` swaps them in (train.fused_ops=auto: on CUDA)
         self.fused = use_fused_ops(self.model, args.fused_ops)
+        # and weight gradients added by their matmuls (train.fused_grad_accumulation), on CUDA with fused ops
+        self.linears = (use_fused_grad_accumulation(self.model) if self.cuda and args.fused_ops != "none"
+                        and args.grad_accumulation == "fused" else [])
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)
         self.vocab = self.model.config.vocab_size
@@ -484,7 +490,8 @@ class Bench:
             def step():
                 oomb.chunked_backward(self.model, ids, **kw)
 
-            steady = s.kind == "pair" and self.args.steady
+            steady = ((s.kind == "pair" and self.args.steady)
+                      or (s.kind == "longest" and self.args.longest_steady))
             if steady:
                 # A training run's first step allocates the store (and pins its host pools); every
                 # later step reuses it. Time that first step apart, then the steps that follow it.
@@ -604,6 +611,7 @@ def run(args) -> dict:
         "gpu_total_gib": bench.device_total / GIB if cuda else None,
         "host_margin_gib": args.host_margin_gib, "time_budget_s": args.time_budget,
         "planner_method": PLAN_NO_OPTIMIZER, "fused_ops": args.fused_ops, "fused_modules": bench.fused,
+        "fused_grad_accumulation": len(bench.linears),
         "fa4_block_sparse": args.fa4_block_sparse and cuda,
     }
     results: list[dict] = []
@@ -782,6 +790,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steady", action=argparse.BooleanOptionalAction, default=True,
                    help="pair rows: one step at the row's length first (allocating the store and pinning its "
                         "pools, as a run's first step does; recorded as first_step_s), then the timed steps")
+    p.add_argument("--longest-steady", action="store_true",
+                   help="longest rows: time a second step after the first (which allocates the store and pins "
+                        "its host pools, recorded as first_step_s), as a training run's later steps are")
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="seconds: rows not started by then are recorded as skipped (0 = no limit)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -791,6 +802,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-ops", default="auto", choices=FUSED_OPS_MODES,
                    help="liger's fused RMSNorm/SwiGLU/RoPE as `oomb train` uses them (train.fused_ops; records before "
                         "2026-12-05 ran without: none)")
+    p.add_argument("--grad-accumulation", default="fused", choices=["fused", "plain"],
+                   help="with fused ops on CUDA: weight gradients added into .grad by their matmuls (as `oomb train` "
+                        "does since 2026-12-05) or by autograd's add (plain; records made before)")
     p.add_argument("--fa4-block-sparse", action=argparse.BooleanOptionalAction, default=True,
                    help="page-sparse rows on FA4's block sparsity where the fa4 backend runs them (oomb's default "
                         "since 2026-12-05) or, with --no-fa4-block-sparse, on the Triton kernels "

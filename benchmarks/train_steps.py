@@ -59,14 +59,16 @@ def record_of(run: Path, log: Path, seq_len: int) -> dict:
 
 
 def run_length(preset: str, seq_len: int, steps: int, folder: Path, timeout: float,
-               variant: tuple[str, str] | None = None) -> dict:
-    """One `oomb train` process at ``seq_len``; ``variant``: (name, "KEY=VALUE ...") added to its command."""
+               variant: tuple[str, str] | None = None, keys_of_all: str = "") -> dict:
+    """One `oomb train` process at ``seq_len``; ``variant``: (name, "KEY=VALUE ...") added to its command, after
+    ``keys_of_all`` (--keys: every run's)."""
     name, keys = variant if variant is not None else ("", "")
     run, log = folder / f"run{name}{seq_len}", folder / f"run{name}{seq_len}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "oomb.cli", "train", f"model.preset={preset}",
                                  f"data.seq_len={seq_len}", "train.steps=1000", "train.export=false",
-                                 f"out_dir={run}", *shlex.split(keys)], stdout=out, stderr=subprocess.STDOUT)
+                                 f"out_dir={run}", *shlex.split(keys_of_all), *shlex.split(keys)],
+                                stdout=out, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout
         metrics = run / "metrics.jsonl"
         while proc.poll() is None and time.time() < deadline:
@@ -92,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", nargs=2, action="append", metavar=("NAME", "KEYS"), default=None,
                    help='run each length once more per variant with these oomb train keys, e.g. --variant qlora '
                         '"lora.r=16 model.quantize=nf4" (repeatable; default: the keys at their defaults)')
+    p.add_argument("--keys", default="", metavar="KEYS",
+                   help='oomb train keys of every run, e.g. "train.fused_grad_accumulation=false" (a job reproducing '
+                        'a record made before a default changed)')
     p.add_argument("--from-runs", nargs="+", metavar="RUN=LOG", default=None,
                    help="build the record from run folders and their logs made earlier (no training)")
     args = p.parse_args(argv)
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         folder = Path(tempfile.mkdtemp(prefix="train_steps-"))
         variants = [tuple(v) for v in args.variant] if args.variant is not None else [None]
-        rows = [run_length(args.preset, n, k, folder, args.timeout, variant)
+        rows = [run_length(args.preset, n, k, folder, args.timeout, variant, args.keys)
                 for n, k in zip(args.lengths, args.steps, strict=True) for variant in variants]
         machine = machine_description()
     else:
@@ -115,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [record_of(Path(run), Path(log), n) for (run, log), n in zip(pairs, args.lengths, strict=True)]
         machine = None
     report = {"bench": "train_steps", "command": command_line("benchmarks.train_steps", argv),
-              "date": datetime.date.today().isoformat(), "machine": machine, "preset": args.preset, "results": rows}
+              "date": datetime.date.today().isoformat(), "machine": machine, "preset": args.preset,
+              **({"keys": args.keys} if args.keys else {}), "results": rows}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     for r in rows:
         warm = f"{r['warm_step_s']:.2f} s" if r["warm_step_s"] is not None else "not reached"

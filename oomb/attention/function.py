@@ -90,8 +90,10 @@ class PagedAttention(torch.autograd.Function):
         if store.last_chunk() != ctx.record:
             raise RuntimeError("the paged store changed between this chunk's forward and backward")
         pools, table = store.fetch(layer_idx, step.page_lists.past_pages(store, layer_idx)[1], grads=True)
+        # d_out as autograd hands it ([B, H, C, D], a view of the [B, C, H, D] gradient of the layer's output): every
+        # backend reads strided rows, and FA4 wants exactly that layout, so a copy here would be one more pass
         dq, d_sinks = step.backend.backward(
-            d_out.contiguous(), q, out, lse, pools.k, pools.v, pools.dk, pools.dv,
+            d_out, q, out, lse, pools.k, pools.v, pools.dk, pools.dv,
             table, ctx.kv_len,
             scale=ctx.scale, sliding_window=ctx.sliding_window, sinks=sinks, **ctx.vis,
         )

@@ -173,8 +173,8 @@ class TrainConfig:
     """Page-sparse attention: one page list per KV head instead of one shared by all heads."""
     chunk_pages: int | str | None = "auto"
     """Page-sparse attention: the most distinct past pages one chunk's blocks choose among (per list), those with
-    the best score for any block of the chunk; what offload moves per layer and chunk. auto: page_budget with
-    train.offload (one page set per chunk, each block still ranks it), none without; null = no cap."""
+    the best score for any block of the chunk; what offload moves and FlashAttention-4 gathers per layer and chunk.
+    auto: page_budget (one page set per chunk, each block still ranks it); null = no cap."""
     select_score: str = DEFAULT_SCORE
     """Page-sparse attention: rank pages by bound (an upper bound over the page's keys from their per-channel min
     and max: a lone matching key is not averaged away) or mean (the paper's: the block's mean query . the page's
@@ -202,6 +202,10 @@ class TrainConfig:
     """Fused RMSNorm and SwiGLU kernels (liger-kernel) in place of transformers' own modules (Llama, Mistral, Qwen2,
     Qwen3; same weights and results, fewer passes over memory): auto (on CUDA when liger-kernel is installed and
     train.tensor_parallel is 1), liger (required) or none."""
+    fused_grad_accumulation: bool = True
+    """Add each weight gradient into .grad inside the matmul that computes it (one kernel instead of a matmul and an
+    add per chunk; oomb.engine.grad_accumulation) for the decoder layers' trained linear layers, on CUDA with
+    train.fused_ops other than none, in a single process (under torchrun gradients go through FSDP's hooks)."""
     memory_check: bool = True
     """Before building the model, refuse a run whose memory plan (see `oomb plan`) does not fit this machine."""
     tensor_parallel: int = 1
@@ -400,13 +404,14 @@ def page_selection(cfg: Config) -> PageSelection | None:
 
 
 def settled_chunk_pages(cfg: Config) -> int | None:
-    """train.chunk_pages as the selection runs it: auto is train.page_budget with train.offload (the pages one list
-    per chunk would move), no cap without; None for dense attention."""
+    """train.chunk_pages as the selection runs it: auto is train.page_budget (since 2026-12-05 with and without
+    offload: as free blocks learn at the retrieval study's ceiling, and a 128K step of Qwen2.5-7B is 3-4% faster
+    than with free blocks, docs/sparse.md); None for dense attention."""
     t = cfg.train
     if t.page_budget is None:
         return None
     if t.chunk_pages == "auto":
-        return t.page_budget if t.offload else None
+        return t.page_budget
     if isinstance(t.chunk_pages, str):
         raise ConfigError(f"train.chunk_pages={t.chunk_pages!r}: use auto, null (no cap) or a number of pages "
                           f"of at least train.page_budget ({t.page_budget})")

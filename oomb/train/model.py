@@ -8,6 +8,7 @@ import torch
 
 from oomb.engine.fused_ops import run_mode as fused_ops_run_mode
 from oomb.engine.fused_ops import use_fused_ops
+from oomb.engine.grad_accumulation import use_fused_grad_accumulation
 from oomb.train import distributed
 from oomb.train.config import Config, ConfigError
 from oomb.train.hub import model_folder
@@ -118,11 +119,23 @@ def prepare_for_training(model: torch.nn.Module, cfg: Config, ctx, console) -> t
         modules = [name for name in fused if name != "rope"]
         console.print(f"fused ops: liger RMSNorm / SwiGLU in {len(modules)} modules"
                       + (", liger RoPE" if "rope" in fused else ""))
+    if fuses_grad_accumulation(model, cfg, ctx):
+        linears = use_fused_grad_accumulation(model)
+        if linears:
+            console.print(f"weight gradients added into .grad by their matmuls in {len(linears)} linear layers")
     if ctx is not None and ctx.tensor_parallel > 1:
         model = distributed.split_model(model, ctx)
     if ctx is not None and ctx.data_parallel > 1:  # over the groups of tensor parallel ranks, if any
         model = distributed.shard_model(model, ctx.mesh["dp"] if ctx.mesh is not None else None)
     return model
+
+
+def fuses_grad_accumulation(model: torch.nn.Module, cfg: Config, ctx) -> bool:
+    """Whether the run adds weight gradients inside their matmuls (train.fused_grad_accumulation): a CUDA model,
+    fused ops not turned off, one process (several ranks reduce gradients in FSDP's and tensor parallel's hooks)."""
+    param = next(model.parameters(), None)
+    return (cfg.train.fused_grad_accumulation and cfg.train.fused_ops != "none" and param is not None
+            and param.device.type == "cuda" and (ctx is None or ctx.world_size == 1))
 
 
 def describe_size(model: torch.nn.Module, cfg: Config) -> str:

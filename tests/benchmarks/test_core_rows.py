@@ -19,3 +19,28 @@ def test_rows_are_named_by_what_varies_and_fixed_chunks_are_kept():
     # one of each: the plain names of the records before lists
     one = expand_rows(runs[:1], ["auto"], ["chunk"], [4096])
     assert one == [(131072, "oomb-sparse", False, {"recompute": "chunk", "chunk_size": 4096, "selection": "s"}, "auto")]
+
+
+def test_sparse_rows_once_per_cap_on_a_chunks_pages():
+    import argparse
+
+    import pytest
+
+    from benchmarks.core import _caps, oomb_rows
+
+    args = argparse.Namespace(chunk_pages=_caps("none,64"), budget=32, select_score="bound", lengths=[65536],
+                              ckpt_lengths=[], cache_lengths=[], cache_host_lengths=[], sparse_lengths=[],
+                              sparse_cache_lengths=[131072])
+    rows = oomb_rows(args, {})
+    assert [(n, name) for n, name, _, _ in rows] == [
+        (65536, "oomb"), (131072, "oomb-sparse+cached-attn+free"), (131072, "oomb-sparse+cached-attn+cap64")]
+    caps = [options["selection"].chunk_pages for _, name, _, options in rows if "sparse" in name]
+    assert caps == [None, 64] and all(o.get("cache_attention") for _, name, _, o in rows if "sparse" in name)
+    # one entry: the names of the records made before the option
+    args.chunk_pages = [None]
+    assert [name for _, name, _, _ in oomb_rows(args, {})] == ["oomb", "oomb-sparse+cached-attn"]
+    with pytest.raises(argparse.ArgumentTypeError, match="not a list of page counts"):
+        _caps("64,lots")
+    with pytest.raises(ValueError, match="at least page_budget"):  # the selection refuses a cap under the budget
+        args.chunk_pages = [16]
+        oomb_rows(args, {})

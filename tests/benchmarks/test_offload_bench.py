@@ -325,3 +325,17 @@ def test_profiles_dense_then_sparse_with_and_without_offload(tmp_path):
     assert [(p["mode"], p["seq_len"], p["offload"]) for p in profiles] == [
         ("dense", 64, False), ("dense", 64, True), ("sparse", 96, False), ("sparse", 96, True)]
     assert profiles[2]["select_block"] == 16 and all(p["skipped"] == "needs CUDA" for p in profiles)
+
+
+def test_a_steady_longest_row_times_its_first_step_apart(tmp_path):
+    out = tmp_path / "longest.json"
+    args = ["--device", "cpu", "--dtype", "float32", "--preset", "tiny", "--chunk", "64", "--page", "8",
+            "--budget", "2", "--dense-lengths", "", "--sparse-lengths", "", "--growth-lengths", "",
+            "--longest-lengths", "256", "--select-blocks", "8", "--out", str(out)]
+    assert ob.main(args + ["--longest-steady"]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["kind"] == "longest" and row["steady"] and len(row["step_times_s"]) == 1
+    assert row["first_step_s"] > 0 and row["step_s"] > 0
+    assert ob.main(args) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert not row["steady"] and "first_step_s" not in row

@@ -196,12 +196,12 @@ def test_offload_gpu_memory_is_checked_and_settled_by_the_plan(monkeypatch):
     assert {i.name: i.host_bytes for i in plan.items}["offloaded pages"] == 0
 
 
-def test_offload_caps_a_chunks_pages_by_default_and_notes_an_uncapped_choice(capsys):
+def test_a_chunks_pages_are_capped_by_default_and_an_uncapped_offload_choice_noted(capsys):
     from oomb.train.config import load_config, offload_selection_note, page_selection
 
     base = ["train.offload=true", "train.page_budget=4", "train.chunk_size=1024"]
     assert page_selection(load_config(None, base)).chunk_pages == 4  # auto: one budget a chunk with offload
-    assert page_selection(load_config(None, ["train.page_budget=4"])).chunk_pages is None  # auto: none without
+    assert page_selection(load_config(None, ["train.page_budget=4"])).chunk_pages == 4  # auto: the same without
     assert page_selection(load_config(None, ["train.page_budget=4", "train.chunk_pages=9"])).chunk_pages == 9
     assert offload_selection_note(load_config(None, base)) is None
     uncapped = [*base, "train.chunk_pages=null"]

@@ -24,7 +24,8 @@ def _losses(run: Path) -> list[float]:
 def test_config_keys_build_the_selection():
     assert page_selection(load_config(None, [])) is None  # dense by default
     cfg = load_config(None, SPARSE + ["train.sink_pages=1"])
-    assert page_selection(cfg) == PageSelection(page_budget=2, block=64, sink_pages=1, local_pages=1, per_head=True)
+    assert page_selection(cfg) == PageSelection(page_budget=2, block=64, sink_pages=1, local_pages=1, per_head=True,
+                                                chunk_pages=2)  # auto: the budget
     assert page_selection(load_config(None, ["train.page_budget=2"])).score == "bound"  # the default
     assert page_selection(load_config(None, ["train.page_budget=2", "train.select_score=mean"])).score == "mean"
 
@@ -66,10 +67,9 @@ def test_bad_sparse_settings_stop_before_work(tmp_path, capsys, args, match):
         page_selection(load_config(None, args)) if "2.5" not in args[0] else load_config(None, args)
 
 
-@pytest.mark.parametrize("chunk_pages", ["null", "2"])
+@pytest.mark.parametrize("chunk_pages", ["null", "auto"])
 def test_offload_run_gives_the_same_losses_and_weights(tmp_path, chunk_pages):
-    """The same selection with and without offload: the same run (train.chunk_pages=auto is the page budget
-    with offload and no cap without, so it is given here)."""
+    """The same selection with and without offload: the same run, free blocks and the default cap."""
     on_gpu, offloaded = tmp_path / "device", tmp_path / "offload"
     sparse = [*SPARSE, f"train.chunk_pages={chunk_pages}"]
     assert main(["train", f"out_dir={on_gpu}", "train.steps=2", *FAST, *sparse]) == 0
