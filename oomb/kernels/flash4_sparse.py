@@ -67,6 +67,7 @@ in, so ``select_block`` must be a multiple of ``block_q`` (or cover the chunk: o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -166,6 +167,26 @@ def compact(bits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]
 DIRECTIONS = ("forward", "backward")
 
 
+@functools.lru_cache(maxsize=64)
+def _chunk_lists(q_len: int, block_q: int, page_size: int, n_union: int, select_block: int, b: int, heads: int,
+                 direction: str, device: torch.device) -> tuple:
+    """What a call's lists hold that depends on the shapes alone, made once per shape (not per layer and chunk: each
+    is several small kernels the host launches while the GPU waits): (the chunk's own blocks [n_q, n_own] as full
+    bits, each FA4 query block's selection block [n_q], the direction's mask lists (cnt, idx) per head [B, heads,
+    ...]). Read-only: FA4 only reads its lists, and the per-call tensors are built from these, never into them."""
+    n_q = -(-q_len // block_q)
+    own_mask, own_full = own_blocks(q_len, block_q, page_size, device)
+    selection_block = torch.arange(n_q, device=device) * block_q // select_block  # one list: all 0
+    mask = torch.cat([torch.zeros(n_q, n_union, dtype=torch.bool, device=device), own_mask], dim=1)
+    max_mask, _, max_mask_of_page = _own_widths(q_len, block_q, page_size)
+    if direction == "forward":
+        cnt, idx = compact(mask, max_mask)
+    else:
+        cnt, idx = compact(mask.T, max_mask_of_page)
+    mask_cnt, mask_idx = (x.expand(b, heads, *x.shape).contiguous() for x in (cnt, idx))
+    return own_full, selection_block, mask_cnt, mask_idx
+
+
 def block_sparsity(page_select: torch.Tensor, where: torch.Tensor, n_union: int, q_len: int, select_block: int,
                    block_q: int, page_size: int, num_heads: int, directions=DIRECTIONS) -> BlockSparsity:
     """The pairs of FA4 blocks over keys gathered as the module docstring draws them, listed for ``directions``
@@ -175,21 +196,17 @@ def block_sparsity(page_select: torch.Tensor, where: torch.Tensor, n_union: int,
     Memory: [B, H_sel, ceil(C / block_q), U + ceil(C / page)] bools and their int64 cumulative sums, per call
     (a chunk of 16K queries over a past of 1M tokens in pages of 128: 128 x 8320 per row and list head).
     """
+    if unknown := set(directions) - set(DIRECTIONS):
+        raise ValueError(f"directions: {sorted(unknown)} are not among {DIRECTIONS}")
     b, h_sel, n_sel, _ = page_select.shape
     device = page_select.device
     n_q = -(-q_len // block_q)
-    own_mask, own_full = own_blocks(q_len, block_q, page_size, device)
-    n_own = own_mask.shape[1]
+    heads = 1 if h_sel == 1 else num_heads
 
     # The gathered key block of every listed page, then each FA4 query block's bits from its selection block.
     at = torch.gather(where.view(b, 1, 1, -1).expand(b, h_sel, n_sel, -1), 3, page_select.long())
     past = torch.zeros(b, h_sel, n_sel, n_union, dtype=torch.bool, device=device).scatter_(3, at, True)
-    selection_block = torch.arange(n_q, device=device) * block_q // select_block  # one list: all 0
-    full = torch.cat([past[:, :, selection_block], own_full.expand(b, h_sel, n_q, n_own)], dim=3)
-    mask = torch.cat([torch.zeros(n_q, n_union, dtype=torch.bool, device=device), own_mask], dim=1)
-
-    max_mask, max_full, max_mask_of_page = _own_widths(q_len, block_q, page_size)
-    heads = 1 if h_sel == 1 else num_heads
+    _, max_full, _ = _own_widths(q_len, block_q, page_size)
 
     def per_head(x: torch.Tensor) -> torch.Tensor:
         # [B, H_sel, ...] -> [B, heads, ...]: FA4 indexes lists by query head; query head h reads KV head h // G.
@@ -197,17 +214,17 @@ def block_sparsity(page_select: torch.Tensor, where: torch.Tensor, n_union: int,
             x = x.repeat_interleave(heads // x.shape[1], dim=1) if x.shape[1] > 1 else x.expand(b, heads, *x.shape[2:])
         return x.expand(b, *x.shape[1:]).contiguous()
 
-    def lists(mask_bits, mask_width, full_bits, full_width) -> BlockLists:
-        mask_cnt, mask_idx = compact(mask_bits, mask_width)
-        full_cnt, full_idx = compact(full_bits, full_width)
-        return BlockLists(*(per_head(x) for x in (mask_cnt[None, None], mask_idx[None, None], full_cnt, full_idx)))
-
-    if unknown := set(directions) - set(DIRECTIONS):
-        raise ValueError(f"directions: {sorted(unknown)} are not among {DIRECTIONS}")
-    forward = lists(mask, max_mask, full, min(page_select.shape[3], n_union) + max_full) \
-        if "forward" in directions else None
-    backward = lists(mask.T, max_mask_of_page, full.transpose(2, 3), n_q) if "backward" in directions else None
-    return BlockSparsity(forward, backward, block_q, page_size)
+    lists = {}
+    for direction in directions:
+        own_full, selection_block, mask_cnt, mask_idx = _chunk_lists(
+            q_len, block_q, page_size, n_union, select_block, b, heads, direction, device)
+        full = torch.cat([past[:, :, selection_block], own_full.expand(b, h_sel, n_q, own_full.shape[1])], dim=3)
+        if direction == "forward":
+            full_cnt, full_idx = compact(full, min(page_select.shape[3], n_union) + max_full)
+        else:
+            full_cnt, full_idx = compact(full.transpose(2, 3), n_q)
+        lists[direction] = BlockLists(mask_cnt, mask_idx, per_head(full_cnt), per_head(full_idx))
+    return BlockSparsity(lists.get("forward"), lists.get("backward"), block_q, page_size)
 
 
 def page_sparse_keys(page_table: torch.Tensor, kv_len: int, q_len: int, page_size: int, page_select: torch.Tensor,
@@ -220,9 +237,16 @@ def page_sparse_keys(page_table: torch.Tensor, kv_len: int, q_len: int, page_siz
     q0 = kv_len - q_len  # the chunk starts on a page (check_visibility_args)
     pages, where = chosen_pages(page_select, q0 // page_size, page_union)
     u = pages.shape[1]
-    own = torch.arange(q0, kv_len, device=device)
-    page_ids = torch.cat([page_table.gather(1, pages).long().repeat_interleave(page_size, dim=1),
-                          page_table[:, own // page_size].long()], dim=1)
-    slots = torch.cat([torch.arange(page_size, device=device).repeat(u), own % page_size]).repeat(b)
+    p0, n_own = q0 // page_size, -(-q_len // page_size)
+    keys_per_row = u * page_size + q_len
+    # Each gathered page's id for each of its slots; the chunk's own pages follow the chosen ones (it may end mid-page).
+    page_ids = torch.cat([page_table.gather(1, pages), page_table[:, p0 : p0 + n_own]], dim=1).long()
+    page_ids = page_ids.repeat_interleave(page_size, dim=1)[:, :keys_per_row]
     sparsity = block_sparsity(page_select, where, u, q_len, select_block, block_q, page_size, num_heads, directions)
-    return SparseKeys(page_ids.reshape(-1), slots, u * page_size + q_len, sparsity)
+    return SparseKeys(page_ids.reshape(-1), _slots(page_size, keys_per_row, b, device), keys_per_row, sparsity)
+
+
+@functools.lru_cache(maxsize=64)
+def _slots(page_size: int, keys_per_row: int, rows: int, device: torch.device) -> torch.Tensor:
+    """[rows * keys_per_row]: each gathered key's slot in its page (every row's pages start on a page boundary)."""
+    return (torch.arange(keys_per_row, device=device) % page_size).repeat(rows)

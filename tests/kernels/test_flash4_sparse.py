@@ -125,6 +125,15 @@ def _read(lists, b, hq, row):
     (1, 2, 2, 17, 5, 8, 32, 5, 16),
 ])
 def test_block_lists_match_a_slow_construction(b, heads, h_sel, c, n_past, page, select_block, budget, block_q):
+    # Twice with other selections of the same shapes: the second call reuses the lists that depend on the shapes
+    # alone (made once per shape, flash4_sparse._chunk_lists), which the first call's must not have changed.
+    hits = flash4_sparse._chunk_lists.cache_info().hits
+    for _ in range(2):
+        _check_block_lists(b, heads, h_sel, c, n_past, page, select_block, budget, block_q)
+    assert flash4_sparse._chunk_lists.cache_info().hits >= hits + 2  # both directions again
+
+
+def _check_block_lists(b, heads, h_sel, c, n_past, page, select_block, budget, block_q):
     kv_len = c + n_past * page
     table = torch.randperm(b * (n_past + -(-c // page)) + 2)[: b * (n_past + -(-c // page))]
     table = table.view(b, -1).to(torch.int32)
