@@ -115,3 +115,24 @@ def test_frozen_layers_and_lora_adapters_keep_their_modules():
     # frozen bases and the adapters stay; the trained layers left: none (peft froze every base weight)
     assert swapped == []
     assert not any(isinstance(m, GradAccumulatingLinear) for m in model.modules())
+
+
+@pytest.mark.gpu
+def test_bf16_gradients_added_in_the_matmul_on_the_gpu():
+    """cuBLAS's beta = 1 matmul in bf16: closer to the float32 sum than autograd's bf16 add of bf16 products."""
+    torch.manual_seed(3)
+    exact = torch.nn.Linear(512, 1024).cuda()
+    plain = copy.deepcopy(exact).bfloat16()
+    fused = GradAccumulatingLinear.holding(copy.deepcopy(plain))
+    for _ in range(8):  # eight chunks' gradients summed into .grad
+        x = torch.randn(2, 256, 512, device="cuda")
+        for layer in (exact, plain, fused):
+            inp = x.to(layer.weight.dtype)
+            (layer(inp).float().square().mean()).backward()
+    assert "LinearIntoGrad" in type(fused(x.bfloat16()).grad_fn).__name__
+
+    def error(layer):
+        return ((layer.weight.grad.float() - exact.weight.grad).norm() / exact.weight.grad.norm()).item()
+
+    assert error(fused) < 1e-2 and error(fused) <= error(plain) * 1.05
+    torch.testing.assert_close(fused.bias.grad.float(), exact.bias.grad, rtol=2e-2, atol=1e-3)
