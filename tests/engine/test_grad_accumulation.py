@@ -136,3 +136,23 @@ def test_bf16_gradients_added_in_the_matmul_on_the_gpu():
 
     assert error(fused) < 1e-2 and error(fused) <= error(plain) * 1.05
     torch.testing.assert_close(fused.bias.grad.float(), exact.bias.grad, rtol=2e-2, atol=1e-3)
+
+
+def test_oomb_train_adds_in_the_matmul_only_with_fused_ops_on_one_cuda_process():
+    import types
+
+    from oomb.train.config import load_config
+    from oomb.train.model import fuses_grad_accumulation
+
+    def model_on(device):
+        weight = types.SimpleNamespace(device=torch.device(device))
+        return types.SimpleNamespace(parameters=lambda: iter([weight]))
+
+    cfg = load_config(None, [])
+    assert fuses_grad_accumulation(model_on("cuda"), cfg, None)
+    assert fuses_grad_accumulation(model_on("cuda"), cfg, types.SimpleNamespace(world_size=1))
+    assert not fuses_grad_accumulation(model_on("cuda"), cfg, types.SimpleNamespace(world_size=2))  # FSDP's hooks
+    assert not fuses_grad_accumulation(model_on("cpu"), cfg, None)
+    assert not fuses_grad_accumulation(model_on("cuda"), load_config(None, ["train.fused_ops=none"]), None)
+    assert not fuses_grad_accumulation(model_on("cuda"), load_config(None, ["train.fused_grad_accumulation=false"]),
+                                       None)
