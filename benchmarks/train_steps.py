@@ -53,7 +53,8 @@ def record_of(run: Path, log: Path, seq_len: int) -> dict:
         "quantize": cfg.get("model", {}).get("quantize", "none"),
         "steps": [{k: m.get(k) for k in ("step", "seconds", "loss", "peak_gpu_gib")} for m in metrics],
         "warm_step_s": sum(warm) / len(warm) if warm else None,  # the steps after the first
-        "startup": [line for line in log.read_text().splitlines() if line.startswith(("oomb train", "note:", "fused", "weight gradients"))
+        "startup": [line for line in log.read_text().splitlines()
+                    if line.startswith(("oomb train", "note:", "fused", "weight gradients"))
                     or "chosen by the memory plan" in line],
     }
 
