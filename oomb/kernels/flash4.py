@@ -31,13 +31,16 @@ gathering, packing and scattering on CPU against the reference backend.
 
 from __future__ import annotations
 
+import collections
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from oomb.cache.layout import first_visible_page
+from oomb.kernels import flash4_sparse
 from oomb.kernels.flash4_sparse import BlockLists, BlockSparsity, page_sparse_keys
 from oomb.kernels.reference import check_paged_args, check_visibility_args
 
@@ -284,6 +287,25 @@ class Flash4Attention:
         self.kernels = kernels
         self.fallback = fallback  # an AttentionBackend: what FA4 cannot express
         self.key_segment = key_segment  # keys of the past one dense call gathers at a time (module docstring)
+        # A selection's chosen pages (flash4_sparse.chosen_pages), kept for the next calls of the same selection: a
+        # layer's forward and backward in stage 2 read the same page lists, and each recomputation costs the host
+        # a dozen kernel launches. Keyed by the selection tensor's identity, checked through a weak reference (a
+        # freed selection's id may be reused), and by the past's length and the union's bound.
+        self._chosen: collections.OrderedDict = collections.OrderedDict()
+
+    _CHOSEN_KEPT = 64  # selections whose chosen pages are kept (a chunk's layers, with room)
+
+    def _chosen_pages(self, page_select: torch.Tensor, n_past: int, page_union: int | None):
+        key = (id(page_select), n_past, page_union)
+        kept = self._chosen.get(key)
+        if kept is not None and kept[0]() is page_select and kept[1] == page_select._version:
+            self._chosen.move_to_end(key)
+            return kept[2]
+        chosen = flash4_sparse.chosen_pages(page_select, n_past, page_union)
+        self._chosen[key] = (weakref.ref(page_select), page_select._version, chosen)
+        while len(self._chosen) > self._CHOSEN_KEPT:
+            self._chosen.popitem(last=False)
+        return chosen
 
     def expresses(self, q: torch.Tensor, k_pool: torch.Tensor, *, sinks=None, sliding_window=None, doc_start=None,
                   page_select=None, select_block=None) -> bool:
@@ -317,8 +339,9 @@ class Flash4Attention:
         if page_select is None:
             return key_layout(page_table, kv_len, c, page_size, sliding_window, doc_start), window_left, None
         block_q, _ = self._sparse_blocks(q, k_pool, sliding_window, doc_start, select_block)
+        chosen = self._chosen_pages(page_select, (kv_len - c) // page_size, page_union)
         keys = page_sparse_keys(page_table, kv_len, c, page_size, page_select, select_block, block_q, h,
-                                directions=(direction,), page_union=page_union)
+                                directions=(direction,), page_union=page_union, chosen=chosen)
         layout = KeyLayout(keys.page_ids, keys.slots, keys_per_row=keys.keys_per_row, distinct=False)
         return layout, window_left, keys.sparsity
 

@@ -229,13 +229,15 @@ def block_sparsity(page_select: torch.Tensor, where: torch.Tensor, n_union: int,
 
 def page_sparse_keys(page_table: torch.Tensor, kv_len: int, q_len: int, page_size: int, page_select: torch.Tensor,
                      select_block: int, block_q: int, num_heads: int, directions=DIRECTIONS,
-                     page_union: int | None = None) -> SparseKeys:
+                     page_union: int | None = None,
+                     chosen: tuple[torch.Tensor, torch.Tensor] | None = None) -> SparseKeys:
     """The keys one page-sparse call gathers (its chosen pages, then its chunk) and FA4's pairs over them, listed
-    for ``directions`` (``page_union``: as in chosen_pages)."""
+    for ``directions`` (``page_union``: as in chosen_pages; ``chosen``: chosen_pages' result for these arguments,
+    where the caller kept it from an earlier call of the same selection)."""
     b = page_table.shape[0]
     device = page_table.device
     q0 = kv_len - q_len  # the chunk starts on a page (check_visibility_args)
-    pages, where = chosen_pages(page_select, q0 // page_size, page_union)
+    pages, where = chosen if chosen is not None else chosen_pages(page_select, q0 // page_size, page_union)
     u = pages.shape[1]
     p0, n_own = q0 // page_size, -(-q_len // page_size)
     keys_per_row = u * page_size + q_len

@@ -366,3 +366,19 @@ def test_a_capped_selection_gathers_only_its_cap_and_matches_the_reference():
     kernels = TorchFlash(sparse_blocks=(8, page))
     _compare(Flash4Attention(kernels, fallback=None), pb, {**kw, "page_union": cap * h_sel})
     assert kernels.sparse_calls == 2
+
+
+def test_a_selections_chosen_pages_are_made_once_for_its_forward_and_backward(monkeypatch):
+    pb, kw = _problem(2, 4, 2, 1, 32, 10, 16, 8, 16, 3)
+    made = []
+    real = flash4_sparse.chosen_pages
+    monkeypatch.setattr(flash4_sparse, "chosen_pages", lambda *a, **k: made.append(1) or real(*a, **k))
+    attention = Flash4Attention(TorchFlash(sparse_blocks=(8, 8)), fallback=None)
+    _compare(attention, pb, kw)  # exact against the reference with the kept pages
+    assert len(made) == 1, "the backward reused the forward's chosen pages"
+    kw["page_select"].add_(0)  # changed in place (its version moves): chosen again
+    attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, pb.kv_len, **kw)
+    assert len(made) == 2
+    other = dict(kw, page_select=kw["page_select"].clone())  # another selection of the same shapes
+    attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, pb.kv_len, **other)
+    assert len(made) == 3
