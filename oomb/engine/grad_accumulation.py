@@ -75,11 +75,16 @@ class GradAccumulatingLinear(torch.nn.Linear):
     @classmethod
     def holding(cls, linear: torch.nn.Linear) -> GradAccumulatingLinear:
         """One holding ``linear``'s own Parameters (nothing allocated, nothing copied)."""
-        with torch.device("meta"):
-            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
-        new.weight, new.bias = linear.weight, linear.bias
-        new.train(linear.training)
-        return new
+        return _rebuilt(cls, linear)
+
+
+def _rebuilt(cls: type, linear: torch.nn.Linear) -> torch.nn.Linear:
+    """A ``cls`` (an ``nn.Linear`` type) holding ``linear``'s own Parameters, in its training mode."""
+    with torch.device("meta"):  # its own weight and bias are replaced at once: allocate nothing
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
+    new.weight, new.bias = linear.weight, linear.bias
+    new.train(linear.training)
+    return new
 
 
 def _decoder_linears(model: torch.nn.Module, kind: type) -> list[tuple[str, torch.nn.Module]]:
@@ -116,10 +121,6 @@ def plain_linears(model: torch.nn.Module) -> list[str]:
     """Put ``nn.Linear`` (same Parameters) back where ``use_fused_grad_accumulation`` swapped; returns the names."""
     names = []
     for name, module in _decoder_linears(model, GradAccumulatingLinear):
-        with torch.device("meta"):
-            plain = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
-        plain.weight, plain.bias = module.weight, module.bias
-        plain.train(module.training)
-        model.set_submodule(name, plain)
+        model.set_submodule(name, _rebuilt(torch.nn.Linear, module))
         names.append(name)
     return names

@@ -173,18 +173,19 @@ def _chunk_lists(q_len: int, block_q: int, page_size: int, n_union: int, select_
     """What a call's lists hold that depends on the shapes alone, made once per shape (not per layer and chunk: each
     is several small kernels the host launches while the GPU waits): (the chunk's own blocks [n_q, n_own] as full
     bits, each FA4 query block's selection block [n_q], the direction's mask lists (cnt, idx) per head [B, heads,
-    ...]). Read-only: FA4 only reads its lists, and the per-call tensors are built from these, never into them."""
+    ...], the most own pages a query block lists as full). Read-only: FA4 only reads its lists, and the per-call
+    tensors are built from these, never into them."""
     n_q = -(-q_len // block_q)
     own_mask, own_full = own_blocks(q_len, block_q, page_size, device)
     selection_block = torch.arange(n_q, device=device) * block_q // select_block  # one list: all 0
     mask = torch.cat([torch.zeros(n_q, n_union, dtype=torch.bool, device=device), own_mask], dim=1)
-    max_mask, _, max_mask_of_page = _own_widths(q_len, block_q, page_size)
+    max_mask, max_full, max_mask_of_page = _own_widths(q_len, block_q, page_size)
     if direction == "forward":
         cnt, idx = compact(mask, max_mask)
     else:
         cnt, idx = compact(mask.T, max_mask_of_page)
     mask_cnt, mask_idx = (x.expand(b, heads, *x.shape).contiguous() for x in (cnt, idx))
-    return own_full, selection_block, mask_cnt, mask_idx
+    return own_full, selection_block, mask_cnt, mask_idx, max_full
 
 
 def block_sparsity(page_select: torch.Tensor, where: torch.Tensor, n_union: int, q_len: int, select_block: int,
@@ -206,7 +207,6 @@ def block_sparsity(page_select: torch.Tensor, where: torch.Tensor, n_union: int,
     # The gathered key block of every listed page, then each FA4 query block's bits from its selection block.
     at = torch.gather(where.view(b, 1, 1, -1).expand(b, h_sel, n_sel, -1), 3, page_select.long())
     past = torch.zeros(b, h_sel, n_sel, n_union, dtype=torch.bool, device=device).scatter_(3, at, True)
-    _, max_full, _ = _own_widths(q_len, block_q, page_size)
 
     def per_head(x: torch.Tensor) -> torch.Tensor:
         # [B, H_sel, ...] -> [B, heads, ...]: FA4 indexes lists by query head; query head h reads KV head h // G.
@@ -216,7 +216,7 @@ def block_sparsity(page_select: torch.Tensor, where: torch.Tensor, n_union: int,
 
     lists = {}
     for direction in directions:
-        own_full, selection_block, mask_cnt, mask_idx = _chunk_lists(
+        own_full, selection_block, mask_cnt, mask_idx, max_full = _chunk_lists(
             q_len, block_q, page_size, n_union, select_block, b, heads, direction, device)
         full = torch.cat([past[:, :, selection_block], own_full.expand(b, h_sel, n_q, own_full.shape[1])], dim=3)
         if direction == "forward":
