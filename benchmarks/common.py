@@ -50,6 +50,26 @@ def add_step_arguments(parser, *, budget: bool = True) -> None:
     parser.add_argument("--out", default=None, help="write the JSON report here")
 
 
+def add_grad_accumulation_argument(parser) -> None:
+    """--grad-accumulation for benches whose oomb rows run fused ops (``use_bench_grad_accumulation``)."""
+    parser.add_argument("--grad-accumulation", default="fused", choices=["fused", "plain"],
+                        help="with fused ops on CUDA: weight gradients added into .grad by their matmuls "
+                             "(train.fused_grad_accumulation, as `oomb train` does since 2026-12-05) or by autograd's "
+                             "add (plain; records made before)")
+
+
+def use_bench_grad_accumulation(model, args) -> list[str]:
+    """Weight gradients added by their matmuls where `oomb train` would add them so (a CUDA model, fused ops not
+    off) and --grad-accumulation asks; returns the swapped linear layers' names."""
+    from oomb.engine.grad_accumulation import use_fused_grad_accumulation
+
+    param = next(model.parameters(), None)
+    on_cuda = param is not None and param.device.type == "cuda"
+    if not on_cuda or args.fused_ops == "none" or args.grad_accumulation != "fused":
+        return []
+    return use_fused_grad_accumulation(model)
+
+
 def ask_fa4_block_sparse(on: bool) -> None:
     """Page-sparse calls of the fa4 backend on FA4's block sparsity (the default) or, off, on the Triton kernels
     (oomb.kernels.flash4.BLOCK_SPARSE_ENV), for a bench's --[no-]fa4-block-sparse; before the fa4 backend is

@@ -34,12 +34,14 @@ import torch
 
 import oomb
 from benchmarks.common import (
+    add_grad_accumulation_argument,
     ask_fa4_block_sparse,
     command_line,
     int_list,
     machine_description,
     run_benchmark,
     time_steps,
+    use_bench_grad_accumulation,
     write_report,
 )
 from benchmarks.timeline import format_profile, step_profile
@@ -47,7 +49,7 @@ from benchmarks.tune_attention import CANDIDATES
 from oomb.engine import linear_cross_entropy_sum, store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import plain_rope, use_fused_ops
-from oomb.engine.grad_accumulation import plain_linears, use_fused_grad_accumulation
+from oomb.engine.grad_accumulation import plain_linears
 from oomb.engine.sizes import ModelShape
 from oomb.engine.timing import step_flops
 from oomb.kernels import get_backend
@@ -238,8 +240,7 @@ def run(args) -> dict:
     model.train()
     plain_modules = dict(model.named_modules())
     fused = use_fused_ops(model, args.fused_ops)  # oomb's rows; transformers' rows get the plain modules back
-    linears = (use_fused_grad_accumulation(model)
-               if args.fused_ops != "none" and args.grad_accumulation == "fused" else [])
+    linears = use_bench_grad_accumulation(model, args)
     fused_record = {"fused_ops_modules": len(fused) - ("rope" in fused), "fused_rope": "rope" in fused,
                     "fused_grad_accumulation": len(linears)}
     tiles = dict(CANDIDATES)[args.tiles]
@@ -462,10 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                         "oomb.engine.layer_recompute); a comma list times each row once per mode")
     p.add_argument("--fused-ops", default="auto", choices=FUSED_OPS_MODES,
                    help="liger's fused RMSNorm/SwiGLU in oomb's rows (oomb.engine.fused_ops); transformers' rows never")
-    p.add_argument("--grad-accumulation", default="fused", choices=["fused", "plain"],
-                   help="oomb's rows with fused ops: weight gradients added into .grad by their matmuls "
-                        "(train.fused_grad_accumulation, the default since 2026-12-05) or by autograd's add (plain; "
-                        "records made before)")
+    add_grad_accumulation_argument(p)  # oomb's rows only: transformers' rows get nn.Linear back
     p.add_argument("--tiles", default="default", choices=[name for name, _ in CANDIDATES],
                    help="attention tiles for oomb's rows: a candidate of benchmarks.tune_attention")
     p.add_argument("--repeats", type=int, default=1)

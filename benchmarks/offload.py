@@ -72,6 +72,7 @@ import torch
 
 import oomb
 from benchmarks.common import (
+    add_grad_accumulation_argument,
     add_step_arguments,
     ask_fa4_block_sparse,
     command_line,
@@ -79,13 +80,13 @@ from benchmarks.common import (
     machine_description,
     run_benchmark,
     time_steps,
+    use_bench_grad_accumulation,
     write_report,
 )
 from benchmarks.timeline import format_profile, profile_streams, step_profile
 from oomb.engine import store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import use_fused_ops
-from oomb.engine.grad_accumulation import use_fused_grad_accumulation
 from oomb.engine.plan import AUTO_GPU_MARGIN_BYTES, plan_memory
 from oomb.sparse import PageSelection
 
@@ -373,8 +374,7 @@ class Bench:
         # liger's RMSNorm, SwiGLU and RoPE as `oomb train` swaps them in (train.fused_ops=auto: on CUDA)
         self.fused = use_fused_ops(self.model, args.fused_ops)
         # and weight gradients added by their matmuls (train.fused_grad_accumulation), on CUDA with fused ops
-        self.linears = (use_fused_grad_accumulation(self.model) if self.cuda and args.fused_ops != "none"
-                        and args.grad_accumulation == "fused" else [])
+        self.linears = use_bench_grad_accumulation(self.model, args)
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)
         self.vocab = self.model.config.vocab_size
@@ -802,9 +802,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-ops", default="auto", choices=FUSED_OPS_MODES,
                    help="liger's fused RMSNorm/SwiGLU/RoPE as `oomb train` uses them (train.fused_ops; records before "
                         "2026-12-05 ran without: none)")
-    p.add_argument("--grad-accumulation", default="fused", choices=["fused", "plain"],
-                   help="with fused ops on CUDA: weight gradients added into .grad by their matmuls (as `oomb train` "
-                        "does since 2026-12-05) or by autograd's add (plain; records made before)")
+    add_grad_accumulation_argument(p)
     p.add_argument("--fa4-block-sparse", action=argparse.BooleanOptionalAction, default=True,
                    help="page-sparse rows on FA4's block sparsity where the fa4 backend runs them (oomb's default "
                         "since 2026-12-05) or, with --no-fa4-block-sparse, on the Triton kernels "
