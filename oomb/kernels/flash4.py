@@ -266,8 +266,9 @@ def _add_at(pool: torch.Tensor, layout: KeyLayout, grad: torch.Tensor) -> None:
             pool.transpose(1, 2).index_put_((layout.page_ids, layout.slots), grad, accumulate=True)
             return
         # Rows of the pool seen as [pages * H_kv * page_size, D]: an accumulating put into a strided view (the
-        # pool's [page, slot, head] order) copies the whole pool to a contiguous tensor and back, twice per layer
-        # and chunk at any length (the 128K-token sparse step spent about 0.4 s so, H100 2026-12-05).
+        # pool's [page, slot, head] order) copies the whole pool to a contiguous tensor and back, for every layer
+        # and chunk at any length (seen in an op-level profile of a 32K-token sparse step, H100 2026-12-05,
+        # dev/LOG.md session 18).
         _, h_kv, page_size, d = pool.shape
         heads = torch.arange(h_kv, device=pool.device)
         rows = (layout.page_ids[:, None] * h_kv + heads) * page_size + layout.slots[:, None]  # [T, H_kv]
