@@ -502,6 +502,9 @@ class Bench:
             row.update(step_s=sorted(times)[len(times) // 2], step_times_s=times, steady=steady,
                        **self.memory_now(s.offload))
             if s.kind == "longest" and self.args.profile_longest and self.cuda:
+                # the timed steps first, so a job stopped during the profiled step still reports them
+                print(json.dumps({"seq_len": s.seq_len, "first_step_s": row.get("first_step_s"),
+                                  "step_times_s": times, "peak_gpu_gib": row.get("peak_gpu_gib")}), flush=True)
                 # one more step under torch.profiler, kernels only (a step of minutes; the host's calls would
                 # make its trace gigabytes): where the longest step's time goes
                 row["profile"] = step_profile(step, host=False)
