@@ -167,6 +167,11 @@ job offload-sparse-default-7b "$O $G0 --preset qwen2.5-7b --chunk 8192 --dense-l
 # of 4096 without them). About 3 minutes.
 job offload-overhead-7b-dense-default "$O --preset qwen2.5-7b --chunk 8192 --dense-lengths 65536 --sparse-lengths '' \
   --growth-lengths ''"
+# Issue 24 item 5 at the defaults: GPU memory per extra 10K tokens with every page on the host, chunks of 8192, blocks
+# of 128 among 64 pages a chunk, fused ops and FA4, from 128K through 512K to 1M (the longest that every page on the
+# 125.8 GiB host allows). One step per length. About 8 minutes.
+job offload-growth-7b-default "$O --preset qwen2.5-7b --chunk 8192 --dense-lengths '' --sparse-lengths '' \
+  --growth-lengths 131072,524288,1048576 --select-blocks 128 --chunk-pages 64 --host-margin-gib 4"
 job offload-overhead-7b-one-list "$O $PLAIN --dense-lengths '' --sparse-lengths 131072 --growth-lengths '' --select-blocks 4096"
 job offload-profiles-7b "$O $PLAIN --preset qwen2.5-7b --chunk 4096 $NOSPLIT --profile-dense-length 65536 \
   --profile-length 131072 --select-blocks 4096"
@@ -195,7 +200,7 @@ job offload-repeat-0.5b "$O $PLAIN --preset qwen2.5-0.5b $NOSPLIT --repeat-steps
   --select-blocks 4096 --chunk 4096"
 job offload-copy-bandwidth 'python3 -m benchmarks.copy'
 job offload-bit-identity 'python3 -m benchmarks.offload_check'
-part offload 'offload-sparse-default-7b offload-overhead-7b-dense-default offload-overhead-7b offload-overhead-7b-one-list offload-profiles-7b offload-memory-growth-7b
+part offload 'offload-sparse-default-7b offload-overhead-7b-dense-default offload-growth-7b-default offload-overhead-7b offload-overhead-7b-one-list offload-profiles-7b offload-memory-growth-7b
   offload-longest-7b offload-longest-7b-split sparse-1m-7b sparse-1m-7b-chunk-pages offload-longest-0.5b offload-repeat-0.5b offload-copy-bandwidth offload-bit-identity'
 
 # faults: interrupted, killed and refused runs of oomb train at 128K; a forced out-of-memory error (alone).
