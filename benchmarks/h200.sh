@@ -161,7 +161,7 @@ job offload-overhead-7b "$O $PLAIN --preset qwen2.5-7b --chunk 4096 --dense-leng
 # chunks of 8192 (what `oomb train` picks with train.offload at 128K), blocks of 128 choosing among 64 pages a chunk
 # (train.chunk_pages=auto with offload), every page on the host, against the same steps without offload; then a 512K
 # step, so the GPU memory growth per token with every page on the host comes from 128K to 512K. About 6 minutes.
-job offload-sparse-default-7b "$O $G0 --preset qwen2.5-7b --chunk 8192 --dense-lengths '' --sparse-lengths 131072 \
+job offload-sparse-default-7b "$O --preset qwen2.5-7b --chunk 8192 --dense-lengths '' --sparse-lengths 131072 \
   --growth-lengths 524288 --select-blocks 128 --chunk-pages 64"
 # The dense pair at the same chunks, liger's ops and FA4 (not run yet; offload-overhead-7b has the dense pair at chunks
 # of 4096 without them). About 3 minutes.
