@@ -59,13 +59,11 @@ def add_grad_accumulation_argument(parser) -> None:
 
 
 def use_bench_grad_accumulation(model, args) -> list[str]:
-    """Weight gradients added by their matmuls where `oomb train` would add them so (a CUDA model, fused ops not
-    off) and --grad-accumulation asks; returns the swapped linear layers' names."""
-    from oomb.engine.grad_accumulation import use_fused_grad_accumulation
+    """Weight gradients added by their matmuls where `oomb train` would add them so (one process, so where
+    ``fused_grad_accumulation_applies``) and --grad-accumulation asks; returns the swapped linear layers' names."""
+    from oomb.engine.grad_accumulation import fused_grad_accumulation_applies, use_fused_grad_accumulation
 
-    param = next(model.parameters(), None)
-    on_cuda = param is not None and param.device.type == "cuda"
-    if not on_cuda or args.fused_ops == "none" or args.grad_accumulation != "fused":
+    if args.grad_accumulation != "fused" or not fused_grad_accumulation_applies(model, args.fused_ops):
         return []
     return use_fused_grad_accumulation(model)
 

@@ -107,6 +107,13 @@ def _decoder_linears(model: torch.nn.Module, kind: type) -> list[tuple[str, torc
     return found
 
 
+def fused_grad_accumulation_applies(model: torch.nn.Module, fused_ops: str, world_size: int = 1) -> bool:
+    """Whether a run (``train.fused_grad_accumulation``) or a bench swaps the linear layers in: a CUDA model, fused
+    ops not turned off, one process (several ranks reduce gradients in FSDP's and tensor parallel's hooks)."""
+    param = next(model.parameters(), None)
+    return fused_ops != "none" and param is not None and param.device.type == "cuda" and world_size == 1
+
+
 def use_fused_grad_accumulation(model: torch.nn.Module) -> list[str]:
     """Swap ``GradAccumulatingLinear`` into the decoder layers' trained ``nn.Linear``s (module docstring); returns
     their names. Idempotent; ``plain_linears`` undoes it."""

@@ -8,7 +8,7 @@ import torch
 
 from oomb.engine.fused_ops import run_mode as fused_ops_run_mode
 from oomb.engine.fused_ops import use_fused_ops
-from oomb.engine.grad_accumulation import use_fused_grad_accumulation
+from oomb.engine.grad_accumulation import fused_grad_accumulation_applies, use_fused_grad_accumulation
 from oomb.train import distributed
 from oomb.train.config import Config, ConfigError
 from oomb.train.hub import model_folder
@@ -131,11 +131,10 @@ def prepare_for_training(model: torch.nn.Module, cfg: Config, ctx, console) -> t
 
 
 def fuses_grad_accumulation(model: torch.nn.Module, cfg: Config, ctx) -> bool:
-    """Whether the run adds weight gradients inside their matmuls (train.fused_grad_accumulation): a CUDA model,
-    fused ops not turned off, one process (several ranks reduce gradients in FSDP's and tensor parallel's hooks)."""
-    param = next(model.parameters(), None)
-    return (cfg.train.fused_grad_accumulation and cfg.train.fused_ops != "none" and param is not None
-            and param.device.type == "cuda" and (ctx is None or ctx.world_size == 1))
+    """Whether the run adds weight gradients inside their matmuls: train.fused_grad_accumulation on, where
+    ``fused_grad_accumulation_applies``."""
+    return cfg.train.fused_grad_accumulation and fused_grad_accumulation_applies(
+        model, cfg.train.fused_ops, 1 if ctx is None else ctx.world_size)
 
 
 def describe_size(model: torch.nn.Module, cfg: Config) -> str:
