@@ -256,29 +256,48 @@ def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32), copy=True)
 
 
-def _add_at(pool: torch.Tensor, layout: KeyLayout, grad: torch.Tensor) -> None:
+def _pool_rows(pool: torch.Tensor, layout: KeyLayout) -> torch.Tensor:
+    """[T * H_kv] row indices of the layout's tokens in ``pool`` (contiguous [pages, H_kv, page_size, D]) seen as
+    [pages * H_kv * page_size, D]: an accumulating put into these rows instead of a strided view (the pool's
+    [page, slot, head] order) that would copy the whole pool to a contiguous tensor and back, for every layer and
+    chunk at any length (seen in an op-level profile of a 32K-token sparse step, H100 2026-12-05, dev/LOG.md
+    session 18)."""
+    _, h_kv, page_size, _ = pool.shape
+    heads = torch.arange(h_kv, device=pool.device)
+    return ((layout.page_ids[:, None] * h_kv + heads) * page_size + layout.slots[:, None]).reshape(-1)
+
+
+def _add_at(pool: torch.Tensor, layout: KeyLayout, grad: torch.Tensor, rows: torch.Tensor | None = None) -> None:
     """Adds ``grad`` (the gathered keys' gradients, any leading shape) into the pool's tokens the layout names.
     Where every (page, slot) appears once in the layout, gather-add-scatter adds each key's gradient once; else
-    an accumulating scatter adds every named key's gradient (zeros for page-sparse padding) wherever it lands."""
+    an accumulating scatter adds every named key's gradient (zeros for page-sparse padding) wherever it lands.
+    ``rows``: ``_pool_rows(pool, layout)`` where the caller made it once for pools of the same shape."""
     if not layout.distinct:
         grad = grad.reshape(-1, *grad.shape[-2:]).to(pool.dtype)  # [T, H_kv, D]
         if not pool.is_contiguous():
             pool.transpose(1, 2).index_put_((layout.page_ids, layout.slots), grad, accumulate=True)
             return
-        # Rows of the pool seen as [pages * H_kv * page_size, D]: an accumulating put into a strided view (the
-        # pool's [page, slot, head] order) copies the whole pool to a contiguous tensor and back, for every layer
-        # and chunk at any length (seen in an op-level profile of a 32K-token sparse step, H100 2026-12-05,
-        # dev/LOG.md session 18).
-        _, h_kv, page_size, d = pool.shape
-        heads = torch.arange(h_kv, device=pool.device)
-        rows = (layout.page_ids[:, None] * h_kv + heads) * page_size + layout.slots[:, None]  # [T, H_kv]
-        pool.view(-1, d).index_put_((rows.reshape(-1),), grad.reshape(-1, d), accumulate=True)
+        if rows is None:
+            rows = _pool_rows(pool, layout)
+        d = pool.shape[-1]
+        pool.view(-1, d).index_put_((rows,), grad.reshape(-1, d), accumulate=True)
         return
     words = _words(pool)
     where = (layout.page_ids, slice(None), layout.slots)
     gathered = words[where].view(pool.dtype)
     gathered += grad.reshape(-1, *grad.shape[-2:]).to(pool.dtype)
     words[where] = gathered.view(words.dtype)
+
+
+def _add_kv_at(dk_pool: torch.Tensor, dv_pool: torch.Tensor, layout: KeyLayout, dk: torch.Tensor,
+               dv: torch.Tensor) -> None:
+    """``_add_at`` for a call's dK and dV: the pools' row indices made once where both take the accumulating put
+    (an arange and four elementwise kernels a layer and chunk fewer)."""
+    rows = None
+    if not layout.distinct and dk_pool.is_contiguous() and dv_pool.is_contiguous() and dk_pool.shape == dv_pool.shape:
+        rows = _pool_rows(dk_pool, layout)
+    _add_at(dk_pool, layout, dk, rows)
+    _add_at(dv_pool, layout, dv, rows)
 
 
 class Flash4Attention:
@@ -443,8 +462,7 @@ class Flash4Attention:
             _gather(v_pool, layout, b), self._queries(out, layout), lse.contiguous(), scale=scale,
             window_left=window_left, layout=layout, **sparse,
         )
-        _add_at(dk_pool, layout, dk)
-        _add_at(dv_pool, layout, dv)
+        _add_kv_at(dk_pool, dv_pool, layout, dk, dv)
         return self._heads_first(dq, b, layout), None
 
     def _segmented_backward(self, d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, segments, scale):
@@ -457,7 +475,6 @@ class Flash4Attention:
             part, dk, dv = self.kernels.backward(grads, queries, _gather(k_pool, layout, b),
                                                  _gather(v_pool, layout, b), outs, lse, scale=scale,
                                                  window_left=None, layout=layout, causal=causal)
-            _add_at(dk_pool, layout, dk)
-            _add_at(dv_pool, layout, dv)
+            _add_kv_at(dk_pool, dv_pool, layout, dk, dv)
             dq = _at_least_float32(part) if dq is None else dq.add_(part)
         return dq.to(q.dtype).transpose(1, 2), None
