@@ -458,7 +458,8 @@ class Bench:
         return out
 
     # --------------------------------------------------------------- rows
-    def run_row(self, s: Setting) -> dict:
+    def run_row(self, s: Setting, on_timed=None) -> dict:
+        """One row; ``on_timed(row)`` once its steps are timed, before a profiled step (``--profile-longest``)."""
         row = s.head(self.chunk_pages)
         pred = self.plan(s)
         row["plan"] = pred
@@ -501,18 +502,22 @@ class Bench:
             times = self.time_steps(step, repeats)
             row.update(step_s=sorted(times)[len(times) // 2], step_times_s=times, steady=steady,
                        **self.memory_now(s.offload))
-            if s.kind == "longest" and self.args.profile_longest and self.cuda:
-                # the timed steps first, so a job stopped during the profiled step still reports them
-                print(json.dumps({"seq_len": s.seq_len, "first_step_s": row.get("first_step_s"),
-                                  "step_times_s": times, "peak_gpu_gib": row.get("peak_gpu_gib")}), flush=True)
-                # one more step under torch.profiler, kernels only (a step of minutes; the host's calls would
-                # make its trace gigabytes): where the longest step's time goes
-                row["profile"] = step_profile(step, host=False)
             row["rss_before_gib"] = rss_before / GIB
             row["planner"] = planner_agreement(
                 pred, peak_gpu_bytes=None if row["peak_gpu_gib"] is None else int(row["peak_gpu_gib"] * GIB),
                 store_host_bytes=int(row["store_host_gib"] * GIB), rss_before_bytes=rss_before,
                 rss_after_bytes=int(row["rss_gib"] * GIB))
+            if s.kind == "longest" and self.args.profile_longest:
+                # The timed row first, printed and handed to on_timed (which writes the record), so a job
+                # stopped during the profiled step keeps it (the 1M step's profile runs past a device call's
+                # 10 minutes).
+                print(json.dumps({"seq_len": s.seq_len, "first_step_s": row.get("first_step_s"),
+                                  "step_times_s": times, "peak_gpu_gib": row.get("peak_gpu_gib")}), flush=True)
+                if on_timed is not None:
+                    on_timed({**row, "profile": "in progress"})
+                # one more step under torch.profiler, kernels only (a step of minutes; the host's calls would
+                # make its trace gigabytes): where the longest step's time goes
+                row["profile"] = step_profile(step, host=False) if self.cuda else {"skipped": "needs CUDA"}
         except (torch.OutOfMemoryError, RuntimeError) as e:  # CUDA out of memory, host memory that cannot be pinned
             kind = "out of memory" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
             row["error"] = f"{kind}: {str(e).splitlines()[0] if str(e) else repr(e)}"
@@ -647,7 +652,12 @@ def run(args) -> dict:
         else:
             if args.out:  # a run killed during this row still says which row it was in
                 write_report(args.out, {**summarize(meta, results, repeat, False), "in_progress": head})
-            row = bench.run_row(s)
+
+            def timed(row, results=results):
+                if args.out:
+                    write_report(args.out, summarize(meta, [*results, row], repeat, False))
+
+            row = bench.run_row(s, on_timed=timed)
         results.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("step_times_s", "plan", "profile")}), flush=True)
         if args.out:
@@ -696,7 +706,7 @@ def _print_table(report: dict) -> None:
               f"{r['store_host_gib']:8.2f}{r['rss_gib']:7.1f}{r['peak_rss_gib']:8.1f}"
               f"{p['predicted_gpu_bytes'] / GIB:9.2f}{_pct(p['gpu_ratio']):>6}"
               f"{p['predicted_host_bytes'] / GIB:10.2f}{_pct(p['host_ratio']):>6}")
-        if "profile" in r:
+        if "kernel_groups" in r.get("profile", {}):
             print(f"{'':<8}{format_profile(r['profile'])}")
     first = report.get("offload_overhead_first_step", {})
     for k, v in report["offload_overhead"].items():

@@ -339,3 +339,27 @@ def test_a_steady_longest_row_times_its_first_step_apart(tmp_path):
     assert ob.main(args) == 0
     (row,) = json.loads(out.read_text())["results"]
     assert not row["steady"] and "first_step_s" not in row
+
+
+def test_a_profiled_longest_row_is_written_before_its_profile(tmp_path, monkeypatch):
+    """The 1M step's profile runs past a device call's 10 minutes: its timed row must be on disk before."""
+    out = tmp_path / "longest.json"
+    written = []
+    real_write = ob.write_report
+
+    def recording_write(path, report):
+        written.append(json.loads(json.dumps(report)))
+        real_write(path, report)
+
+    monkeypatch.setattr(ob, "write_report", recording_write)
+    assert ob.main(["--device", "cpu", "--dtype", "float32", "--preset", "tiny", "--chunk", "64", "--page", "8",
+                    "--budget", "2", "--dense-lengths", "", "--sparse-lengths", "", "--growth-lengths", "",
+                    "--longest-lengths", "256", "--select-blocks", "8", "--longest-steady", "--profile-longest",
+                    "--out", str(out)]) == 0
+    timed = [r for r in written if r["results"] and r["results"][-1].get("profile") == "in progress"]
+    assert len(timed) == 1 and not timed[0]["complete"]
+    row = timed[0]["results"][-1]
+    assert row["kind"] == "longest" and row["step_s"] > 0 and row["first_step_s"] > 0
+    assert row["planner"]["predicted_host_bytes"] > 0 and row["offload_resident_layers"] is not None
+    (final,) = json.loads(out.read_text())["results"]
+    assert final["profile"] == {"skipped": "needs CUDA"} and final["step_s"] == row["step_s"]
