@@ -33,7 +33,14 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import command_line, do_bench_s, int_list, machine_description, run_benchmark
+from benchmarks.common import (
+    command_line,
+    do_bench_s,
+    int_list,
+    library_versions,
+    machine_description,
+    run_benchmark,
+)
 from oomb.kernels import flash4_unavailable
 
 H, H_KV, D, C = 28, 4, 128, 4096
@@ -216,7 +223,6 @@ def run(args) -> dict:
             print(json.dumps(row), flush=True)
         del q, k, v, k_pool, v_pool, page_table, rows
         torch.cuda.empty_cache()
-    import triton
 
     return {
         "bench": "attention",
@@ -225,8 +231,7 @@ def run(args) -> dict:
         "machine": machine_description(),
         "gpu": torch.cuda.get_device_name(),
         "host": platform.node(),
-        "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-                     "cudnn": torch.backends.cudnn.version()},
+        "versions": {**library_versions(), "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()},
         "shape": {"heads": H, "kv_heads": H_KV, "head_dim": D, "q_len": C, "dtype": "bfloat16",
                   "grad_pool_dtype": "bfloat16"},
         "flops": "fwd = 2*2*C*H*D*(kv_len - C/2) (causal rows); fwd+bwd = 3.5x fwd",

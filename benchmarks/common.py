@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shlex
@@ -80,6 +81,25 @@ def ask_fa4_block_sparse(on: bool) -> None:
 def command_line(module: str, argv: list[str] | None = None) -> str:
     """How a record's bench was invoked, as a shell would take it back (empty lists quoted: --lengths '')."""
     return f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+
+# The distributions whose versions decide what a bench's step runs: flash-attn-4 and liger-kernel are optional (a
+# machine without them runs the Triton kernels and transformers' modules), so a record names them or says absent.
+RECORDED_DISTRIBUTIONS = ("torch", "triton", "transformers", "oomb", "flash-attn-4", "liger-kernel",
+                          "nvidia-cutlass-dsl")
+
+
+def library_versions() -> dict[str, str | None]:
+    """Each of RECORDED_DISTRIBUTIONS' installed version, None where it is not installed; torch as it reports
+    itself (with its CUDA build, as `torch.__version__`)."""
+    versions: dict[str, str | None] = {}
+    for name in RECORDED_DISTRIBUTIONS:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["torch"] = torch.__version__
+    return versions
 
 
 def machine_description() -> str:

@@ -77,6 +77,7 @@ from benchmarks.common import (
     ask_fa4_block_sparse,
     command_line,
     int_list,
+    library_versions,
     machine_description,
     run_benchmark,
     time_steps,
@@ -88,6 +89,7 @@ from oomb.engine import store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import use_fused_ops
 from oomb.engine.plan import AUTO_GPU_MARGIN_BYTES, plan_memory
+from oomb.kernels import get_backend
 from oomb.sparse import PageSelection
 
 GIB = 2**30
@@ -371,6 +373,9 @@ class Bench:
             ask_fa4_block_sparse(args.fa4_block_sparse)
         self.model = build_model(args.preset, dtype=self.dtype, device=self.device)
         self.model.train()
+        # What chunked_backward's backend="auto" runs here: a machine without flash-attn-4 runs the Triton
+        # kernels, a different step, and the record must say so.
+        self.attention_backend = get_backend("auto", self.device.type).name
         # liger's RMSNorm, SwiGLU and RoPE as `oomb train` swaps them in (train.fused_ops=auto: on CUDA)
         self.fused = use_fused_ops(self.model, args.fused_ops)
         # and weight gradients added by their matmuls (train.fused_grad_accumulation), on CUDA with fused ops
@@ -611,8 +616,7 @@ def run(args) -> dict:
         "machine": machine_description(),
         "gpu": torch.cuda.get_device_name(bench.device) if cuda else "cpu",
         "host": platform.node(),
-        "versions": {"torch": torch.__version__, "oomb": oomb.__version__,
-                     "transformers": __import__("transformers").__version__},
+        "versions": library_versions(),
         "preset": args.preset, "dtype": args.dtype, "chunk_size": args.chunk, "page_size": args.page,
         "budget_pages": args.budget, "select_blocks": args.select_blocks, "chunk_pages": args.chunk_pages or None,
         "host_total_gib": bench.host_total / GIB,
@@ -620,7 +624,8 @@ def run(args) -> dict:
         "host_margin_gib": args.host_margin_gib, "time_budget_s": args.time_budget,
         "planner_method": PLAN_NO_OPTIMIZER, "fused_ops": args.fused_ops, "fused_modules": bench.fused,
         "fused_grad_accumulation": len(bench.linears),
-        "fa4_block_sparse": args.fa4_block_sparse and cuda,
+        "attention_backend": bench.attention_backend,
+        "fa4_block_sparse": args.fa4_block_sparse and bench.attention_backend == "fa4",
     }
     results: list[dict] = []
     repeat = None

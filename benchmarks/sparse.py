@@ -33,6 +33,7 @@ from benchmarks.common import (
     do_bench_s,
     int_list,
     kernel_times,
+    library_versions,
     run_benchmark,
     time_steps,
 )
@@ -201,7 +202,6 @@ def run(args) -> dict:
             if mode == "sparse" and (n, "dense") in by:
                 r["speedup_vs_dense"] = by[(n, "dense")]["step_s"] / r["step_s"]
 
-    import triton
 
     return {
         "bench": "sparse",
@@ -209,7 +209,7 @@ def run(args) -> dict:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
         "host": platform.node(),
-        "versions": {"torch": torch.__version__, "triton": triton.__version__, "oomb": oomb.__version__},
+        "versions": library_versions(),
         "kernel_shape": {"heads": H, "kv_heads": H_KV, "head_dim": D, "q_len": C, "page_size": args.page,
                          "dtype": "bfloat16", "select_block": args.block, "budget_pages": args.budget},
         "results": results,

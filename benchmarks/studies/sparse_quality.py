@@ -42,7 +42,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import oomb
-from benchmarks.common import int_list
+from benchmarks.common import int_list, library_versions
 from oomb.engine import chunked_eval
 from oomb.sparse import PageSelection
 from oomb.train.checkpoint import write_text_atomic
@@ -418,7 +418,7 @@ def run(s: Study, out: Path, device: torch.device, command: str, log=print) -> d
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "host": platform.node(),
-        "versions": {"torch": torch.__version__, "oomb": oomb.__version__},
+        "versions": library_versions(),
         "dtype": str(dtype).removeprefix("torch."),
         "settings": dataclasses.asdict(s),
         "options": OPTIONS,

@@ -78,7 +78,8 @@ def chunked_eval(
             -100 marks positions without a target. None = next-token prediction on ``input_ids``.
         chunk_size: tokens per chunk (a multiple of ``page_size``).
         page_size: tokens per page of the K/V store.
-        backend: attention kernels: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        backend: attention kernels: "auto" (fa4 on Hopper/Blackwell with flash-attn-4, else Triton on CUDA,
+            PyTorch elsewhere), "fa4", "triton" or "torch".
         doc_ids, page_budget, selection, offload, offload_gpu_bytes: packed documents, page-sparse
             attention and pages in host memory, as in ``chunked_backward`` (evaluate a model the way
             it was trained).

@@ -54,7 +54,8 @@ def chunked_backward(
             -100 marks positions without a target. None = next-token prediction on ``input_ids``.
         chunk_size: tokens per chunk (a multiple of ``page_size``).
         page_size: tokens per page of the K/V store.
-        backend: attention kernels: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        backend: attention kernels: "auto" (fa4 on Hopper/Blackwell with flash-attn-4, else Triton on CUDA,
+            PyTorch elsewhere), "fa4", "triton" or "torch".
         grad_dtype: dtype of the gradient pages (default: the model's dtype); a floating-point dtype.
         loss_impl: fused linear cross-entropy: "auto", "liger" or "torch".
         doc_ids: [B, N] document id of each token, non-decreasing along N (packed documents):

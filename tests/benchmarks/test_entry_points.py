@@ -37,3 +37,23 @@ def test_the_package_never_imports_benchmarks():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "benchmarks"]
     assert not offenders, f"oomb must not import the benchmarks folder: {offenders}"
+
+
+def test_records_name_the_optional_kernels_installed_or_absent(monkeypatch):
+    """flash-attn-4 and liger-kernel change what a step runs; a record says which versions ran, None if absent."""
+    import importlib.metadata
+
+    from benchmarks.common import RECORDED_DISTRIBUTIONS, library_versions
+
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == "flash-attn-4":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return "9.9.9" if name == "liger-kernel" else real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    v = library_versions()
+    assert list(v) == list(RECORDED_DISTRIBUTIONS)
+    assert v["flash-attn-4"] is None and v["liger-kernel"] == "9.9.9"
+    assert v["torch"] == torch.__version__ and v["transformers"] == real("transformers")

@@ -246,6 +246,8 @@ def test_cpu_run_report(cpu_report):
     assert r["dtype"] == "float32" and r["planner_method"] == ob.PLAN_NO_OPTIMIZER and r["host_total_gib"] > 0
     # fused ops as `oomb train` (auto): liger's kernels only on CUDA, so none on this CPU run
     assert r["fused_ops"] == "auto" and r["fused_modules"] == [] and r["fa4_block_sparse"] is False
+    # what ran is recorded, not what was asked: on CPU the reference kernels, whatever is installed
+    assert r["attention_backend"] == "torch" and r["versions"]["oomb"] == oomb.__version__
     rows = r["results"]
     kinds = [(x["kind"], x["mode"], x["select_block"], x["offload"], x["seq_len"]) for x in rows]
     assert kinds[:6] == [("pair", "dense", None, False, 64), ("pair", "dense", None, True, 64),
