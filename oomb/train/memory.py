@@ -25,7 +25,7 @@ from oomb.engine.fused_ops import will_fuse
 from oomb.engine.layer_recompute import layers_rebuildable
 from oomb.engine.plan import MemoryPlan, largest_context, plan_first_fitting, plan_memory
 from oomb.engine.plan import format_bytes as _gib
-from oomb.engine.timing import H200_DENSE, predict_step_seconds
+from oomb.engine.timing import H200_DENSE, PageSparsity, predict_step_seconds
 from oomb.train.config import (
     Config,
     ConfigError,
@@ -382,7 +382,8 @@ def plan_with_any_host(cfg: Config, device_type: str, dtype: torch.dtype, config
 
 def needs_and_time(cfg: Config, plan: MemoryPlan, device_type: str, dtype: torch.dtype, config) -> dict:
     """What the asked length needs where it does not fit (GPU alone, or GPU and host with offload), and the
-    predicted seconds of a dense step on the GPU the step rates were measured on (None: not predicted).
+    predicted seconds of a dense or page-sparse step on the GPU the step rates were measured on (None: not
+    predicted).
     ``cfg``: the config as asked (its `auto` settings not settled); ``plan``: its plan on this machine.
 
     Where it does not fit, "needs" is planned as `oomb train` would run it on this GPU with a host of any size
@@ -390,27 +391,34 @@ def needs_and_time(cfg: Config, plan: MemoryPlan, device_type: str, dtype: torch
     and with the same settings and every page on the GPU; the prediction is for that offloaded run (no
     attention cache)."""
     n = cfg.data.seq_len
-    result = {"needs": None, "predicted_dense_step_s": None, "predicted_with_attention_cache": None,
+    result = {"needs": None, "predicted_dense_step_s": None, "predicted_sparse_step_s": None,
+              "predicted_with_attention_cache": None,
               "predicted_on": H200_DENSE.gpu, "not_predicted": None}
     if device_type != "cuda":
         return result
     cached = plan.settings.get("cache_attention") in (True, "host")
+    chunk = plan.settings["chunk_size"]
     if not plan.fits:
         offloaded = plan_with_any_host(cfg, device_type, dtype, config, plan.device_total_bytes)
         same = {k: offloaded.settings[k] for k in ("chunk_size", "master_weights", "recompute", "cache_attention")}
         on_gpu = plan_memory(config, seq_len=n, **{**_settings(cfg, device_type, dtype), **same, "offload": False,
                                                    "offload_gpu_bytes": 0})
-        cached = False
+        cached, chunk = False, offloaded.settings["chunk_size"]
         result["needs"] = {"gpu_bytes_pages_on_gpu": on_gpu.gpu_bytes, "gpu_bytes_pages_on_host": offloaded.gpu_bytes,
                            "host_bytes_pages_on_host": offloaded.host_bytes,
                            "chunk_size": offloaded.settings["chunk_size"],
                            "layers_on_gpu": offloaded.settings["offload_resident_layers"],
                            "fits_gpu_offloaded": offloaded.gpu_fits}
-    if cfg.train.page_budget is None and cfg.model.quantize == "none":  # page-sparse, 4-bit (QLoRA): not measured
+    if cfg.model.quantize != "none":  # 4-bit (QLoRA): its dequantizing matmuls' rate not measured
+        result["not_predicted"] = "a 4-bit base"
+    elif cfg.train.page_budget is None:
         result["predicted_dense_step_s"] = predict_step_seconds(config, n, cfg.train.batch_size, cache_attention=cached)
         result["predicted_with_attention_cache"] = cached
     else:
-        result["not_predicted"] = "page-sparse attention" if cfg.train.page_budget is not None else "a 4-bit base"
+        sparsity = PageSparsity(cfg.train.page_budget, cfg.train.page_size, chunk)
+        result["predicted_sparse_step_s"] = predict_step_seconds(config, n, cfg.train.batch_size,
+                                                                 cache_attention=cached, sparsity=sparsity)
+        result["predicted_with_attention_cache"] = cached
     return result
 
 
@@ -427,14 +435,21 @@ def _needs_and_time_lines(cfg: Config, found: dict) -> list[str]:
                      f"{_gib(needs['host_bytes_pages_on_host'])} of host memory (chunk {needs['chunk_size']}, "
                      f"{kept}; as `oomb train` would run it with this GPU and a host that large)")
     if found["not_predicted"] is not None:
-        lines.append(f"step time: not predicted for {found['not_predicted']} (measured only at some lengths on the "
-                     "H200: docs/benchmarks.md)")
+        lines.append(f"step time: not predicted for {found['not_predicted']} (measured at 128K only: "
+                     "docs/config.md)")
+    cache = "with" if found["predicted_with_attention_cache"] else "without"
     if (seconds := found["predicted_dense_step_s"]) is not None:
-        shown = f"{seconds:,.0f}" if seconds >= 100 else f"{seconds:.1f}"
-        cache = "with" if found["predicted_with_attention_cache"] else "without"
-        lines.append(f"predicted dense step on an {found['predicted_on']}: {shown} s without the optimizer "
+        lines.append(f"predicted dense step on an {found['predicted_on']}: {_seconds(seconds)} s without the optimizer "
                      f"({cache} the attention cache; rates from measured 64K and 256K steps; docs/memory.md)")
+    if (seconds := found["predicted_sparse_step_s"]) is not None:
+        lines.append(f"predicted page-sparse step on an {found['predicted_on']}: {_seconds(seconds)} s without the "
+                     f"optimizer ({cache} the attention cache; its attention rate from a measured 128K step, within 5% "
+                     "of the measured 1M step; docs/memory.md)")
     return lines
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:,.0f}" if seconds >= 100 else f"{seconds:.1f}"
 
 
 def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memory: str | None,

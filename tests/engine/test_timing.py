@@ -6,7 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from oomb.engine.timing import H200_DENSE, predict_step_seconds, step_flops
+from oomb.engine.timing import (
+    H200_DENSE,
+    H200_SPARSE,
+    PageSparsity,
+    attended_keys,
+    predict_step_seconds,
+    step_flops,
+)
 from oomb.train.presets import preset_config
 
 RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"
@@ -50,3 +57,42 @@ def test_without_the_cache_the_attention_forward_runs_once_more():
     extra = attention * H200_DENSE.attention_s_per_flop * 2 / 7  # 2 of FlashAttention's 7 matmuls are the forward
     assert uncached - cached == pytest.approx(extra) and cached == pytest.approx(
         linear * H200_DENSE.linear_s_per_flop + attention * H200_DENSE.attention_s_per_flop)
+
+
+def _sparse_step(record: str) -> tuple[dict, dict]:
+    report = json.loads((RESULTS / record).read_text())
+    return report, report["results"][0]
+
+
+def test_the_sparse_rate_is_the_fit_of_its_record_and_predicts_the_1m_step_within_5_percent():
+    config = preset_config("qwen2.5-7b")
+    _, row = _sparse_step("core-7b-sparse-128k-fa4-blocks.json")
+    selection = row["options"]["selection"]
+    assert row["backend"] == "fa4" and row["options"]["cache_attention"] is True and selection["block"] == 128
+    sparsity = PageSparsity(selection["page_budget"], row["page_size"], row["chunk_size"])
+    linear, attention = step_flops(config, row["seq_len"], sparsity=sparsity)
+    rate = (row["step_s"] - linear * H200_SPARSE.linear_s_per_flop) / attention
+    assert rate == pytest.approx(H200_SPARSE.attention_s_per_flop, rel=1e-3)
+    assert H200_SPARSE.linear_s_per_flop == H200_DENSE.linear_s_per_flop
+    # The check: 1M on the same machine, offloaded (no attention cache), one page list per chunk of the same budget.
+    report, row = _sparse_step("sparse-1m-7b.json")
+    assert "H200" in report["gpu"] and row["seq_len"] == 1 << 20 and row["offload"]
+    sparsity = PageSparsity(report["budget_pages"], report["page_size"], report["chunk_size"])
+    predicted = predict_step_seconds(config, row["seq_len"], cache_attention=False, sparsity=sparsity)
+    assert predicted == pytest.approx(row["step_s"], rel=0.05)
+
+
+def test_a_sparse_query_attends_its_chunk_up_to_itself_and_the_budget_of_the_past():
+    # dense: (n + 1) / 2 keys a query on average, and step_flops' dense count is 12 FLOPs per (query, key) pair
+    assert attended_keys(8) == 4.5
+    config = preset_config("qwen2.5-7b")
+    # one chunk: the budget never binds, so sparse and dense attend the same keys
+    n = 4096
+    assert attended_keys(n, PageSparsity(64, 128, n)) == attended_keys(n)
+    # chunks of 4 over 12 tokens, a budget of 1 page of 2: chunk 0 attends 2.5 keys a query, the others 2.5 + 2
+    assert attended_keys(12, PageSparsity(1, 2, 4)) == pytest.approx((2.5 * 4 + 4.5 * 8) / 12)
+    # long contexts: the keys a query attends stop growing, so sparse attention is linear in the context
+    sparsity = PageSparsity(64, 128, 8192)
+    a1, a2 = step_flops(config, 1 << 20, sparsity=sparsity)[1], step_flops(config, 1 << 21, sparsity=sparsity)[1]
+    assert a2 / a1 == pytest.approx(2, rel=0.01)
+    assert step_flops(config, 1 << 20, sparsity=sparsity)[1] < step_flops(config, 1 << 20)[1] / 40

@@ -8,7 +8,7 @@ import torch
 import oomb.train.memory as memory
 from oomb.cli import main
 from oomb.engine.plan import HOST_PROCESS_BYTES, largest_context, plan_memory
-from oomb.engine.timing import predict_step_seconds
+from oomb.engine.timing import PageSparsity, predict_step_seconds
 from oomb.train.config import ConfigError, offload_gpu_allowance
 from oomb.train.presets import preset_config
 from oomb.train.rundir import load_run_config
@@ -257,7 +257,16 @@ def test_plan_says_what_a_length_that_does_not_fit_needs_and_predicts_the_dense_
     assert main([*args[:4], "data.seq_len=65536", *args[5:]]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["needs"] is None and 10 < got["predicted_dense_step_s"] < 14
-    # Page-sparse steps are not predicted (their rate was measured at a few lengths only).
-    assert main([*args[:4], "data.seq_len=65536", "train.page_budget=64", *args[5:]]) == 0
+    # Page-sparse: the attended keys at the sparse rate, with the plan's chunk (4M, offloaded: no attention cache).
+    assert main([*args[:4], "data.seq_len=4194304", "train.page_budget=64", *args[5:]]) == 1
     got = json.loads(capsys.readouterr().out)
-    assert got["predicted_dense_step_s"] is None and got["not_predicted"] == "page-sparse attention"
+    assert got["predicted_dense_step_s"] is None and got["not_predicted"] is None
+    sparsity = PageSparsity(64, 128, got["needs"]["chunk_size"])
+    assert got["predicted_sparse_step_s"] == pytest.approx(predict_step_seconds(
+        preset_config("qwen2.5-7b"), 4194304, cache_attention=False, sparsity=sparsity))
+    assert 400 < got["predicted_sparse_step_s"] < 800  # about 4x the 1M step's 152 s: linear in the context
+    # A 4-bit base (QLoRA) is not predicted: its dequantizing matmuls' rate was not measured.
+    assert main([*args[:4], "data.seq_len=65536", "model.quantize=nf4", "lora.r=16", *args[5:]]) in (0, 1)
+    got = json.loads(capsys.readouterr().out)
+    assert got["predicted_dense_step_s"] is None and got["predicted_sparse_step_s"] is None
+    assert got["not_predicted"] == "a 4-bit base"
