@@ -185,6 +185,36 @@ def versus_baseline(results: list[dict]) -> list[dict]:
     return rows
 
 
+def attention_seconds(profile: dict) -> float:
+    """The GPU seconds of a profiled step's attention kernels (every ``attention ...`` group of benchmarks.timeline:
+    FA4's and our Triton kernels)."""
+    return sum(g["ms"] for name, g in profile["kernel_groups"].items() if name.startswith("attention")) / 1e3
+
+
+def sparse_floor(results: list[dict]) -> list[dict]:
+    """Each profiled page-sparse oomb row against its floor (issue 24 item 4): the profiled transformers stack's
+    step without its attention kernels (what the best dense stack spends outside attention), plus the attention
+    kernels of the oomb row's own profiled step (attention over the chosen pages and the chunk). Measured on one
+    machine in one run, so a floor taken on another GPU need not be rescaled. The stack is the faster profiled one
+    at the row's length; timed steps, not profiled walls (the profiler slows the host, not the kernels)."""
+    stacks: dict[int, dict] = {}
+    for r in results:
+        if r["system"].startswith("transformers-") and "liger" in r["system"] and "profile" in r:
+            if r["seq_len"] not in stacks or r["step_s"] < stacks[r["seq_len"]]["step_s"]:
+                stacks[r["seq_len"]] = r
+    rows = []
+    for r in results:
+        b = stacks.get(r["seq_len"])
+        if r["system"].startswith("oomb-sparse") and "profile" in r and "error" not in r and b is not None:
+            outside = b["step_s"] - attention_seconds(b["profile"])
+            attention = attention_seconds(r["profile"])
+            rows.append({"system": r["system"], "seq_len": r["seq_len"], "baseline": b["system"],
+                         "baseline_step_s": b["step_s"], "baseline_outside_attention_s": outside,
+                         "attention_s": attention, "floor_s": outside + attention, "step_s": r["step_s"],
+                         "step_over_floor": r["step_s"] / (outside + attention)})
+    return rows
+
+
 def expand_rows(runs: list[tuple], backends: list[str], modes: list[str], chunks: list[int]) -> list[tuple]:
     """Each (tokens, system, layer checkpointing, options) row once per backend, recompute mode and chunk size,
     named system[backend]{mode}@chunk where there are several (rows whose options fix their chunk, the
@@ -356,6 +386,7 @@ def _report(args, results: list[dict], *, complete: bool, cfg, fused_record: dic
         "param_gib": param_bytes / 2**30,
         "results": results,
         "versus_baseline": versus_baseline(results),
+        "sparse_floor": sparse_floor(results),
         "auto_settings": auto,
         # transformers' RoPE against liger's (the baseline's, and oomb's rows' with fused ops since 2026-12-04), per
         # chunk and for a step at each profiled length (measured after plain_rope() above: transformers' own)
@@ -396,6 +427,10 @@ def _print_table(report: dict) -> None:
     for v in report.get("versus_baseline", []):
         print(f"{v['system']:<24}{v['seq_len']:>9}  {v['time_ratio']:.2f}x the time, {v['peak_ratio']:.2f}x the peak "
               f"memory of {v['baseline']}")
+    for f in report.get("sparse_floor", []):
+        print(f"{f['system']:<24}{f['seq_len']:>9}  floor {f['floor_s']:.2f} s ({f['baseline']} outside attention "
+              f"{f['baseline_outside_attention_s']:.2f} s + its attention {f['attention_s']:.2f} s): "
+              f"step {f['step_over_floor']:.3f}x the floor")
     if (rope := report.get("rope")) is not None:
         cost = rope["per_chunk"]
         for n, calls in rope["calls_per_step"].items():

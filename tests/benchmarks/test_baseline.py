@@ -77,3 +77,29 @@ def test_baselines_from_an_earlier_record_say_which_run_timed_them(tmp_path):
     record.write_text(json.dumps({"bench": "offload", "results": []}))
     with pytest.raises(ValueError, match="not a benchmarks.core record"):
         earlier_baselines(record)
+
+
+def _profiled(row, **group_ms):
+    groups = {name.replace("_", " "): {"ms": ms, "count": 1} for name, ms in group_ms.items()}
+    row["profile"] = {"kernel_groups": groups}
+    return row
+
+
+def test_the_sparse_floor_is_the_stacks_time_outside_attention_plus_the_rows_own_attention():
+    from benchmarks.core import sparse_floor
+
+    stack = _profiled(_row("transformers-fa4-liger-ckpt", 131072, 38.0, 78.0),
+                      **{"attention_forward_(FA4)": 9000.0, "attention_backward_(FA4)": 16000.0, "matmul": 11500.0})
+    slower = _profiled(_row("transformers-sdpa-liger-ckpt", 131072, 41.0, 78.0), matmul=11500.0)
+    sparse = _profiled(_row("oomb-sparse+cached-attn+cap64", 131072, 16.6, 70.0),
+                       **{"attention_forward_(FA4)": 1000.0, "attention_backward_(FA4)": 3000.0,
+                          "attention_dq": 100.0, "matmul": 10700.0})
+    dense = _profiled(_row("oomb+cached-attn", 131072, 33.0, 100.0), matmul=10000.0)  # not a sparse row
+    unprofiled = _row("oomb-sparse+cached-attn", 131072, 17.0, 70.0)
+    got = sparse_floor([slower, stack, sparse, dense, unprofiled])
+    assert len(got) == 1 and got[0]["baseline"] == "transformers-fa4-liger-ckpt"
+    assert got[0]["baseline_outside_attention_s"] == pytest.approx(38.0 - 25.0)
+    assert got[0]["attention_s"] == pytest.approx(4.1)
+    assert got[0]["floor_s"] == pytest.approx(17.1)
+    assert got[0]["step_over_floor"] == pytest.approx(16.6 / 17.1)
+    assert sparse_floor([sparse]) == []  # no profiled stack at its length: no floor
