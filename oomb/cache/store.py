@@ -72,10 +72,16 @@ class StoreSpec:
 KEY_SUMMARIES = ("mean", "bounds")
 
 
-def page_key_summary(tiles: torch.Tensor, valid: torch.Tensor, kind: str) -> torch.Tensor:
-    """Key tiles [n, H_kv, P, D] -> per-page summaries (fp32) over each page's ``valid`` [n] slots:
-    [n, H_kv, D] mean keys, or for ``kind="bounds"`` [n, H_kv, 3D] = mean | per-channel min | max
-    (what an upper bound of q . k over the page's keys needs: q+ . max + q- . min)."""
+def page_key_summary(tiles: torch.Tensor, valid: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """Key tiles [n, H_kv, P, D] -> per-page summaries (fp32) over each page's ``valid`` [n] slots (None: every
+    slot holds a key): [n, H_kv, D] mean keys, or for ``kind="bounds"`` [n, H_kv, 3D] = mean | per-channel min |
+    max (what an upper bound of q . k over the page's keys needs: q+ . max + q- . min)."""
+    if valid is None:  # whole pages (a chunk ending on a page boundary): nothing to mask, five kernels, not twelve
+        mean = tiles.sum(dim=2, dtype=torch.float32).div_(tiles.shape[2])
+        if kind == "mean":
+            return mean
+        k_min, k_max = torch.aminmax(tiles, dim=2)  # exact in the keys' own dtype
+        return torch.cat([mean, k_min.float(), k_max.float()], dim=-1)
     t = tiles.float()
     mean = t.sum(dim=2) / valid.view(-1, 1, 1)  # padding slots are zero
     if kind == "mean":
@@ -96,6 +102,10 @@ class LayerPools:
     dk: torch.Tensor  # [num_pages, H_kv, page_size, D], grad_dtype
     dv: torch.Tensor  # [num_pages, H_kv, page_size, D], grad_dtype
     mean_k: torch.Tensor  # [num_pages, H_kv, summary_dim]: page_key_summary (fp32 sums, stored in K's dtype)
+    # Whether the block table handed out with these pools sends every page to a row of its own. An offloaded
+    # store's slot table sends the pages it did not fetch to one shared row: a kernel that adds gradients back
+    # through the table must then accumulate, never gather, add and write back (two entries, one row).
+    distinct_rows: bool = True
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,12 @@ class ChunkRecord:
     first_page: int  # index into the page table's columns
     num_pages: int
     page_ids: tuple[int, ...]  # B * num_pages ids, sequence-major
+
+    def ragged_slots(self, page_size: int, device: torch.device) -> torch.Tensor | None:
+        """``valid_slots`` where the chunk ends inside its last page, else None (every slot holds a token)."""
+        if self.end - self.start == self.num_pages * page_size:
+            return None
+        return self.valid_slots(page_size, device)
 
     def valid_slots(self, page_size: int, device: torch.device) -> torch.Tensor:
         """Number of real (non-padding) tokens in each page of the chunk, as float32 [num_pages]."""
@@ -355,7 +371,8 @@ class PagedKVStore(ChunkLedger):
         kp = tokens_to_tiles(k, s.page_size)
         pools.k[ids] = kp
         pools.v[ids] = tokens_to_tiles(v, s.page_size)
-        valid = record.valid_slots(s.page_size, k.device).repeat(self.batch_size)  # [B*n_pages]
+        valid = record.ragged_slots(s.page_size, k.device)
+        valid = None if valid is None else valid.repeat(self.batch_size)  # [B*n_pages]
         pools.mean_k[ids] = page_key_summary(kp, valid, s.key_summary).to(s.dtype)
 
     def read(self, layer_idx: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,8 +70,9 @@ class KeyLayout:
     back to back (``cu_seqlens_*``, int32 on the device).
 
     ``distinct``: every (page, slot) is named once. A page-sparse layout's padding keys may name the
-    same place as a chosen key (an offloaded store's slot table sends every page it did not fetch to
-    one row), so their zero gradients must be added, not written back.
+    same place as a chosen key where the table shares rows (an offloaded store's slot table sends every
+    page it did not fetch to one row: LayerPools.distinct_rows), so their zero gradients must be added,
+    not written back.
     """
 
     page_ids: torch.Tensor
@@ -350,9 +351,11 @@ class Flash4Attention:
         return blocks
 
     def _prepare(self, q, k_pool, page_table, kv_len, sliding_window, doc_start, page_select, select_block,
-                 direction: str, page_union: int | None = None):
+                 direction: str, page_union: int | None = None, distinct_rows: bool = True):
         """(the keys to gather, FA4's left window, the block pairs of a page-sparse call for ``direction``
-        ("forward" or "backward") or None)."""
+        ("forward" or "backward") or None). ``distinct_rows``: the table sends every page to a row of its own
+        (LayerPools.distinct_rows), so a page-sparse call's keys, its chosen pages and then other past pages
+        (a permutation of the past, chosen_pages), name each (row, slot) once."""
         _, h, c, _ = q.shape
         page_size = k_pool.shape[2]
         window_left = None if sliding_window is None else min(sliding_window, kv_len + 1) - 1
@@ -362,7 +365,7 @@ class Flash4Attention:
         chosen = self._chosen_pages(page_select, (kv_len - c) // page_size, page_union)
         keys = page_sparse_keys(page_table, kv_len, c, page_size, page_select, select_block, block_q, h,
                                 directions=(direction,), page_union=page_union, chosen=chosen)
-        layout = KeyLayout(keys.page_ids, keys.slots, keys_per_row=keys.keys_per_row, distinct=False)
+        layout = KeyLayout(keys.page_ids, keys.slots, keys_per_row=keys.keys_per_row, distinct=distinct_rows)
         return layout, window_left, keys.sparsity
 
     @staticmethod
@@ -439,20 +442,24 @@ class Flash4Attention:
 
     def backward(self, d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len, *, scale,
                  sliding_window=None, sinks=None, doc_start=None, page_select=None, select_block=None,
-                 block_tokens=None, page_union=None):
-        """Adds dK/dV of every visible key into dk_pool/dv_pool; returns (dq [B, H, C, D], None)."""
+                 block_tokens=None, page_union=None, distinct_rows=True):
+        """Adds dK/dV of every visible key into dk_pool/dv_pool; returns (dq [B, H, C, D], None). ``distinct_rows``
+        (LayerPools.distinct_rows): a page-sparse call adds its keys' gradients by gathering, adding and writing
+        back the rows (each named once), not by an accumulating put (a sort of every index, for the rows that
+        an offloaded slot's table shares)."""
         visibility = dict(sliding_window=sliding_window, doc_start=doc_start, page_select=page_select,
                           select_block=select_block)
         if not self.expresses(q, k_pool, sinks=sinks, **visibility):
             return self.fallback.backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len,
-                                          scale=scale, sinks=sinks, **visibility)
+                                          scale=scale, sinks=sinks, distinct_rows=distinct_rows, **visibility)
         if dk_pool.shape != k_pool.shape or dv_pool.shape != k_pool.shape:
             raise ValueError("dk_pool and dv_pool must match k_pool's shape")
         self._check(q, k_pool, page_table, kv_len, **visibility)
         if segments := self._segments(k_pool, page_table, kv_len, q.shape[2], **visibility):
             return self._segmented_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, segments, scale)
         layout, window_left, sparsity = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
-                                                      page_select, select_block, "backward", page_union)
+                                                      page_select, select_block, "backward", page_union,
+                                                      distinct_rows)
         b, h, c, _ = q.shape
         if layout.varlen:  # [B, H, C] -> [H, B * C]
             lse = lse.transpose(0, 1).reshape(h, b * c)

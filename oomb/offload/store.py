@@ -275,7 +275,8 @@ class OffloadedKVStore(ChunkLedger):
             torch.cuda.current_stream(self.spec.device).wait_event(slot.ready)
         self._sync()
         pools = LayerPools(k=slot.pools["k"], v=slot.pools["v"], dk=slot.pools["dk"], dv=slot.pools["dv"],
-                           mean_k=slot.mean.flatten(0, 1))  # the layer's only after mean_keys()
+                           mean_k=slot.mean.flatten(0, 1),  # the layer's only after mean_keys()
+                           distinct_rows=False)  # the slot table sends pages it did not fetch to row 0
         return pools, slot.table
 
     def prefetch(self, layer_idx: int, past_pages: PastPages | None, *, grads: bool) -> None:
@@ -336,8 +337,9 @@ class OffloadedKVStore(ChunkLedger):
         for kind, tiles in (("k", kt), ("v", vt)):
             view, first = self._chunk_rows(layer_idx, kind, record, "write()")
             view[:, first : first + n] = tiles.view(self.batch_size, n, *tiles.shape[1:])
-        valid = record.valid_slots(s.page_size, k.device)
-        mean = page_key_summary(kt, valid.repeat(self.batch_size), s.key_summary)  # as the device store keeps it
+        valid = record.ragged_slots(s.page_size, k.device)
+        valid = None if valid is None else valid.repeat(self.batch_size)
+        mean = page_key_summary(kt, valid, s.key_summary)  # as the device store keeps it
         if self._resident(layer_idx):
             means = self._dev["mean"][layer_idx]
         else:  # into the slot (sent home by writeback); its other rows may belong to another layer

@@ -111,7 +111,8 @@ def select_pages(
     n_qb = -(-c // policy.block)
 
     # Mean query of each block and GQA group: [B, H_kv, n_qb, D] (a ragged last block averages what it has).
-    qf = q.float().reshape(b, h_kv, h // h_kv, c, d).sum(dim=2)  # [B, H_kv, C, D]
+    # summed in float32 as read: no float32 copy of the chunk's queries first
+    qf = q.reshape(b, h_kv, h // h_kv, c, d).sum(dim=2, dtype=torch.float32)  # [B, H_kv, C, D]
     pad = n_qb * policy.block - c
     if pad:
         qf = torch.nn.functional.pad(qf, (0, 0, 0, pad))

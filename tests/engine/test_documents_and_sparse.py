@@ -280,3 +280,17 @@ def test_triton_kernels_equal_torch_path_with_documents_and_pages():
     assert rel_err(results["triton"][0], results["torch"][0]) <= TOL
     for n, g in results["torch"][1].items():
         assert rel_err(results["triton"][1][n], g) <= TOL, n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_pages_summarise_as_masked_ones_do(dtype):
+    """A chunk that ends on a page boundary skips the padding mask (valid None): the same summaries."""
+    from oomb.cache.store import page_key_summary
+
+    tiles = torch.randn(5, 2, 8, 4).to(dtype)
+    full = torch.full((5,), 8.0)
+    for kind in ("mean", "bounds"):
+        assert torch.allclose(page_key_summary(tiles, None, kind), page_key_summary(tiles, full, kind), rtol=1e-6,
+                              atol=1e-6), kind
+    got = page_key_summary(tiles, None, "bounds")
+    assert torch.equal(got[..., 4:8], tiles.float().amin(dim=2)) and torch.equal(got[..., 8:], tiles.float().amax(2))

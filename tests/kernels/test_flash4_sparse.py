@@ -50,9 +50,9 @@ def _problem(b, h, h_kv, h_sel, c, n_past, d, page, select_block, budget, common
     return pb, kw
 
 
-def _compare(attention, pb, kw, tol=TOL):
+def _compare(attention, pb, kw, tol=TOL, distinct_rows=True):
     """Forward and backward of ``attention`` against the reference on the same inputs (gradients added into
-    random pools)."""
+    random pools; ``distinct_rows``: what the pools say of their table, LayerPools.distinct_rows)."""
     kv_len = pb.kv_len
     out, lse = attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
     ref_out, ref_lse = reference.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
@@ -61,7 +61,8 @@ def _compare(attention, pb, kw, tol=TOL):
     d_out = torch.randn_like(out)
     dk0, dv0 = torch.randn_like(pb.k_pool), torch.randn_like(pb.v_pool)
     dk, dv, ref_dk, ref_dv = dk0.clone(), dv0.clone(), dk0.clone(), dv0.clone()
-    dq, _ = attention.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len, **kw)
+    dq, _ = attention.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len,
+                               distinct_rows=distinct_rows, **kw)
     ref_dq, _ = reference.paged_attention_backward(d_out, pb.q, ref_out, ref_lse, pb.k_pool, pb.v_pool, ref_dk,
                                                    ref_dv, pb.page_table, kv_len, **kw)
     assert_close_rel(dq, ref_dq, tol, "dq")
@@ -233,7 +234,8 @@ def test_a_gathered_order_off_by_one_from_the_lists_is_caught(monkeypatch):
 
 def test_unchosen_pages_that_alias_a_chosen_one_do_not_lose_its_gradient(monkeypatch):
     # An offloaded store's slot table sends every page it did not fetch to slot row 0, which holds a chosen
-    # page: the padding keys then name the same place as real ones, and their zero gradients must be added.
+    # page: the padding keys then name the same place as real ones, and their zero gradients must be added
+    # (the slot's pools say so: LayerPools.distinct_rows is False).
     b, h, h_kv, c, n_past, d, page = 2, 4, 2, 16, 10, 8, 8
     pb, kw = _problem(b, h, h_kv, 1, c, n_past, d, page, 8, 3)  # U = 6; unions of at most 5 pages (common page)
     sel = kw["page_select"]
@@ -245,16 +247,31 @@ def test_unchosen_pages_that_alias_a_chosen_one_do_not_lose_its_gradient(monkeyp
             rows.append(int(pb.page_table[row, p]))
     slot = dataclasses.replace(pb, k_pool=pb.k_pool[rows].clone(), v_pool=pb.v_pool[rows].clone(), page_table=table)
     kernels = TorchFlash(sparse_blocks=(8, page))
-    _compare(Flash4Attention(kernels, fallback=None), slot, kw)
-
-    layout = flash4.KeyLayout
-
-    def written_back(*args, **kw):  # the layout claims distinct keys: gather-add-scatter, last write wins
-        return layout(*args, **{**kw, "distinct": True})
-
-    monkeypatch.setattr(flash4, "KeyLayout", written_back)
+    _compare(Flash4Attention(kernels, fallback=None), slot, kw, distinct_rows=False)
+    # Claimed distinct, the keys are gathered, added to and written back: the last write of a row wins
     with pytest.raises(AssertionError, match="dk added|dv added"):
-        _compare(Flash4Attention(kernels, fallback=None), slot, kw)
+        _compare(Flash4Attention(kernels, fallback=None), slot, kw, distinct_rows=True)
+
+
+def test_a_table_of_distinct_rows_adds_sparse_gradients_without_an_accumulating_put(monkeypatch):
+    # A device store's table gives every page its own row: the chosen pages and the others after them (a
+    # permutation of the past) are gathered once each, so their gradients are added by gather-add-write
+    # (three kernels a pool), not by an accumulating put (which sorts every index first).
+    pb, kw = _problem(2, 4, 2, 1, 32, 10, 16, 8, 16, 3)
+    seen = []
+    add_at = flash4._add_at
+
+    def spy(pool, layout, grad, rows=None):
+        seen.append(layout.distinct)
+        return add_at(pool, layout, grad, rows)
+
+    monkeypatch.setattr(flash4, "_add_at", spy)
+    attention = Flash4Attention(TorchFlash(sparse_blocks=(8, 8)), fallback=None)
+    _compare(attention, pb, kw)
+    assert seen == [True, True]  # dK and dV
+    seen.clear()
+    _compare(attention, pb, kw, distinct_rows=False)
+    assert seen == [False, False]
 
 
 def test_each_call_gets_only_its_own_directions_lists():

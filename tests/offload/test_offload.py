@@ -286,3 +286,25 @@ def test_a_cap_on_a_chunks_pages_is_what_offload_moves():
         moved[cap] = store_for_model(model).moved_bytes["to_device"]
     # Past the first chunks, 8 blocks x 2 pages = 16 rows of up to 32 past pages per layer and chunk against 2.
     assert moved[2] < 0.5 * moved[None]
+
+
+def test_pools_say_whether_their_table_shares_rows():
+    """A slot's table sends the pages it did not fetch to one row (LayerPools.distinct_rows False: kernels must
+    accumulate gradients through it); resident layers and the device store give every page its own row."""
+    from oomb.cache import PagedKVStore, PastPages, StoreSpec
+
+    spec = StoreSpec(num_layers=3, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float32,
+                     grad_dtype=torch.float32, device=torch.device("cpu"))
+    device = PagedKVStore(spec)
+    device.reserve(1, 16)
+    device.append_chunk(8)
+    assert device.fetch(0, None, grads=False)[0].distinct_rows
+    store = OffloadedKVStore(spec, gpu_bytes=spec.layer_bytes(4))  # the first layer's 4 pages stay on the device
+    store.reserve(1, 16)
+    store.append_chunk(8)
+    store.append_chunk(4)
+    assert store.resident_layers == 1
+    assert store.fetch(0, None, grads=False)[0].distinct_rows
+    pools, table = store.fetch(1, PastPages(torch.tensor([1])), grads=False)  # page 0 not fetched
+    assert not pools.distinct_rows
+    assert table[0, 0] == table[0, 1], "the unfetched page shares the fetched one's row"
