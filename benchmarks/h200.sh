@@ -134,6 +134,9 @@ job core-7b-sparse-128k-caps "$C --lengths '' --sparse-cache-lengths 131072 --ch
 job core-7b-sparse-128k-floor "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $C --lengths '' --baseline-lengths 131072 \
   --baseline-stacks fa4 --sparse-cache-lengths 131072 --chunk 8192 --recompute layer-host --fused-ops auto --warm-each \
   --repeats 2 --backend fa4 --chunk-pages 64 --profile-lengths 131072 --out \"\$OUT/core-7b-sparse-128k-floor.json\""
+# The default sparse step alone (as in core-7b-sparse-128k-floor, no stack, no profile). About 2 minutes.
+job core-7b-sparse-128k-default "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192 --recompute layer-host \
+  --fused-ops auto --warm-each --repeats 2 --backend fa4 --chunk-pages 64"
 job core-7b-sparse-128k-grad-plain "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192 --recompute layer-host \
   --fused-ops auto --warm-each --repeats 2 --backend fa4 --chunk-pages 64 --grad-accumulation plain"
 # The same step with the page-sparse calls on the Triton kernels (before 2026-12-05), chunks of 8192.
@@ -143,7 +146,7 @@ job core-7b-sparse-128k-mean "$C $G0 --lengths '' --sparse-cache-lengths 131072 
 job core-7b-sparse-128k-plain "$C --lengths '' --sparse-lengths 131072 --sparse-cache-lengths 131072 --chunk 4096 \
   --fused-ops none --select-score mean"
 job sparse-profile-7b-128k "$O $PLAIN $NOSPLIT --select-blocks 4096 --profile-length 131072 --profile-stacks"
-part sparse 'sparse-kernels sparse-steps-7b core-7b-sparse-128k-layer-host core-7b-sparse-128k-fa4-blocks core-7b-sparse-128k-caps core-7b-sparse-128k-floor core-7b-sparse-128k-grad-plain core-7b-sparse-128k-bound core-7b-sparse-128k-mean core-7b-sparse-128k-plain
+part sparse 'sparse-kernels sparse-steps-7b core-7b-sparse-128k-layer-host core-7b-sparse-128k-fa4-blocks core-7b-sparse-128k-caps core-7b-sparse-128k-floor core-7b-sparse-128k-default core-7b-sparse-128k-grad-plain core-7b-sparse-128k-bound core-7b-sparse-128k-mean core-7b-sparse-128k-plain
   sparse-profile-7b-128k'
 
 # quality: the sparse-quality study (learning and gradient quality of sparse against dense training).

@@ -272,6 +272,17 @@ def test_a_table_of_distinct_rows_adds_sparse_gradients_without_an_accumulating_
     seen.clear()
     _compare(attention, pb, kw, distinct_rows=False)
     assert seen == [False, False]
+    # Both ways add each key's gradient once into its row: the same pools, bit for bit
+    torch.manual_seed(3)
+    out, lse = attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, pb.kv_len, **kw)
+    d_out, dk0 = torch.randn_like(out), torch.randn_like(pb.k_pool)
+    pools = {}
+    for distinct in (True, False):
+        dk, dv = dk0.clone(), dk0.clone()
+        attention.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, pb.kv_len,
+                           distinct_rows=distinct, **kw)
+        pools[distinct] = (dk, dv)
+    assert torch.equal(pools[True][0], pools[False][0]) and torch.equal(pools[True][1], pools[False][1])
 
 
 def test_each_call_gets_only_its_own_directions_lists():
