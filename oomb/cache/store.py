@@ -76,7 +76,7 @@ def page_key_summary(tiles: torch.Tensor, valid: torch.Tensor | None, kind: str)
     """Key tiles [n, H_kv, P, D] -> per-page summaries (fp32) over each page's ``valid`` [n] slots (None: every
     slot holds a key): [n, H_kv, D] mean keys, or for ``kind="bounds"`` [n, H_kv, 3D] = mean | per-channel min |
     max (what an upper bound of q . k over the page's keys needs: q+ . max + q- . min)."""
-    if valid is None:  # whole pages (a chunk ending on a page boundary): nothing to mask, five kernels, not twelve
+    if valid is None:  # whole pages (a chunk ending on a page boundary): nothing to mask, half the kernels
         mean = tiles.sum(dim=2, dtype=torch.float32).div_(tiles.shape[2])
         if kind == "mean":
             return mean
