@@ -169,13 +169,21 @@ def auto_settings(args) -> dict[int, dict]:
     return picked
 
 
-def versus_baseline(results: list[dict]) -> list[dict]:
-    """Each oomb row's step time and peak memory over the faster transformers stack's at its length."""
+def fastest_stacks(results: list[dict], profiled: bool = False) -> dict[int, dict]:
+    """The fastest transformers stack (the Liger ones: the baseline) that ran at each length; ``profiled``: among
+    those with a profiled step."""
     best: dict[int, dict] = {}
     for r in results:
-        if r["system"].startswith("transformers-") and "error" not in r and "liger" in r["system"]:
+        if (r["system"].startswith("transformers-") and "error" not in r and "liger" in r["system"]
+                and (not profiled or "profile" in r)):
             if r["seq_len"] not in best or r["step_s"] < best[r["seq_len"]]["step_s"]:
                 best[r["seq_len"]] = r
+    return best
+
+
+def versus_baseline(results: list[dict]) -> list[dict]:
+    """Each oomb row's step time and peak memory over the faster transformers stack's at its length."""
+    best = fastest_stacks(results)
     rows = []
     for r in results:
         b = best.get(r["seq_len"])
@@ -197,11 +205,7 @@ def sparse_floor(results: list[dict]) -> list[dict]:
     kernels of the oomb row's own profiled step (attention over the chosen pages and the chunk). Measured on one
     machine in one run, so a floor taken on another GPU need not be rescaled. The stack is the faster profiled one
     at the row's length; timed steps, not profiled walls (the profiler slows the host, not the kernels)."""
-    stacks: dict[int, dict] = {}
-    for r in results:
-        if r["system"].startswith("transformers-") and "liger" in r["system"] and "profile" in r:
-            if r["seq_len"] not in stacks or r["step_s"] < stacks[r["seq_len"]]["step_s"]:
-                stacks[r["seq_len"]] = r
+    stacks = fastest_stacks(results, profiled=True)
     rows = []
     for r in results:
         b = stacks.get(r["seq_len"])

@@ -202,7 +202,6 @@ def run(args) -> dict:
             if mode == "sparse" and (n, "dense") in by:
                 r["speedup_vs_dense"] = by[(n, "dense")]["step_s"] / r["step_s"]
 
-
     return {
         "bench": "sparse",
         "command": command_line("benchmarks.sparse"),

@@ -118,19 +118,16 @@ class ChunkRecord:
     num_pages: int
     page_ids: tuple[int, ...]  # B * num_pages ids, sequence-major
 
-    def ragged_slots(self, page_size: int, device: torch.device) -> torch.Tensor | None:
-        """``valid_slots`` where the chunk ends inside its last page, else None (every slot holds a token)."""
+    def ragged_slots(self, page_size: int, device: torch.device, batch_size: int = 1) -> torch.Tensor | None:
+        """Number of real (non-padding) tokens in each page of the chunk, float32 [batch_size * num_pages] (the
+        same for every sequence), where the chunk ends inside its last page; None where every slot holds one."""
         if self.end - self.start == self.num_pages * page_size:
             return None
-        return self.valid_slots(page_size, device)
-
-    def valid_slots(self, page_size: int, device: torch.device) -> torch.Tensor:
-        """Number of real (non-padding) tokens in each page of the chunk, as float32 [num_pages]."""
         valid = torch.full((self.num_pages,), float(page_size), device=device)
         # fill_ passes the number as a kernel argument (an element assignment may go through a
         # host-to-device copy instead; this runs once per layer and chunk).
         valid[-1:].fill_(self.end - self.start - (self.num_pages - 1) * page_size)
-        return valid
+        return valid.repeat(batch_size)
 
 
 class ChunkLedger:
@@ -371,8 +368,7 @@ class PagedKVStore(ChunkLedger):
         kp = tokens_to_tiles(k, s.page_size)
         pools.k[ids] = kp
         pools.v[ids] = tokens_to_tiles(v, s.page_size)
-        valid = record.ragged_slots(s.page_size, k.device)
-        valid = None if valid is None else valid.repeat(self.batch_size)  # [B*n_pages]
+        valid = record.ragged_slots(s.page_size, k.device, self.batch_size)
         pools.mean_k[ids] = page_key_summary(kp, valid, s.key_summary).to(s.dtype)
 
     def read(self, layer_idx: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

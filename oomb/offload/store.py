@@ -337,8 +337,7 @@ class OffloadedKVStore(ChunkLedger):
         for kind, tiles in (("k", kt), ("v", vt)):
             view, first = self._chunk_rows(layer_idx, kind, record, "write()")
             view[:, first : first + n] = tiles.view(self.batch_size, n, *tiles.shape[1:])
-        valid = record.ragged_slots(s.page_size, k.device)
-        valid = None if valid is None else valid.repeat(self.batch_size)
+        valid = record.ragged_slots(s.page_size, k.device, self.batch_size)
         mean = page_key_summary(kt, valid, s.key_summary)  # as the device store keeps it
         if self._resident(layer_idx):
             means = self._dev["mean"][layer_idx]

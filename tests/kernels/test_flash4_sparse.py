@@ -232,7 +232,7 @@ def test_a_gathered_order_off_by_one_from_the_lists_is_caught(monkeypatch):
         _compare(Flash4Attention(TorchFlash(sparse_blocks=(8, 8)), fallback=None), pb, kw)
 
 
-def test_unchosen_pages_that_alias_a_chosen_one_do_not_lose_its_gradient(monkeypatch):
+def test_unchosen_pages_that_alias_a_chosen_one_do_not_lose_its_gradient():
     # An offloaded store's slot table sends every page it did not fetch to slot row 0, which holds a chosen
     # page: the padding keys then name the same place as real ones, and their zero gradients must be added
     # (the slot's pools say so: LayerPools.distinct_rows is False).
