@@ -95,8 +95,7 @@ class PagedAttention(torch.autograd.Function):
         dq, d_sinks = step.backend.backward(
             d_out, q, out, lse, pools.k, pools.v, pools.dk, pools.dv,
             table, ctx.kv_len,
-            scale=ctx.scale, sliding_window=ctx.sliding_window, sinks=sinks, distinct_rows=pools.distinct_rows,
-            **ctx.vis,
+            scale=ctx.scale, sliding_window=ctx.sliding_window, sinks=sinks, **ctx.vis,
         )
         dk, dv = store.read_grad(layer_idx, ctx.record)
         store.writeback(layer_idx, grads=True)

@@ -64,7 +64,9 @@ class KVStore(Protocol):
 
     def fetch(self, layer_idx: int, past_pages: PastPages | None, *, grads: bool) -> tuple[LayerPools, torch.Tensor]:
         """Pools and block table through which a kernel reads ``past_pages`` (None = all) and the newest chunk of
-        one layer; with ``grads`` also their gradient pages."""
+        one layer; with ``grads`` also their gradient pages. The table gives each page it holds a row of its own
+        (kernels add gradients by gathering, adding and writing back rows); pages it does not hold may share
+        one row, which kernels may read and write (zero gradients of keys no query sees) and nothing reads back."""
 
     def prefetch(self, layer_idx: int, past_pages: PastPages | None, *, grads: bool) -> None:
         """Start bringing what ``fetch`` will ask for next, without waiting."""

@@ -55,11 +55,11 @@ class PastPages:
         return self.pages.numel() if self.rows is None else self.rows
 
     def table_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pages, slot rows) to write into a slot's page table: every named page's row (a union's other
-        pages get row 0: no kernel reads a page its list does not name)."""
+        """(pages, slot rows) to write into a slot's page table: every named page's row, -1 for a union's other
+        pages (the store sends those to a row of its own that nothing reads back)."""
         if self.slot_rows is None:
             return self.pages.long(), torch.arange(self.pages.numel(), dtype=torch.int32, device=self.pages.device)
-        return torch.arange(self.pages.numel(), device=self.pages.device), self.slot_rows.clamp(min=0)
+        return torch.arange(self.pages.numel(), device=self.pages.device), self.slot_rows
 
     def hand_to_stream(self, stream: torch.cuda.Stream) -> None:
         """Make the list (made on the current stream) safe for the work queued next on ``stream``, which reads it.

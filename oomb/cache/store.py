@@ -102,10 +102,6 @@ class LayerPools:
     dk: torch.Tensor  # [num_pages, H_kv, page_size, D], grad_dtype
     dv: torch.Tensor  # [num_pages, H_kv, page_size, D], grad_dtype
     mean_k: torch.Tensor  # [num_pages, H_kv, summary_dim]: page_key_summary (fp32 sums, stored in K's dtype)
-    # Whether the block table handed out with these pools sends every page to a row of its own. An offloaded
-    # store's slot table sends the pages it did not fetch to one shared row: a kernel that adds gradients back
-    # through the table must then accumulate, never gather, add and write back (two entries, one row).
-    distinct_rows: bool = True
 
 
 @dataclass(frozen=True)

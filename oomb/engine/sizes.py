@@ -115,8 +115,9 @@ def paged_store_bytes(spec: StoreSpec, *, batch_size: int, seq_len: int, chunk_s
     # Host: every page's K, V, dK, dV and mean key (pinned, exactly this size). Device: block
     # tables and two layer slots, each holding one layer's mean keys and the pages one kernel
     # call reads (all past pages when dense; the page lists' union when sparse: at most one
-    # budget per selection block and list, or the chunk's cap ``chunk_pages`` per list) plus the chunk's, grown
-    # by at most 5/4 over what they held. offload_gpu_bytes keeps the first layers whole on the device instead.
+    # budget per selection block and list, or the chunk's cap ``chunk_pages`` per list) plus the chunk's and one
+    # row for the pages a slot does not hold, grown by at most 5/4 over what they held. offload_gpu_bytes keeps
+    # the first layers whole on the device instead.
     page_layer_bytes = spec.bytes_per_token() * page_size // spec.num_layers
     layer_pages = batch_size * pages_per_seq * page_layer_bytes  # one layer's K, V, dK, dV
     layer_means = spec.layer_bytes(batch_size * pages_per_seq) - layer_pages  # and its mean keys
@@ -131,7 +132,7 @@ def paged_store_bytes(spec: StoreSpec, *, batch_size: int, seq_len: int, chunk_s
         slot_pages = min(pages_per_seq, chosen + own_pages)
     offloaded = spec.num_layers - resident
     # Mean keys: the kept layers' on the device, the others' on the host, one layer's per slot.
-    slots = (2 * batch_size * slot_pages * page_layer_bytes * 5 // 4 + 2 * layer_means) if offloaded else 0
+    slots = (2 * (batch_size * slot_pages + 1) * page_layer_bytes * 5 // 4 + 2 * layer_means) if offloaded else 0
     # + the store's and two slots' tables
     device = resident * (layer_pages + layer_means) + slots + 3 * batch_size * pages_per_seq * 4
     return StoreBytes(device, offloaded * (layer_pages + layer_means), resident)

@@ -64,7 +64,6 @@ def paged_attention_backward(
     select_block: int | None = None,
     block_tokens: int | None = None,  # accepted for signature parity with the reference; unused
     page_union: int | None = None,  # as in the reference; unused
-    distinct_rows: bool = True,  # as in the reference; unused
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Adds dK/dV of every visible page into dk_pool/dv_pool (only pages some query attends are written).
 

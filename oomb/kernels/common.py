@@ -25,8 +25,8 @@ with TMA (the pool seen as a 2D [num_pages * H_kv * page_size, D] tensor); other
 spans pages and every key looks up its own page id (any page_size works). Each loop over
 blocks is split into masked | unmasked | masked runs (sliding-window edge, interior, causal
 diagonal), so only edge blocks pay for masks. Slots past kv_len are never trusted (they may
-hold NaN). Page ids must be distinct within the table (the store guarantees it): the dK/dV
-pass writes pages in place.
+hold NaN). The pages a call attends must have distinct ids in the table (the store guarantees it:
+oomb.cache.KVStore.fetch): the dK/dV pass writes pages in place.
 """
 
 from __future__ import annotations

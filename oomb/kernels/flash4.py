@@ -69,10 +69,10 @@ class KeyLayout:
     documents each (row, document) is one of FA4's variable-length sequences, queries and keys
     back to back (``cu_seqlens_*``, int32 on the device).
 
-    ``distinct``: every (page, slot) is named once. A page-sparse layout's padding keys may name the
-    same place as a chosen key where the table shares rows (an offloaded store's slot table sends every
-    page it did not fetch to one row: LayerPools.distinct_rows), so their zero gradients must be added,
-    not written back.
+    Every key some query sees is named once: a dense layout names each visible key, a page-sparse one its
+    chosen pages and then the other past pages (a permutation of the past, chosen_pages), which pad the
+    gather and no query sees. Through a table that sends the pages a store does not hold to one row
+    (oomb.cache.KVStore.fetch), padding keys may share that row.
     """
 
     page_ids: torch.Tensor
@@ -82,7 +82,6 @@ class KeyLayout:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
-    distinct: bool = True
 
     @property
     def varlen(self) -> bool:
@@ -257,48 +256,17 @@ def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32), copy=True)
 
 
-def _pool_rows(pool: torch.Tensor, layout: KeyLayout) -> torch.Tensor:
-    """[T * H_kv] row indices of the layout's tokens in ``pool`` (contiguous [pages, H_kv, page_size, D]) seen as
-    [pages * H_kv * page_size, D]: an accumulating put into these rows instead of a strided view (the pool's
-    [page, slot, head] order) that would copy the whole pool to a contiguous tensor and back, for every layer and
-    chunk at any length (seen in an op-level profile of a 32K-token sparse step, H100 2026-12-05, dev/LOG.md
-    session 18)."""
-    _, h_kv, page_size, _ = pool.shape
-    heads = torch.arange(h_kv, device=pool.device)
-    return ((layout.page_ids[:, None] * h_kv + heads) * page_size + layout.slots[:, None]).reshape(-1)
-
-
-def _add_at(pool: torch.Tensor, layout: KeyLayout, grad: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-    """Adds ``grad`` (the gathered keys' gradients, any leading shape) into the pool's tokens the layout names.
-    Where every (page, slot) appears once in the layout, gather-add-scatter adds each key's gradient once; else
-    an accumulating scatter adds every named key's gradient (zeros for page-sparse padding) wherever it lands.
-    ``rows``: ``_pool_rows(pool, layout)`` where the caller made it once for pools of the same shape."""
-    if not layout.distinct:
-        grad = grad.reshape(-1, *grad.shape[-2:]).to(pool.dtype)  # [T, H_kv, D]
-        if not pool.is_contiguous():
-            pool.transpose(1, 2).index_put_((layout.page_ids, layout.slots), grad, accumulate=True)
-            return
-        if rows is None:
-            rows = _pool_rows(pool, layout)
-        d = pool.shape[-1]
-        pool.view(-1, d).index_put_((rows,), grad.reshape(-1, d), accumulate=True)
-        return
+def _add_at(pool: torch.Tensor, layout: KeyLayout, grad: torch.Tensor) -> None:
+    """Adds ``grad`` (the gathered keys' gradients, any leading shape) into the pool's tokens the layout names, by
+    gathering, adding and writing back: each key a query sees is named once (KeyLayout), and the keys that share
+    a place (page-sparse padding in a store's row for pages it does not hold) carry zero gradients to a row that
+    nothing reads back. An accumulating put would sort every index first (about 0.28 ms a call in a 32K-token
+    step, H100 2026-12-05, dev/LOG.md session 21)."""
     words = _words(pool)
     where = (layout.page_ids, slice(None), layout.slots)
     gathered = words[where].view(pool.dtype)
     gathered += grad.reshape(-1, *grad.shape[-2:]).to(pool.dtype)
     words[where] = gathered.view(words.dtype)
-
-
-def _add_kv_at(dk_pool: torch.Tensor, dv_pool: torch.Tensor, layout: KeyLayout, dk: torch.Tensor,
-               dv: torch.Tensor) -> None:
-    """``_add_at`` for a call's dK and dV: the pools' row indices made once where both take the accumulating put
-    (an arange and four elementwise kernels a layer and chunk fewer)."""
-    rows = None
-    if not layout.distinct and dk_pool.is_contiguous() and dv_pool.is_contiguous() and dk_pool.shape == dv_pool.shape:
-        rows = _pool_rows(dk_pool, layout)
-    _add_at(dk_pool, layout, dk, rows)
-    _add_at(dv_pool, layout, dv, rows)
 
 
 class Flash4Attention:
@@ -351,11 +319,9 @@ class Flash4Attention:
         return blocks
 
     def _prepare(self, q, k_pool, page_table, kv_len, sliding_window, doc_start, page_select, select_block,
-                 direction: str, page_union: int | None = None, distinct_rows: bool = True):
+                 direction: str, page_union: int | None = None):
         """(the keys to gather, FA4's left window, the block pairs of a page-sparse call for ``direction``
-        ("forward" or "backward") or None). ``distinct_rows``: the table sends every page to a row of its own
-        (LayerPools.distinct_rows), so a page-sparse call's keys, its chosen pages and then other past pages
-        (a permutation of the past, chosen_pages), name each (row, slot) once."""
+        ("forward" or "backward") or None)."""
         _, h, c, _ = q.shape
         page_size = k_pool.shape[2]
         window_left = None if sliding_window is None else min(sliding_window, kv_len + 1) - 1
@@ -365,7 +331,7 @@ class Flash4Attention:
         chosen = self._chosen_pages(page_select, (kv_len - c) // page_size, page_union)
         keys = page_sparse_keys(page_table, kv_len, c, page_size, page_select, select_block, block_q, h,
                                 directions=(direction,), page_union=page_union, chosen=chosen)
-        layout = KeyLayout(keys.page_ids, keys.slots, keys_per_row=keys.keys_per_row, distinct=distinct_rows)
+        layout = KeyLayout(keys.page_ids, keys.slots, keys_per_row=keys.keys_per_row)
         return layout, window_left, keys.sparsity
 
     @staticmethod
@@ -442,24 +408,20 @@ class Flash4Attention:
 
     def backward(self, d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len, *, scale,
                  sliding_window=None, sinks=None, doc_start=None, page_select=None, select_block=None,
-                 block_tokens=None, page_union=None, distinct_rows=True):
-        """Adds dK/dV of every visible key into dk_pool/dv_pool; returns (dq [B, H, C, D], None). ``distinct_rows``
-        (LayerPools.distinct_rows): a page-sparse call adds its keys' gradients by gathering, adding and writing
-        back the rows (each named once), not by an accumulating put (a sort of every index, for the rows that
-        an offloaded slot's table shares)."""
+                 block_tokens=None, page_union=None):
+        """Adds dK/dV of every visible key into dk_pool/dv_pool; returns (dq [B, H, C, D], None)."""
         visibility = dict(sliding_window=sliding_window, doc_start=doc_start, page_select=page_select,
                           select_block=select_block)
         if not self.expresses(q, k_pool, sinks=sinks, **visibility):
             return self.fallback.backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len,
-                                          scale=scale, sinks=sinks, distinct_rows=distinct_rows, **visibility)
+                                          scale=scale, sinks=sinks, **visibility)
         if dk_pool.shape != k_pool.shape or dv_pool.shape != k_pool.shape:
             raise ValueError("dk_pool and dv_pool must match k_pool's shape")
         self._check(q, k_pool, page_table, kv_len, **visibility)
         if segments := self._segments(k_pool, page_table, kv_len, q.shape[2], **visibility):
             return self._segmented_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, segments, scale)
         layout, window_left, sparsity = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
-                                                      page_select, select_block, "backward", page_union,
-                                                      distinct_rows)
+                                                      page_select, select_block, "backward", page_union)
         b, h, c, _ = q.shape
         if layout.varlen:  # [B, H, C] -> [H, B * C]
             lse = lse.transpose(0, 1).reshape(h, b * c)
@@ -469,7 +431,8 @@ class Flash4Attention:
             _gather(v_pool, layout, b), self._queries(out, layout), lse.contiguous(), scale=scale,
             window_left=window_left, layout=layout, **sparse,
         )
-        _add_kv_at(dk_pool, dv_pool, layout, dk, dv)
+        _add_at(dk_pool, layout, dk)
+        _add_at(dv_pool, layout, dv)
         return self._heads_first(dq, b, layout), None
 
     def _segmented_backward(self, d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, segments, scale):
@@ -482,6 +445,7 @@ class Flash4Attention:
             part, dk, dv = self.kernels.backward(grads, queries, _gather(k_pool, layout, b),
                                                  _gather(v_pool, layout, b), outs, lse, scale=scale,
                                                  window_left=None, layout=layout, causal=causal)
-            _add_kv_at(dk_pool, dv_pool, layout, dk, dv)
+            _add_at(dk_pool, layout, dk)
+            _add_at(dv_pool, layout, dv)
             dq = _at_least_float32(part) if dq is None else dq.add_(part)
         return dq.to(q.dtype).transpose(1, 2), None

@@ -279,7 +279,6 @@ def paged_attention_backward(
     select_block: int | None = None,
     block_tokens: int | None = None,
     page_union: int | None = None,  # the most distinct pages one row's lists name (fa4 sizes its gather by it); unused
-    distinct_rows: bool = True,  # whether page_table sends every page to a row of its own (LayerPools); unused
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Adds dK/dV of every visible page into dk_pool/dv_pool.
 

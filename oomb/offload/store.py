@@ -21,8 +21,13 @@ the share of layers kept.
 The device holds ``num_slots`` working slots (default 2: the layer being computed and the
 next one). A slot holds, for one layer, the pages one kernel call reads, compacted::
 
-    slot k, v, dk, dv : [B * M, H_kv, page_size, D]    M = past pages asked for + chunk pages
-    slot table        : [B, max_pages] int32            page p of row b -> its slot row
+    slot k, v, dk, dv : [B * M + 1, H_kv, page_size, D]    M = past pages asked for + chunk pages
+    slot table        : [B, max_pages] int32                page p of row b -> its slot row
+
+Every page the slot holds has a row of its own; the pages it does not hold all go to the last
+row (``B * M``), which no copy reads back. A kernel may gather from it (a page-sparse call's
+padding keys, which no query sees) and add their zero gradients to it, so kernels can add
+gradients by gathering, adding and writing back rows, as over the device store's table.
 
 Dense attention asks for every past page (one contiguous copy per row and kind); sparse
 attention for the pages its page lists name, gathered by a kernel that reads the mapped
@@ -275,8 +280,7 @@ class OffloadedKVStore(ChunkLedger):
             torch.cuda.current_stream(self.spec.device).wait_event(slot.ready)
         self._sync()
         pools = LayerPools(k=slot.pools["k"], v=slot.pools["v"], dk=slot.pools["dk"], dv=slot.pools["dv"],
-                           mean_k=slot.mean.flatten(0, 1),  # the layer's only after mean_keys()
-                           distinct_rows=False)  # the slot table sends pages it did not fetch to row 0
+                           mean_k=slot.mean.flatten(0, 1))  # the layer's only after mean_keys()
         return pools, slot.table
 
     def prefetch(self, layer_idx: int, past_pages: PastPages | None, *, grads: bool) -> None:
@@ -415,17 +419,18 @@ class OffloadedKVStore(ChunkLedger):
         num_past = record.first_page if past_pages is None else past_pages.num_rows
         rows = num_past + record.num_pages
         self._sync()  # debugging mode: every queued kernel and copy ran before the host touches anything
-        slot.ensure_capacity(s, b * rows, self._synchronize)
+        unfetched = b * rows  # the row of every page the slot does not hold (module docstring)
+        slot.ensure_capacity(s, unfetched + 1, self._synchronize)
         # The slot's table: page p of row b -> b * rows + its index in the slot. Built on the device:
         # a host-built table would be a pageable copy, which waits for the queued kernels.
         dev = s.device
-        table = torch.zeros((b, self._max_pages), dtype=torch.int32, device=dev)
+        table = torch.full((b, self._max_pages), unfetched, dtype=torch.int32, device=dev)
         base = (torch.arange(b, dtype=torch.int32, device=dev) * rows).view(-1, 1)
         if past_pages is None:
             table[:, :num_past] = base + torch.arange(num_past, dtype=torch.int32, device=dev)
         else:
             past_idx, past_rows = past_pages.table_rows()
-            table[:, past_idx] = base + past_rows
+            table[:, past_idx] = torch.where(past_rows >= 0, base + past_rows, unfetched)
         table[:, record.first_page : record.first_page + record.num_pages] = (
             base + num_past + torch.arange(record.num_pages, dtype=torch.int32, device=dev))
         slot.table = table

@@ -50,9 +50,9 @@ def _problem(b, h, h_kv, h_sel, c, n_past, d, page, select_block, budget, common
     return pb, kw
 
 
-def _compare(attention, pb, kw, tol=TOL, distinct_rows=True):
+def _compare(attention, pb, kw, tol=TOL):
     """Forward and backward of ``attention`` against the reference on the same inputs (gradients added into
-    random pools; ``distinct_rows``: what the pools say of their table, LayerPools.distinct_rows)."""
+    random pools)."""
     kv_len = pb.kv_len
     out, lse = attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
     ref_out, ref_lse = reference.paged_attention_forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
@@ -61,8 +61,7 @@ def _compare(attention, pb, kw, tol=TOL, distinct_rows=True):
     d_out = torch.randn_like(out)
     dk0, dv0 = torch.randn_like(pb.k_pool), torch.randn_like(pb.v_pool)
     dk, dv, ref_dk, ref_dv = dk0.clone(), dv0.clone(), dk0.clone(), dv0.clone()
-    dq, _ = attention.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len,
-                               distinct_rows=distinct_rows, **kw)
+    dq, _ = attention.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len, **kw)
     ref_dq, _ = reference.paged_attention_backward(d_out, pb.q, ref_out, ref_lse, pb.k_pool, pb.v_pool, ref_dk,
                                                    ref_dv, pb.page_table, kv_len, **kw)
     assert_close_rel(dq, ref_dq, tol, "dq")
@@ -232,57 +231,39 @@ def test_a_gathered_order_off_by_one_from_the_lists_is_caught(monkeypatch):
         _compare(Flash4Attention(TorchFlash(sparse_blocks=(8, 8)), fallback=None), pb, kw)
 
 
-def test_unchosen_pages_that_alias_a_chosen_one_do_not_lose_its_gradient():
-    # An offloaded store's slot table sends every page it did not fetch to slot row 0, which holds a chosen
-    # page: the padding keys then name the same place as real ones, and their zero gradients must be added
-    # (the slot's pools say so: LayerPools.distinct_rows is False).
+def _slot_of(pb, sel, shared_row):
+    """The problem's pools as an offloaded store's slot holds them: each row's chosen pages and its chunk, compacted;
+    the table sends every other page to ``shared_row(rows)`` (``rows``: the rows the slot holds)."""
+    b, n_past = pb.q.shape[0], (pb.kv_len - pb.q.shape[2]) // pb.k_pool.shape[2]
+    held, where = [], {}
+    for row in range(b):
+        for p in sorted(set(sel[row].reshape(-1).tolist())) + list(range(n_past, pb.page_table.shape[1])):
+            where[row, p] = len(held)
+            held.append(int(pb.page_table[row, p]))
+    table = torch.full_like(pb.page_table, shared_row(len(held)))
+    for (row, p), r in where.items():
+        table[row, p] = r
+    pools = {name: torch.cat([getattr(pb, name)[held], torch.randn_like(getattr(pb, name)[:1])])
+             for name in ("k_pool", "v_pool")}  # and the shared row, holding no page
+    return dataclasses.replace(pb, page_table=table, **pools), len(held)
+
+
+def test_pages_a_slot_does_not_hold_share_a_row_that_takes_only_zeros():
+    # An offloaded store's slot table sends every page it did not fetch to one row of its own
+    # (oomb.cache.KVStore.fetch): the padding keys of a page-sparse gather all name it, and adding their zero
+    # gradients by gather-add-write leaves the other rows' gradients whole and that row as it was.
     b, h, h_kv, c, n_past, d, page = 2, 4, 2, 16, 10, 8, 8
     pb, kw = _problem(b, h, h_kv, 1, c, n_past, d, page, 8, 3)  # U = 6; unions of at most 5 pages (common page)
-    sel = kw["page_select"]
-    rows, table = [], torch.zeros_like(pb.page_table)
-    for row in range(b):
-        fetched = sorted(set(sel[row].reshape(-1).tolist())) + list(range(n_past, pb.page_table.shape[1]))
-        for p in fetched:
-            table[row, p] = len(rows)
-            rows.append(int(pb.page_table[row, p]))
-    slot = dataclasses.replace(pb, k_pool=pb.k_pool[rows].clone(), v_pool=pb.v_pool[rows].clone(), page_table=table)
     kernels = TorchFlash(sparse_blocks=(8, page))
-    _compare(Flash4Attention(kernels, fallback=None), slot, kw, distinct_rows=False)
-    # Claimed distinct, the keys are gathered, added to and written back: the last write of a row wins
+    slot, shared = _slot_of(pb, kw["page_select"], shared_row=lambda held: held)
+    dk, dk0 = _compare(Flash4Attention(kernels, fallback=None), slot, kw)
+    assert kernels.sparse_calls == 2 and (slot.page_table == shared).any()
+    assert torch.equal(dk[shared], dk0[shared])
+    # A table that sends them to a row holding a chosen page breaks that: the padding keys' writes of the row
+    # (its old value plus zero) and the chosen keys' (plus their gradient) race, and one is lost.
+    slot, _ = _slot_of(pb, kw["page_select"], shared_row=lambda held: 0)
     with pytest.raises(AssertionError, match="dk added|dv added"):
-        _compare(Flash4Attention(kernels, fallback=None), slot, kw, distinct_rows=True)
-
-
-def test_a_table_of_distinct_rows_adds_sparse_gradients_without_an_accumulating_put(monkeypatch):
-    # A device store's table gives every page its own row: the chosen pages and the others after them (a
-    # permutation of the past) are gathered once each, so their gradients are added by gather-add-write
-    # (three kernels a pool), not by an accumulating put (which sorts every index first).
-    pb, kw = _problem(2, 4, 2, 1, 32, 10, 16, 8, 16, 3)
-    seen = []
-    add_at = flash4._add_at
-
-    def spy(pool, layout, grad, rows=None):
-        seen.append(layout.distinct)
-        return add_at(pool, layout, grad, rows)
-
-    monkeypatch.setattr(flash4, "_add_at", spy)
-    attention = Flash4Attention(TorchFlash(sparse_blocks=(8, 8)), fallback=None)
-    _compare(attention, pb, kw)
-    assert seen == [True, True]  # dK and dV
-    seen.clear()
-    _compare(attention, pb, kw, distinct_rows=False)
-    assert seen == [False, False]
-    # Both ways add each key's gradient once into its row: the same pools, bit for bit
-    torch.manual_seed(3)
-    out, lse = attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, pb.kv_len, **kw)
-    d_out, dk0 = torch.randn_like(out), torch.randn_like(pb.k_pool)
-    pools = {}
-    for distinct in (True, False):
-        dk, dv = dk0.clone(), dk0.clone()
-        attention.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, pb.kv_len,
-                           distinct_rows=distinct, **kw)
-        pools[distinct] = (dk, dv)
-    assert torch.equal(pools[True][0], pools[False][0]) and torch.equal(pools[True][1], pools[False][1])
+        _compare(Flash4Attention(kernels, fallback=None), slot, kw)
 
 
 def test_each_call_gets_only_its_own_directions_lists():

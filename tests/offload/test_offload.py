@@ -179,6 +179,37 @@ def test_sparse_offload_through_the_page_copy_kernel_is_bit_identical(monkeypatc
         assert torch.equal(got[name], g), name
 
 
+@pytest.mark.parametrize("kw", [
+    pytest.param({"selection": PageSelection(page_budget=3, block=16)}, id="sparse"),
+    pytest.param({"selection": PageSelection(page_budget=2, block=8, chunk_pages=3)}, id="sparse-chunk-pages"),
+    pytest.param({"selection": PageSelection(page_budget=3, block=16, per_head=True)}, id="sparse-per-head"),
+])
+def test_offload_through_the_fa4_backend_is_bit_identical(monkeypatch, kw):
+    """The fa4 backend (FA4 replaced by its PyTorch stand-in) adds sparse dK/dV by gather-add-write through an
+    offloaded slot's table as through the device store's: the same gradients, bit for bit."""
+    from flash_standin import TorchFlash
+
+    import oomb.engine.prepare as prepare
+    from oomb.kernels import AttentionBackend, reference
+    from oomb.kernels.flash4 import Flash4Attention
+
+    kernels = TorchFlash(sparse_blocks=(8, 8))
+    fallback = AttentionBackend("torch", reference.paged_attention_forward, reference.paged_attention_backward)
+    attention = Flash4Attention(kernels, fallback=fallback)
+    monkeypatch.setattr(prepare, "get_backend",
+                        lambda name, device: AttentionBackend("fa4", attention.forward, attention.backward))
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (2, 160))
+    ref_loss, ref = _step(model, ids, chunk_size=32, page_size=8, **kw)
+    sparse_calls = kernels.sparse_calls
+    loss, got = _step(model, ids, chunk_size=32, page_size=8, offload=True, **kw)
+    assert isinstance(store_for_model(model), OffloadedKVStore)
+    assert sparse_calls > 0 and kernels.sparse_calls == 2 * sparse_calls  # FA4's block sparsity ran, both times
+    assert torch.equal(loss, ref_loss)
+    for name, g in ref.items():
+        assert torch.equal(got[name], g), name
+
+
 @pytest.mark.parametrize("kw", [pytest.param({}, id="dense"),
                                 pytest.param({"selection": PageSelection(page_budget=3, block=16)}, id="sparse")])
 @pytest.mark.parametrize("resident", [1, 3, 4])
@@ -288,23 +319,35 @@ def test_a_cap_on_a_chunks_pages_is_what_offload_moves():
     assert moved[2] < 0.5 * moved[None]
 
 
-def test_pools_say_whether_their_table_shares_rows():
-    """A slot's table sends the pages it did not fetch to one row (LayerPools.distinct_rows False: kernels must
-    accumulate gradients through it); resident layers and the device store give every page its own row."""
-    from oomb.cache import PagedKVStore, PastPages, StoreSpec
+def test_a_slot_table_sends_the_pages_it_does_not_hold_to_a_row_of_their_own():
+    """Each page a slot holds has its own row, and the others share one more row, which no copy reads back
+    (oomb.cache.KVStore.fetch): kernels add gradients by gather-add-write as over the device store's table."""
+    from oomb.cache import PastPages, StoreSpec
 
-    spec = StoreSpec(num_layers=3, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float32,
+    spec = StoreSpec(num_layers=2, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float32,
                      grad_dtype=torch.float32, device=torch.device("cpu"))
-    device = PagedKVStore(spec)
-    device.reserve(1, 16)
-    device.append_chunk(8)
-    assert device.fetch(0, None, grads=False)[0].distinct_rows
-    store = OffloadedKVStore(spec, gpu_bytes=spec.layer_bytes(4))  # the first layer's 4 pages stay on the device
-    store.reserve(1, 16)
-    store.append_chunk(8)
-    store.append_chunk(4)
-    assert store.resident_layers == 1
-    assert store.fetch(0, None, grads=False)[0].distinct_rows
-    pools, table = store.fetch(1, PastPages(torch.tensor([1])), grads=False)  # page 0 not fetched
-    assert not pools.distinct_rows
-    assert table[0, 0] == table[0, 1], "the unfetched page shares the fetched one's row"
+    store = OffloadedKVStore(spec)
+    store.reserve(2, 24)  # 6 pages a row
+    store.append_chunk(12)
+    store.append_chunk(4)  # page 3: pages 0-2 are its past
+    lists = torch.tensor([[0, 2]])
+    for past in (PastPages(torch.tensor([1])), PastPages.union(lists, 3)):
+        pools, table = store.fetch(1, past, grads=True)
+        held = {1} if past.slot_rows is None else {0, 2}
+        rows = len(held) + 1  # and the chunk's page
+        unheld = 2 * rows
+        assert pools.k.shape[0] > unheld
+        for b in range(2):
+            assert [int(table[b, p]) for p in sorted(held)] == [b * rows + i for i in range(len(held))]
+            assert int(table[b, 3]) == b * rows + len(held)
+            assert all(int(table[b, p]) == unheld for p in (0, 1, 2, 4, 5) if p not in held)
+        # What the kernels write there stays on the device: the host's gradient pages are those of the slot's rows
+        pools.dk[:unheld] = 1.0
+        pools.dk[unheld] = 7.0
+        store.writeback(1, grads=True)
+        home = store._home("dk", 1)
+        assert (home[:, sorted(held)] == 1.0).all() and not (home == 7.0).any()
+        store.free_last_chunk()
+        store.append_chunk(4)
+
+
