@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from benchmarks.common import int_list, time_steps
+from benchmarks.common import GpuClocks, int_list, time_steps
 from benchmarks.timeline import step_profile
 
 STACKS = {"fa4": "flash_attention_4", "sdpa": "sdpa"}
@@ -85,9 +85,10 @@ def run(args) -> list[dict]:
             step(ids)  # warm-up at this length (kernels compiled, the allocator's pools grown)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            times = time_steps(lambda ids=ids: step(ids), args.repeats)
+            with GpuClocks() as clocks:
+                times = time_steps(lambda ids=ids: step(ids), args.repeats)
             row.update(step_s=statistics.median(times), step_times_s=times,
-                       peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30)
+                       peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30, gpu_clocks=clocks.summary())
             if n in args.profile_lengths:  # after the timed steps, so the profiler never touches their times
                 row["profile"] = step_profile(lambda ids=ids: step(ids))
         except torch.OutOfMemoryError as e:

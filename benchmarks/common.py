@@ -6,6 +6,9 @@ import importlib.metadata
 import json
 import os
 import shlex
+import shutil
+import statistics
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -122,6 +125,60 @@ def time_steps(fn, repeats: int) -> list[float]:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return times
+
+
+class GpuClocks:
+    """The GPU's SM clock, power draw and temperature while timed steps run, sampled by ``nvidia-smi`` in a process
+    of its own (NVML from outside: nothing in the timed process), so that two rows' times can be told apart from
+    their clocks: a step whose matrix products run at a lower clock (the card at its power limit) is slower for
+    that alone. ``summary()`` is None where no sampler ran (no CUDA device or no nvidia-smi).
+
+        with GpuClocks() as clocks:
+            times = time_steps(step, repeats)
+        row["gpu_clocks"] = clocks.summary()
+    """
+
+    FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "power.limit")
+
+    def __init__(self, interval_ms: int = 200, command: list[str] | None = None):
+        if command is None and torch.cuda.is_available() and shutil.which("nvidia-smi"):
+            uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+            gpu = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+            command = ["nvidia-smi", f"--id={gpu}", f"--query-gpu={','.join(self.FIELDS)}",
+                       "--format=csv,noheader,nounits", f"-lms={interval_ms}"]
+        self.command = command
+        self._proc: subprocess.Popen | None = None
+        self.samples: list[tuple[float, ...]] = []
+
+    def __enter__(self) -> GpuClocks:
+        if self.command:
+            self._proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            out, _ = self._proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out, _ = self._proc.communicate()
+        for line in out.splitlines():
+            try:
+                values = tuple(float(v) for v in line.split(","))
+            except ValueError:  # "[N/A]", a cut-off last line
+                continue
+            if len(values) == len(self.FIELDS):
+                self.samples.append(values)
+
+    def summary(self) -> dict | None:
+        """Medians of the SM clock (MHz) and power draw (W), their lows, the hottest reading and the power limit."""
+        if not self.samples:
+            return None
+        sm, power, temp, limit = zip(*self.samples, strict=True)
+        return {"sm_mhz": statistics.median(sm), "sm_mhz_min": min(sm), "power_w": statistics.median(power),
+                "power_limit_w": max(limit), "temp_c_max": max(temp), "samples": len(self.samples)}
 
 
 def kernel_times(fn, repeats: int = 5) -> dict[str, float]:

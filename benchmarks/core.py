@@ -34,6 +34,7 @@ import torch
 
 import oomb
 from benchmarks.common import (
+    GpuClocks,
     add_grad_accumulation_argument,
     ask_fa4_block_sparse,
     command_line,
@@ -204,7 +205,9 @@ def sparse_floor(results: list[dict]) -> list[dict]:
     step without its attention kernels (what the best dense stack spends outside attention), plus the attention
     kernels of the oomb row's own profiled step (attention over the chosen pages and the chunk). Measured on one
     machine in one run, so a floor taken on another GPU need not be rescaled. The stack is the faster profiled one
-    at the row's length; timed steps, not profiled walls (the profiler slows the host, not the kernels)."""
+    at the row's length; timed steps, not profiled walls (the profiler slows the host, not the kernels). The SM
+    clocks both ran at (median over their timed steps, benchmarks.common.GpuClocks; None where not sampled) say
+    whether the floor's kernels ran faster for their clock alone."""
     stacks = fastest_stacks(results, profiled=True)
     rows = []
     for r in results:
@@ -215,7 +218,9 @@ def sparse_floor(results: list[dict]) -> list[dict]:
             rows.append({"system": r["system"], "seq_len": r["seq_len"], "baseline": b["system"],
                          "baseline_step_s": b["step_s"], "baseline_outside_attention_s": outside,
                          "attention_s": attention, "floor_s": outside + attention, "step_s": r["step_s"],
-                         "step_over_floor": r["step_s"] / (outside + attention)})
+                         "step_over_floor": r["step_s"] / (outside + attention),
+                         "baseline_sm_mhz": (b.get("gpu_clocks") or {}).get("sm_mhz"),
+                         "sm_mhz": (r.get("gpu_clocks") or {}).get("sm_mhz")})
     return rows
 
 
@@ -328,7 +333,8 @@ def run(args) -> dict:
                 warmed = True
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            times = time_steps(step, args.repeats)
+            with GpuClocks() as clocks:
+                times = time_steps(step, args.repeats)
             profile = {"profile": step_profile(step)} if n in args.profile_lengths else {}
             # No local name for the store: a live reference would keep its pools through the next length.
             record(system, n, times, extra={
@@ -339,7 +345,7 @@ def run(args) -> dict:
                 "store_gib": store_for_model(model).nbytes() / 2**30,
                 "store_bytes_per_token": store_for_model(model).spec.bytes_per_token(),
                 "params_plus_grads_gib": 2 * param_bytes / 2**30,
-                **fused_record, "tiles": args.tiles, **profile,
+                **fused_record, "tiles": args.tiles, "gpu_clocks": clocks.summary(), **profile,
             })
         except torch.OutOfMemoryError as e:
             record(system, n, error=f"out of memory: {str(e).splitlines()[0]}")
@@ -360,8 +366,9 @@ def run(args) -> dict:
                 _hf_step(model, ids)  # warm-up at this length
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-                times = time_steps(lambda ids=ids: _hf_step(model, ids), args.repeats)
-                record("transformers-sdpa-ckpt", n, times)
+                with GpuClocks() as clocks:
+                    times = time_steps(lambda ids=ids: _hf_step(model, ids), args.repeats)
+                record("transformers-sdpa-ckpt", n, times, extra={"gpu_clocks": clocks.summary()})
             except torch.OutOfMemoryError as e:
                 record("transformers-sdpa-ckpt", n, error=f"out of memory: {str(e).splitlines()[0]}")
                 break
@@ -434,7 +441,9 @@ def _print_table(report: dict) -> None:
     for f in report.get("sparse_floor", []):
         print(f"{f['system']:<24}{f['seq_len']:>9}  floor {f['floor_s']:.2f} s ({f['baseline']} outside attention "
               f"{f['baseline_outside_attention_s']:.2f} s + its attention {f['attention_s']:.2f} s): "
-              f"step {f['step_over_floor']:.3f}x the floor")
+              f"step {f['step_over_floor']:.3f}x the floor"
+              + (f"; SM clock {f['sm_mhz']:.0f} MHz, the stack's {f['baseline_sm_mhz']:.0f} MHz"
+                 if f.get("sm_mhz") and f.get("baseline_sm_mhz") else ""))
     if (rope := report.get("rope")) is not None:
         cost = rope["per_chunk"]
         for n, calls in rope["calls_per_step"].items():

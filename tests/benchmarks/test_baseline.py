@@ -1,5 +1,8 @@
 """The fair baseline of benchmarks.core: each oomb row against the faster transformers stack at its length."""
 
+import sys
+import time
+
 import pytest
 
 from benchmarks.baseline import main as baseline_main
@@ -103,3 +106,33 @@ def test_the_sparse_floor_is_the_stacks_time_outside_attention_plus_the_rows_own
     assert got[0]["floor_s"] == pytest.approx(17.1)
     assert got[0]["step_over_floor"] == pytest.approx(16.6 / 17.1)
     assert sparse_floor([sparse]) == []  # no profiled stack at its length: no floor
+    assert got[0]["sm_mhz"] is None and got[0]["baseline_sm_mhz"] is None  # no clocks sampled
+    stack["gpu_clocks"] = {"sm_mhz": 1755.0}
+    sparse["gpu_clocks"] = {"sm_mhz": 1590.0}
+    got = sparse_floor([stack, sparse])
+    assert (got[0]["sm_mhz"], got[0]["baseline_sm_mhz"]) == (1590.0, 1755.0)
+
+
+FAKE_SMI = """
+import sys, time
+lines = ["1980, 120.5, 35, 700.00", "[N/A], 121.0, 35, 700.00", "1755, 690.1, 61, 700.00", "1590, 699.8, 66, 700.00"]
+for line in lines:
+    print(line, flush=True)
+time.sleep(float(sys.argv[1]))
+print("1600, 70", flush=True)  # cut off when the sampler stops it
+"""
+
+
+def test_gpu_clocks_are_sampled_beside_the_timed_steps(tmp_path):
+    from benchmarks.common import GpuClocks
+
+    smi = tmp_path / "smi.py"
+    smi.write_text(FAKE_SMI)
+    with GpuClocks(command=[sys.executable, str(smi), "30"]) as clocks:
+        time.sleep(1.0)  # the timed steps
+    got = clocks.summary()
+    assert got == {"sm_mhz": 1755.0, "sm_mhz_min": 1590.0, "power_w": 690.1, "power_limit_w": 700.0,
+                   "temp_c_max": 66.0, "samples": 3}
+    with GpuClocks(command=[]) as clocks:  # what it does without a CUDA device or nvidia-smi: nothing sampled
+        pass
+    assert clocks.summary() is None
