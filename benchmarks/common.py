@@ -145,7 +145,7 @@ class GpuClocks:
             uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
             gpu = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
             command = ["nvidia-smi", f"--id={gpu}", f"--query-gpu={','.join(self.FIELDS)}",
-                       "--format=csv,noheader,nounits", f"-lms={interval_ms}"]
+                       "--format=csv,noheader,nounits", f"--loop-ms={interval_ms}"]
         self.command = command
         self._proc: subprocess.Popen | None = None
         self.samples: list[tuple[float, ...]] = []
