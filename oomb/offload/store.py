@@ -24,8 +24,8 @@ next one). A slot holds, for one layer, the pages one kernel call reads, compact
     slot k, v, dk, dv : [B * M + 1, H_kv, page_size, D]    M = past pages asked for + chunk pages
     slot table        : [B, max_pages] int32                page p of row b -> its slot row
 
-Every page the slot holds has a row of its own; the pages it does not hold all go to the last
-row (``B * M``), which no copy reads back. A kernel may gather from it (a page-sparse call's
+Every page the slot holds has a row of its own; the pages it does not hold all go to the row
+after those (``B * M``), which no copy reads back. A kernel may gather from it (a page-sparse call's
 padding keys, which no query sees) and add their zero gradients to it, so kernels can add
 gradients by gathering, adding and writing back rows, as over the device store's table.
 
