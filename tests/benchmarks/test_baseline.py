@@ -118,8 +118,8 @@ import sys, time
 lines = ["1980, 120.5, 35, 700.00", "[N/A], 121.0, 35, 700.00", "1755, 690.1, 61, 700.00", "1590, 699.8, 66, 700.00"]
 for line in lines:
     print(line, flush=True)
-time.sleep(float(sys.argv[1]))
-print("1600, 70", flush=True)  # cut off when the sampler stops it
+print("1600, 70", flush=True)  # a line with fewer fields (as one cut off mid-write): not a sample
+time.sleep(float(sys.argv[1]))  # until the sampler stops it
 """
 
 
