@@ -1,8 +1,10 @@
 """FlashAttention-4's two calls in PyTorch, with its semantics, so the ``fa4`` backend's gathering of
 pages, packing of documents and scattering of gradients can be checked on CPU.
 
-Layouts as FA4's: q [B, C, H, D] with k/v [B, S, H_kv, D], or variable lengths q [T_q, H, D] with
-k/v [T_k, H_kv, D] and cu_seqlens; lse [B, H, C] or [H, T_q]. Causal aligned bottom-right in each
+Layouts as FA4's: q [B, C, H, Dk] with k [B, S, H_kv, Dk] and v [B, S, H_kv, Dv], or variable lengths
+q [T_q, H, Dk] with k [T_k, H_kv, Dk], v [T_k, H_kv, Dv] and cu_seqlens; out with Dv; lse [B, H, C] or
+[H, T_q]. Head sizes are checked as flash-attn-4 4.0.0b40 checks them on Hopper (``_fa4_head_dims``), so
+a call the backend should have handed to its fallback fails here. Causal aligned bottom-right in each
 sequence; ``window_left`` keys before each query's own position stay visible (None: all); with
 ``causal=False`` every key. The backward computes from the out and lse it is given, as FA4's does.
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from oomb.kernels import reference
+from oomb.kernels import flash4, reference
 
 
 def _causal(c, s, window_left, causal=True):
@@ -152,8 +154,22 @@ def _attend(q, k, v, scale, window_left, layout, block_sparse=None, causal=True)
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
+def _fa4_head_dims(q, k, v, backward):
+    """The head-size checks of flash-attn-4 4.0.0b40 on Hopper (SM90), as its source has them: both sizes 8..256 and
+    multiples of 8 (interface.py:134-146), and in the backward, with more query heads than KV heads, equal sizes
+    (flash_bwd_sm90.py:122-123)."""
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    assert k.shape[-1] == head_dim, "q and k must share their head size"
+    assert 8 <= head_dim <= 256 and 8 <= head_dim_v <= 256 and head_dim % 8 == 0 and head_dim_v % 8 == 0, (
+        f"(head_dim, head_dim_v)=({head_dim}, {head_dim_v}) is not supported on SM90")
+    if backward and q.shape[-2] > k.shape[-2]:
+        assert head_dim == head_dim_v, "GQA backward requires head_dim == head_dim_v"
+
+
 class TorchFlash:
-    """The stand-in: float32/float64 like the reference, so agreement is checked to 1e-10 in float64.
+    """The stand-in: float32/float64 like the reference, so agreement is checked to 1e-10 in float64. It is FA4 on
+    Hopper for head sizes: it answers ``supports_head_dims`` as the ``fa4`` backend's FlashAttention4 does there,
+    and its calls check the sizes as FA4's do.
 
     ``sparse_blocks``: the (query, key) block sizes its block sparsity offers (None: none, as a kernels object
     from before block sparsity, which the backend must never hand a page selection)."""
@@ -165,8 +181,8 @@ class TorchFlash:
         self.sparse_blocks = sparse_blocks
         self.sparse_calls = 0
 
-    def supports_head_dim(self, head_dim):
-        return True
+    def supports_head_dims(self, head_dim, head_dim_v, grouped):
+        return flash4.fa4_supports_head_dims(9, head_dim, head_dim_v, grouped)
 
     def block_sparse_blocks(self, head_dim):
         return self.sparse_blocks
@@ -179,11 +195,13 @@ class TorchFlash:
 
     def forward(self, q, k, v, *, scale, window_left, layout, block_sparse=None, causal=True):
         self._count(block_sparse)
+        _fa4_head_dims(q, k, v, backward=False)
         return _attend(q, k, v, scale, window_left, layout, block_sparse, causal)
 
     def backward(self, d_out, q, k, v, out, lse, *, scale, window_left, layout, block_sparse=None, causal=True):
         # As FA4's: from the given out and lse (a segment's share of a softmax over more keys than it is given).
         self._count(block_sparse)
+        _fa4_head_dims(q, k, v, backward=True)
         seqs = _sequences(q, k, layout)
         visible = _visible(q, k, layout, window_left, causal, block_sparse, backward=True)
         lse_of = (lambda qi: lse[qi]) if not layout.varlen else (lambda qi: lse[:, qi[0]])

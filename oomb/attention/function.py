@@ -118,11 +118,15 @@ def paged_attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [H]
 ) -> torch.Tensor:
-    """The chunk's attention output [B, H, C, D] over everything stored before it and itself."""
+    """The chunk's attention output [B, H, C, D_v] over everything stored before it and itself."""
     if step.stage == "fill":
         # Stage 1 runs under no_grad: write and attend; nothing saved unless outputs are cached.
         out, lse, _ = _attend(step, layer_idx, q, k, v, sinks, scale, sliding_window)
         if step.cache_attention:
             step.attention_outputs[(layer_idx, step.store.last_chunk().start)] = (out, lse)
-        return out
-    return PagedAttention.apply(q, k, v, sinks, step, layer_idx, scale, sliding_window)
+    else:
+        out = PagedAttention.apply(q, k, v, sinks, step, layer_idx, scale, sliding_window)
+    if step.attended is not None:  # padding attends nothing: zero output (and no gradient into it)
+        record = step.store.last_chunk()
+        out = out * step.attended[:, None, record.start : record.end, None].to(out.dtype)
+    return out

@@ -4,21 +4,28 @@
 The engine switches a model to it for the duration of a step with
 ``model.set_attn_implementation`` and back afterwards, so models load and evaluate
 with their usual implementation and train through this one; no forward method is
-patched.
+patched. The name is not registered with ``AttentionMaskInterface``: models build no
+mask for it, and oomb applies causality, the window a call names and document
+boundaries itself (``oomb.engine.support`` checks, before a model's first step, that
+its masks say nothing else).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import AttentionInterface, PreTrainedModel
 
-from oomb.attention.context import STEP_KWARG, StepContext
+from oomb.attention.context import StepContext
 from oomb.attention.function import paged_attention
 
 ATTENTION_NAME = "oomb"
+
+# Attention module -> the step it runs in, while one runs (``oomb_attention``).
+_ACTIVE: weakref.WeakKeyDictionary[torch.nn.Module, StepContext] = weakref.WeakKeyDictionary()
 
 
 def oomb_attention_forward(
@@ -33,7 +40,7 @@ def oomb_attention_forward(
     s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    step: StepContext | None = kwargs.pop(STEP_KWARG, None)
+    step = _ACTIVE.get(module)
     if step is None:
         raise RuntimeError(
             "the 'oomb' attention implementation only runs inside oomb.chunked_backward(); "
@@ -56,43 +63,27 @@ def oomb_attention_forward(
     if isinstance(s_aux, DTensor):  # GPT-OSS sinks split over tensor parallel ranks: this rank's heads
         s_aux = s_aux.to_local()
 
-    layer_idx = module.layer_idx
-    step.layers_seen.add(layer_idx)
+    site = step.site_of(module)
     scale = scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5)
     out = paged_attention(
-        query, key, value, step, layer_idx,
+        query, key, value, step, site,
         scale=scale, sliding_window=sliding_window, sinks=s_aux,
     )
-    return out.transpose(1, 2), None  # transformers expects [B, C, H, D]
+    # transformers expects [B, C, H, D], and some models .view() it: contiguous (free where the kernel wrote
+    # that layout already, as FlashAttention-4 does)
+    return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION_NAME, oomb_attention_forward)
 
 
-# The config fields oomb reads a decoder's sizes from, to size its paged store and memory plan, in
-# transformers' common names. Configs that name them otherwise (GPT-2's n_inner, OPT's ffn_dim) are refused.
-MODEL_SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
-
-
-def check_model_config(config) -> None:
-    """Raise ValueError, naming the model type and the fields, where a config lacks a size oomb needs."""
-    missing = [name for name in MODEL_SIZE_FIELDS if getattr(config, name, None) is None]
-    if missing:
-        raise ValueError(
-            f"oomb does not support {getattr(config, 'model_type', None)!r} models ({type(config).__name__}): "
-            f"oomb sizes its paged store and memory plan from a decoder config with the fields "
-            f"{', '.join(MODEL_SIZE_FIELDS)}, and this one has no {', '.join(missing)}. Use a supported decoder "
-            "(Llama, Qwen2/2.5, Qwen3, Mistral, GPT-OSS, or another whose config has these fields)"
-        )
-
-
 def check_attention_support(model: PreTrainedModel) -> None:
-    """Raise if oomb cannot run the model: its config's sizes or its attention's routing."""
+    """Raise if oomb cannot attach to the model at all: its class, its attention's routing, its layer types.
+    (What its forward does around attention is checked by running it: oomb.engine.support.)"""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(
             f"oomb needs a transformers PreTrainedModel (e.g. AutoModelForCausalLM), got {type(model).__name__}"
         )
-    check_model_config(model.config)
     if not model._can_set_attn_implementation():
         raise ValueError(
             f"{type(model).__name__} does not route its attention through transformers' AttentionInterface, "
@@ -109,11 +100,18 @@ def check_attention_support(model: PreTrainedModel) -> None:
 
 
 @contextlib.contextmanager
-def oomb_attention(model: PreTrainedModel):
-    """Route the model's attention through oomb for the duration of the block."""
+def oomb_attention(model: PreTrainedModel, step: StepContext):
+    """Route the model's attention through oomb, in ``step``, for the duration of the block."""
+    busy = [module for module in step.sites if module in _ACTIVE]
+    if busy:
+        raise RuntimeError(f"{type(model).__name__} is already inside an oomb step: steps of one model do not nest")
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
+    for module in step.sites:
+        _ACTIVE[module] = step
     try:
         yield
     finally:
+        for module in step.sites:
+            _ACTIVE.pop(module, None)
         model.set_attn_implementation(previous)

@@ -4,7 +4,7 @@ from oomb.cache.allocator import OutOfPagesError, PageAllocator
 from oomb.cache.interface import KVStore
 from oomb.cache.page_lists import PageLists
 from oomb.cache.past_pages import PastPages
-from oomb.cache.store import ChunkRecord, LayerPools, PagedKVStore, StoreSpec
+from oomb.cache.store import ChunkRecord, LayerPools, PagedKVStore, PageShape, StoreSpec
 
 __all__ = [
     "ChunkRecord",
@@ -13,6 +13,7 @@ __all__ = [
     "OutOfPagesError",
     "PageAllocator",
     "PageLists",
+    "PageShape",
     "PagedKVStore",
     "PastPages",
     "StoreSpec",

@@ -2,7 +2,8 @@
 
 Layout (one set of pools per attention layer, page ids shared by all layers)::
 
-    k_pool, v_pool, dk_pool, dv_pool : [num_pages, H_kv, page_size, D]
+    k_pool, dk_pool                  : [num_pages, H_kv, page_size, D_k]
+    v_pool, dv_pool                  : [num_pages, H_kv, page_size, D_v]  (D_v = D_k but for latent attention)
     mean_k                           : [num_pages, H_kv, summary_dim]  (the K dtype; the mean key,
                                        then per-channel min and max with key_summary="bounds")
     page_table                       : [B, max_pages]        int32 (block table)
@@ -18,7 +19,8 @@ with one strided load. Chunks are appended at the end and freed newest first, wh
 is exactly the order of the two-stage step (stage 1 appends, stage 2 frees in reverse).
 Gradient pages are zeroed when a chunk is allocated; attention backward adds into them.
 
-Memory per token (all layers) = layers * H_kv * D * (2 * itemsize + 2 * grad_itemsize).
+Memory per token (all layers) = sum over layers of H_kv * (D_k + D_v) * (itemsize + grad_itemsize).
+Each layer has its own pools, so layers may differ in shape (``StoreSpec.layers``).
 """
 
 from __future__ import annotations
@@ -33,12 +35,29 @@ from oomb.cache.past_pages import PastPages
 
 
 @dataclass(frozen=True)
-class StoreSpec:
-    """Shapes and dtypes of a store; two stores with equal specs are interchangeable."""
+class PageShape:
+    """The K/V geometry of one attention layer's pages (latent attention: a key head size other than the value's)."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    kv_heads: int
+    key_dim: int  # head size of keys (and queries)
+    value_dim: int  # head size of values (and of the attention output)
+
+    def __post_init__(self) -> None:
+        for name in ("kv_heads", "key_dim", "value_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Shapes and dtypes of a store; two stores with equal specs are interchangeable.
+
+    ``layers``: one PageShape per attention layer of the store (an attention call of a chunk's forward: a
+    model that attends twice per decoder layer has two store layers per decoder layer). Most models give
+    every layer the same shape (``StoreSpec.uniform``).
+    """
+
+    layers: tuple[PageShape, ...]
     page_size: int
     dtype: torch.dtype
     grad_dtype: torch.dtype
@@ -48,25 +67,60 @@ class StoreSpec:
     def __post_init__(self) -> None:
         if self.key_summary not in KEY_SUMMARIES:
             raise ValueError(f"key_summary must be one of {KEY_SUMMARIES}, got {self.key_summary!r}")
+        if not self.layers:
+            raise ValueError("a store needs at least one layer")
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, *, value_dim: int | None = None,
+                **fields) -> StoreSpec:
+        """``num_layers`` layers of one shape (``value_dim`` defaults to ``head_dim``)."""
+        shape = PageShape(num_kv_heads, head_dim, head_dim if value_dim is None else value_dim)
+        return cls(layers=(shape,) * num_layers, **fields)
 
     @property
-    def summary_dim(self) -> int:
-        """Last dimension of the per-page key summary: D (the mean key), or 3D (mean | min | max)."""
-        return self.head_dim * (3 if self.key_summary == "bounds" else 1)
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def shape(self) -> PageShape:
+        """The one shape of every layer; ValueError where layers differ (callers that need one shape)."""
+        first = self.layers[0]
+        if any(layer != first for layer in self.layers):
+            raise ValueError(f"the store's layers have different shapes ({sorted(set(self.layers), key=str)}): "
+                             "this part of oomb needs every attention layer to have the same K/V shape")
+        return first
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.shape.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape.key_dim
+
+    def summary_dim(self, layer_idx: int = 0) -> int:
+        """Last dimension of a layer's per-page key summary: D_k (the mean key), or 3 D_k (mean | min | max)."""
+        return self.layers[layer_idx].key_dim * (3 if self.key_summary == "bounds" else 1)
 
     def bytes_per_token(self) -> int:
         """K, V and their gradient pages, all layers (the memory that grows with the context)."""
-        per_head_token = self.head_dim * (2 * self.dtype.itemsize + 2 * self.grad_dtype.itemsize)
-        return self.num_layers * self.num_kv_heads * per_head_token
+        per_elem = self.dtype.itemsize + self.grad_dtype.itemsize
+        return sum(s.kv_heads * (s.key_dim + s.value_dim) * per_elem for s in self.layers)
+
+    def summary_bytes_per_page(self) -> int:
+        """The key summaries of one page id, all layers (in K's dtype)."""
+        return sum(s.kv_heads * self.summary_dim(i) for i, s in enumerate(self.layers)) * self.dtype.itemsize
 
     def bytes_per_page(self) -> int:
         """One page id across all layers: K, V, dK, dV and the key summary (in K's dtype)."""
-        mean_key = self.num_layers * self.num_kv_heads * self.summary_dim * self.dtype.itemsize
-        return self.bytes_per_token() * self.page_size + mean_key
+        return self.bytes_per_token() * self.page_size + self.summary_bytes_per_page()
 
     def layer_bytes(self, pages: int) -> int:
-        """``pages`` pages of one layer: K, V, dK, dV and mean keys (what offload keeps per layer)."""
-        return pages * self.bytes_per_page() // self.num_layers
+        """``pages`` pages of one layer: K, V, dK, dV and mean keys (what offload keeps per layer; one shape)."""
+        s = self.shape
+        per_elem = self.dtype.itemsize + self.grad_dtype.itemsize
+        page = s.kv_heads * (s.key_dim + s.value_dim) * per_elem * self.page_size
+        return pages * (page + s.kv_heads * self.summary_dim() * self.dtype.itemsize)
 
 
 KEY_SUMMARIES = ("mean", "bounds")
@@ -97,10 +151,10 @@ def page_key_summary(tiles: torch.Tensor, valid: torch.Tensor | None, kind: str)
 class LayerPools:
     """The tensors of one layer; kernels see only these, a page table and lengths."""
 
-    k: torch.Tensor  # [num_pages, H_kv, page_size, D]
-    v: torch.Tensor  # [num_pages, H_kv, page_size, D]
-    dk: torch.Tensor  # [num_pages, H_kv, page_size, D], grad_dtype
-    dv: torch.Tensor  # [num_pages, H_kv, page_size, D], grad_dtype
+    k: torch.Tensor  # [num_pages, H_kv, page_size, D_k]
+    v: torch.Tensor  # [num_pages, H_kv, page_size, D_v]
+    dk: torch.Tensor  # [num_pages, H_kv, page_size, D_k], grad_dtype
+    dv: torch.Tensor  # [num_pages, H_kv, page_size, D_v], grad_dtype
     mean_k: torch.Tensor  # [num_pages, H_kv, summary_dim]: page_key_summary (fp32 sums, stored in K's dtype)
 
 
@@ -163,14 +217,15 @@ class ChunkLedger:
             )
         return self.num_tokens // page_size, -(-num_tokens // page_size)
 
-    def _check_write(self, k: torch.Tensor, v: torch.Tensor) -> ChunkRecord:
-        """The newest chunk, after checking ``k``/``v`` [B, H_kv, T, D] fit its pages."""
+    def _check_write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> ChunkRecord:
+        """The newest chunk, after checking ``k`` [B, H_kv, T, D_k] and ``v`` [B, H_kv, T, D_v] fit its pages."""
         s = self.spec
         record = self.last_chunk()
-        expected = (self.batch_size, s.num_kv_heads, record.end - record.start, s.head_dim)
-        for name, t in (("keys", k), ("values", v)):
+        shape, tokens = s.layers[layer_idx], record.end - record.start
+        for name, t, dim in (("keys", k, shape.key_dim), ("values", v, shape.value_dim)):
+            expected = (self.batch_size, shape.kv_heads, tokens, dim)
             if tuple(t.shape) != expected:
-                raise ValueError(f"{name} of shape {tuple(t.shape)} do not fit the chunk's pages {expected}")
+                raise ValueError(f"{name} of shape {tuple(t.shape)} do not fit layer {layer_idx}'s pages {expected}")
             if t.dtype != s.dtype:
                 raise TypeError(f"{name} are {t.dtype} but the store holds {s.dtype}")
         return record
@@ -232,17 +287,17 @@ class PagedKVStore(ChunkLedger):
 
     def _allocate_pools(self, num_pages: int) -> None:
         s = self.spec
-        shape = (num_pages, s.num_kv_heads, s.page_size, s.head_dim)
-        self._layers = [
-            LayerPools(
-                k=torch.empty(shape, dtype=s.dtype, device=s.device),
-                v=torch.empty(shape, dtype=s.dtype, device=s.device),
-                dk=torch.empty(shape, dtype=s.grad_dtype, device=s.device),
-                dv=torch.empty(shape, dtype=s.grad_dtype, device=s.device),
-                mean_k=torch.empty((num_pages, s.num_kv_heads, s.summary_dim), dtype=s.dtype, device=s.device),
-            )
-            for _ in range(s.num_layers)
-        ]
+        self._layers = []
+        for i, layer in enumerate(s.layers):
+            keys = (num_pages, layer.kv_heads, s.page_size, layer.key_dim)
+            values = (num_pages, layer.kv_heads, s.page_size, layer.value_dim)
+            self._layers.append(LayerPools(
+                k=torch.empty(keys, dtype=s.dtype, device=s.device),
+                v=torch.empty(values, dtype=s.dtype, device=s.device),
+                dk=torch.empty(keys, dtype=s.grad_dtype, device=s.device),
+                dv=torch.empty(values, dtype=s.grad_dtype, device=s.device),
+                mean_k=torch.empty((num_pages, layer.kv_heads, s.summary_dim(i)), dtype=s.dtype, device=s.device),
+            ))
 
     def _grow(self, num_pages: int) -> None:
         """Grow while holding data (append past the reservation): copy into larger pools."""
@@ -358,7 +413,7 @@ class PagedKVStore(ChunkLedger):
         computed over valid slots only.
         """
         s = self.spec
-        record = self._check_write(k, v)
+        record = self._check_write(layer_idx, k, v)
         pools = self._layers[layer_idx]
         ids = self._chunk_page_ids(record).reshape(-1)
         kp = tokens_to_tiles(k, s.page_size)

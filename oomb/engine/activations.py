@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oomb.engine.sizes import ModelShape, itemsize, store_spec
+from oomb.engine.sizes import ModelShape, itemsize
 
 # oomb's torch loss walks rows in blocks of this many bytes of fp32 logits
 # (oomb.engine.loss._LOGITS_BLOCK_BYTES).
@@ -182,17 +182,21 @@ def measure_saved_activations(model: torch.nn.Module, input_ids: torch.Tensor, *
     measurement the per-token formulas were derived from and are tested against. Runs the
     decoder exactly as stage 2 does (oomb attention, an empty store holding only this chunk).
     """
-    from oomb.attention import STEP_KWARG, StepContext, oomb_attention
-    from oomb.cache import PagedKVStore
+    from oomb.attention import StepContext, oomb_attention
+    from oomb.cache import PagedKVStore, StoreSpec
+    from oomb.engine.support import model_support
     from oomb.kernels import get_backend
 
     dtype = model.get_input_embeddings().weight.dtype
-    spec = store_spec(model.config, page_size=page_size, dtype=dtype, grad_dtype=dtype, device=input_ids.device)
+    support = model_support(model)
+    spec = StoreSpec(layers=support.page_shapes, page_size=page_size, dtype=dtype, grad_dtype=dtype,
+                     device=input_ids.device)
     store = PagedKVStore(spec)
     batch, tokens = input_ids.shape
     store.reserve(batch, tokens)
     store.append_chunk(tokens)
-    step = StepContext(store=store, backend=get_backend(backend, input_ids.device.type), stage="recompute")
+    step = StepContext(store=store, backend=get_backend(backend, input_ids.device.type), stage="recompute",
+                       sites=support.site_map(model), site_layers=support.site_layers)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -203,7 +207,7 @@ def measure_saved_activations(model: torch.nn.Module, input_ids: torch.Tensor, *
         return t
 
     positions = torch.arange(tokens, device=input_ids.device).expand(batch, -1)
-    with oomb_attention(model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.get_decoder()(input_ids=input_ids, position_ids=positions, use_cache=False, **{STEP_KWARG: step})
+    with oomb_attention(model, step), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.get_decoder()(input_ids=input_ids, position_ids=positions, use_cache=False)
     store.release()
     return sum(seen.values())

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from oomb.attention import oomb_attention
 from oomb.engine.loss import linear_cross_entropy_sum
 from oomb.engine.prepare import StepOptions, prepare_step
-from oomb.engine.step import run_chunk
+from oomb.engine.step import check_model_architecture, run_chunk
 
 
 @dataclass(frozen=True)
@@ -65,6 +64,7 @@ def locate_nonfinite(
     selection; ``labels`` and ``doc_ids`` as given to that step. Returns None when the forward
     pass and every chunk's loss are finite (the non-finite value then arose in the backward pass).
     """
+    check_model_architecture(model)
     prepared = prepare_step(model, input_ids, labels, doc_ids, options, forward_only=True)
     model, targets, store, step = prepared.model, prepared.targets, prepared.store, prepared.context
     decoder, head = model.get_decoder(), model.get_output_embeddings()
@@ -84,7 +84,7 @@ def locate_nonfinite(
 
     hooks = [m.register_forward_hook(check) for m in watched]
     try:
-        with oomb_attention(model):
+        with prepared.running():
             for k, (start, end) in enumerate(bounds):
                 store.append_chunk(end - start)
                 hidden = run_chunk(model, step, input_ids, start, end)
@@ -95,7 +95,8 @@ def locate_nonfinite(
                     return NonFiniteSite(**site, module=names.get(id(module), type(module).__name__),
                                          layer=layer_index.get(id(module)))
                 loss = linear_cross_entropy_sum(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias,
-                                                targets[:, start:end].reshape(-1), impl=options.loss_impl)
+                                                targets[:, start:end].reshape(-1), impl=options.loss_impl,
+                                                transform=prepared.support.transform)
                 if not bool(torch.isfinite(loss)):
                     return NonFiniteSite(**site, module="loss (LM head and cross-entropy)", layer=None)
     finally:

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from oomb.attention import oomb_attention
-from oomb.engine.loss import IGNORE_INDEX
+from oomb.engine.loss import IDENTITY, IGNORE_INDEX, LogitTransform
 from oomb.engine.prepare import StepOptions, options_from_keywords, prepare_step, unwrap_peft
-from oomb.engine.step import run_chunk
+from oomb.engine.step import check_model_architecture, run_chunk
 from oomb.sparse import PageSelection
 
 _ROW_BLOCK = 2048
@@ -63,6 +62,7 @@ def chunked_eval(
     page_size: int = 128,
     backend: str = "auto",
     doc_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
     page_budget: int | None = None,
     selection: PageSelection | None = None,
     offload: bool = False,
@@ -80,9 +80,9 @@ def chunked_eval(
         page_size: tokens per page of the K/V store.
         backend: attention kernels: "auto" (fa4 on Hopper/Blackwell with flash-attn-4, else Triton on CUDA,
             PyTorch elsewhere), "fa4", "triton" or "torch".
-        doc_ids, page_budget, selection, offload, offload_gpu_bytes: packed documents, page-sparse
-            attention and pages in host memory, as in ``chunked_backward`` (evaluate a model the way
-            it was trained).
+        doc_ids, attention_mask, page_budget, selection, offload, offload_gpu_bytes: packed documents,
+            padding, page-sparse attention and pages in host memory, as in ``chunked_backward`` (evaluate a
+            model the way it was trained).
         options: the training step's ``oomb.engine.StepOptions`` instead of the keywords from
             ``chunk_size`` to ``offload_gpu_bytes`` (leave those at their defaults): the same store and
             the same attention as the step (its ``cache_attention`` and ``loss_impl`` do not apply).
@@ -97,26 +97,28 @@ def chunked_eval(
     model = unwrap_peft(model)
     was_training = model.training
     model.eval()  # no dropout: evaluation is deterministic
+    check_model_architecture(model)
     try:
-        return _chunked_eval(model, input_ids, labels, doc_ids, options)
+        return _chunked_eval(model, input_ids, labels, doc_ids, attention_mask, options)
     finally:
         model.train(was_training)
 
 
 @torch.no_grad()
-def _chunked_eval(model, input_ids, labels, doc_ids, options: StepOptions) -> EvalResult:
+def _chunked_eval(model, input_ids, labels, doc_ids, attention_mask, options: StepOptions) -> EvalResult:
     # The store keeps gradient pages too (as in training); sharing the training step's
     # store means evaluating between training steps reallocates nothing.
-    prepared = prepare_step(model, input_ids, labels, doc_ids, options, forward_only=True)
+    prepared = prepare_step(model, input_ids, labels, doc_ids, options, forward_only=True,
+                            attention_mask=attention_mask)
     targets, store, step = prepared.targets, prepared.store, prepared.context
     batch, seq_len = input_ids.shape
     device = input_ids.device
-    head = model.get_output_embeddings()
+    head, transform = model.get_output_embeddings(), prepared.support.transform
 
     nll = torch.full((batch, seq_len), float("nan"), dtype=torch.float32, device=device)
     correct = torch.zeros((batch, seq_len), dtype=torch.bool, device=device)
     try:
-        with oomb_attention(model):
+        with prepared.running():
             for start, end in prepared.bounds:
                 store.append_chunk(end - start)
                 hidden = run_chunk(model, step, input_ids, start, end)
@@ -124,7 +126,7 @@ def _chunked_eval(model, input_ids, labels, doc_ids, options: StepOptions) -> Ev
                 rows = (chunk_targets != IGNORE_INDEX).nonzero(as_tuple=True)  # host sync, once per chunk
                 if rows[0].numel():
                     row_nll, row_correct = head_nll_and_argmax(hidden[rows], head.weight, head.bias,
-                                                               chunk_targets[rows])
+                                                               chunk_targets[rows], transform)
                     nll[:, start:end][rows] = row_nll
                     correct[:, start:end][rows] = row_correct
                 step.drop_page_lists(start)  # each chunk runs once: its page lists are not needed again
@@ -138,8 +140,10 @@ def head_nll_and_argmax(
     weight: torch.Tensor,  # [V, Dm]
     bias: torch.Tensor | None,  # [V]
     targets: torch.Tensor,  # [T] int64, every entry a valid id
+    transform: LogitTransform = IDENTITY,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-log softmax(hidden @ weight.T + bias)[target] (fp32 [T]) and argmax == target ([T] bool).
+    """-log softmax(logits)[target] (fp32 [T]) and argmax == target ([T] bool), logits = ``transform`` of
+    hidden @ weight.T + bias (the model's own logits).
 
     Blocks of rows x blocks of the vocabulary with an online log-sum-exp, so neither the
     [T, V] logits nor an fp32 copy of the whole head weight exist at once. The argmax
@@ -150,7 +154,7 @@ def head_nll_and_argmax(
     nll = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
     for r0 in range(0, hidden.shape[0], _ROW_BLOCK):
-        h = hidden[r0 : r0 + _ROW_BLOCK].to(acc)
+        h = hidden[r0 : r0 + _ROW_BLOCK].to(acc) * transform.hidden_scale
         t = targets[r0 : r0 + _ROW_BLOCK]
         run_max = torch.full((h.shape[0],), float("-inf"), dtype=acc, device=h.device)
         run_sum = torch.zeros_like(run_max)
@@ -161,6 +165,9 @@ def head_nll_and_argmax(
             logits = h @ weight[v0:v1].to(acc).T  # [rows, vocab block]
             if bias is not None:
                 logits += bias[v0:v1].to(acc)
+            logits *= transform.logit_scale
+            if transform.softcap is not None:
+                logits = transform.softcap * torch.tanh(logits / transform.softcap)
             block_max, block_arg = logits.max(dim=-1)
             new_max = torch.maximum(run_max, block_max)
             run_sum = run_sum * torch.exp(run_max - new_max) + torch.exp(logits - new_max[:, None]).sum(-1)

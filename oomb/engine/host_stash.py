@@ -166,19 +166,21 @@ class HostAttentionCache:
         self.step = step
 
     @classmethod
-    def on_host(cls, model: torch.nn.Module, num_layers: int, chunks: list[tuple[int, int]], batch: int, heads: int,
-                head_dim: int, dtype: torch.dtype, device: torch.device, step: int = 1) -> HostAttentionCache:
-        """The cache of a step over ``chunks``, in ``model``'s kept host buffer for attention outputs."""
-        nbytes = cls.nbytes(num_layers, chunks, batch, heads, head_dim, dtype)
+    def on_host(cls, model: torch.nn.Module, layers: list[tuple[int, int]], chunks: list[tuple[int, int]], batch: int,
+                dtype: torch.dtype, device: torch.device, step: int = 1) -> HostAttentionCache:
+        """The cache of a step over ``chunks``, in ``model``'s kept host buffer for attention outputs; ``layers``:
+        (query heads, value head size) of each attention layer (store layer)."""
+        nbytes = cls.nbytes(layers, chunks, batch, dtype)
         return cls(HostStash.for_model(model, "attention outputs", nbytes, device,
                                        on_gpu="cache_attention=True (train.cache_attention=true) or False"), step)
 
     @staticmethod
-    def nbytes(num_layers: int, chunks: list[tuple[int, int]], batch: int, heads: int, head_dim: int,
-               dtype: torch.dtype) -> int:
-        """Host bytes for every chunk's and layer's out [B, H, C, D] (``dtype``) and lse [B, H, C] (float32)."""
-        return sum(num_layers * (region_bytes((batch, heads, end - start, head_dim), dtype)
-                                 + region_bytes((batch, heads, end - start), torch.float32)) for start, end in chunks)
+    def nbytes(layers: list[tuple[int, int]], chunks: list[tuple[int, int]], batch: int, dtype: torch.dtype) -> int:
+        """Host bytes for every chunk's and layer's out [B, H, C, D_v] (``dtype``) and lse [B, H, C] (float32);
+        ``layers``: (H, D_v) of each attention layer."""
+        return sum(region_bytes((batch, heads, end - start, value_dim), dtype)
+                   + region_bytes((batch, heads, end - start), torch.float32)
+                   for start, end in chunks for heads, value_dim in layers)
 
     def __setitem__(self, key: tuple[int, int], value: tuple[torch.Tensor, torch.Tensor]) -> None:
         out, lse = value

@@ -53,6 +53,7 @@ from oomb.engine.sizes import (
     paged_store_bytes,
     store_spec,
 )
+from oomb.engine.step import check_architecture
 from oomb.kernels.flash4 import KEY_SEGMENT
 from oomb.sparse import DEFAULT_SCORE, store_key_summary
 
@@ -264,8 +265,9 @@ def plan_memory(
                      f"({shape.kv_heads // tensor_parallel} of {shape.kv_heads} KV heads) and its shards of the "
                      "attention and MLP weights, gradients and optimizer states; activations are planned "
                      "unsplit (an upper bound)")
+    architecture = check_architecture(model_config)  # UnsupportedModel (a ValueError) for what oomb cannot train
     spec = store_spec(model_config, page_size=page_size, dtype=dtype, grad_dtype=grad_dtype, device="meta",
-                      tensor_parallel=tensor_parallel,
+                      tensor_parallel=tensor_parallel, calls_per_layer=architecture.calls_per_layer,
                       key_summary=store_key_summary(select_score if page_budget is not None else None))
     pages_per_seq = -(-seq_len // page_size)
     store_bytes = paged_store_bytes(spec, batch_size=batch_size, seq_len=seq_len, chunk_size=chunk_size,

@@ -16,6 +16,7 @@ store and the model as they were, with a message that says what to change.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
 import weakref
@@ -24,13 +25,14 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from oomb.attention import StepContext, check_attention_support
-from oomb.cache import KVStore, PagedKVStore
+from oomb.attention import StepContext, oomb_attention
+from oomb.cache import KVStore, PagedKVStore, StoreSpec
 from oomb.engine import host_stash
 from oomb.engine.host_stash import HostAttentionCache
 from oomb.engine.layer_recompute import RECOMPUTE_MODES
 from oomb.engine.loss import IGNORE_INDEX, LOSS_IMPLS
-from oomb.engine.sizes import ModelShape, store_spec
+from oomb.engine.rope import length_held
+from oomb.engine.support import ModelSupport, model_support
 from oomb.engine.tensor_parallel import tensor_parallel_group
 from oomb.kernels import BACKEND_NAMES, get_backend
 from oomb.offload import OffloadedKVStore
@@ -160,7 +162,15 @@ class PreparedStep:
     target_counts: list[int]  # targets per chunk
     bounds: list[tuple[int, int]]  # [start, end) of each chunk, in order
     store: KVStore  # the model's store, empty, reserved for [B, N]
-    context: StepContext  # handed to every attention layer; stage "fill"
+    context: StepContext  # found by every attention call; stage "fill"
+    support: ModelSupport  # the model's attention sites and its logit transform (oomb.engine.support)
+
+    @contextlib.contextmanager
+    def running(self):
+        """The model's attention routed through oomb in this pass's context, and its length-dependent rotary
+        frequencies held at the whole sequence's (oomb.engine.rope), for the duration of the block."""
+        with oomb_attention(self.model, self.context), length_held(self.model, self.bounds[-1][1]):
+            yield
 
 
 def prepare_step(
@@ -171,38 +181,42 @@ def prepare_step(
     options: StepOptions,
     *,
     forward_only: bool = False,
+    attention_mask: torch.Tensor | None = None,
 ) -> PreparedStep:
     """Check the inputs, then reserve the model's store and build the step's context.
 
     ``forward_only``: a pass of stage 1 alone (evaluation, the NaN locator): a batch without any
     target is allowed and attention outputs are not kept for a stage 2 that does not come.
+    ``attention_mask``: [B, N] 1 for tokens, 0 for padding (``padding_mask``).
     """
     if not isinstance(options, StepOptions):
         raise TypeError(f"options must be an oomb.engine.StepOptions, got {type(options).__name__}")
     model = unwrap_peft(model)
     targets = validate_inputs(model, input_ids, labels)
-    doc_start = document_starts(doc_ids, input_ids) if doc_ids is not None else None
+    support = model_support(model)  # once per model: probes its forward on a few tokens
+    padding = padding_mask(attention_mask, input_ids)
+    doc_start = document_starts(doc_ids, input_ids, padding) if doc_ids is not None or padding is not None else None
     counts = chunk_target_counts(targets, options.chunk_size)  # host sync, once per step
     if not forward_only and sum(counts) == 0:
         raise ValueError("no position has a target: every label is -100 (or the sequence has one token)")
     device = input_ids.device
     backend = get_backend(options.backend, device.type)
     batch, seq_len = input_ids.shape
-    store = _store_for(model, device, options)
+    store = _store_for(model, support, device, options)
     store.reserve(batch, seq_len)
     cache = bool(options.cache_attention) and not forward_only
-    group = tensor_parallel_group(model)
     context = StepContext(store=store, backend=backend, stage="fill", doc_start=doc_start,
-                          selection=options.selection, cache_attention=cache, tp_group=group)
+                          selection=options.selection, cache_attention=cache, tp_group=tensor_parallel_group(model),
+                          sites=support.site_map(model), site_layers=support.site_layers,
+                          attended=None if padding is None else ~padding)
     bounds = [(s, min(s + options.chunk_size, seq_len)) for s in range(0, seq_len, options.chunk_size)]
     if cache and options.cache_attention == "host":
-        shape = ModelShape.from_config(model.config)
-        heads = shape.heads // (1 if group is None else torch.distributed.get_world_size(group))  # this rank's
+        layers = [(site.heads, site.page.value_dim) for site in support.sites]
         context.attention_outputs = HostAttentionCache.on_host(
-            model, shape.num_layers, bounds, batch, heads, shape.head_dim, model.get_input_embeddings().weight.dtype,
-            device, step=-1 if options.recompute != "chunk" else 1)
+            model, layers, bounds, batch, model.get_input_embeddings().weight.dtype, device,
+            step=-1 if options.recompute != "chunk" else 1)
     return PreparedStep(model=model, targets=targets, target_counts=counts, bounds=bounds, store=store,
-                        context=context)
+                        context=context, support=support)
 
 
 def unwrap_peft(model: torch.nn.Module) -> torch.nn.Module:
@@ -226,15 +240,14 @@ def store_for_model(model: torch.nn.Module) -> KVStore | None:
     return _STORES.get(unwrap_peft(model))
 
 
-def _store_for(model: PreTrainedModel, device: torch.device, options: StepOptions) -> KVStore:
+def _store_for(model: PreTrainedModel, support: ModelSupport, device: torch.device, options: StepOptions) -> KVStore:
     """The model's store for these options: the kept one where its spec and kind match, else a new one."""
-    group = tensor_parallel_group(model)
-    split = 1 if group is None else torch.distributed.get_world_size(group)  # each rank stores its KV heads
     selection = options.selection
-    # The planner's spec, so what is planned is what is allocated.
-    spec = store_spec(model.config, page_size=options.page_size, dtype=model.get_input_embeddings().weight.dtype,
-                      grad_dtype=options.grad_dtype, device=device, tensor_parallel=split,
-                      key_summary=store_key_summary(selection.score if selection is not None else None))
+    dtype = model.get_input_embeddings().weight.dtype
+    # One layer per attention call, shaped as the probe saw it (a tensor parallel rank: its own KV heads).
+    spec = StoreSpec(layers=support.page_shapes, page_size=options.page_size, dtype=dtype,
+                     grad_dtype=options.grad_dtype or dtype, device=torch.device(device),
+                     key_summary=store_key_summary(selection.score if selection is not None else None))
     kind = OffloadedKVStore if options.offload else PagedKVStore
     store = _STORES.get(model)
     if store is None or store.spec != spec or type(store) is not kind:
@@ -247,8 +260,10 @@ def _store_for(model: PreTrainedModel, device: torch.device, options: StepOption
 
 
 def validate_inputs(model: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-    """Check the model and the batch before any work starts; return the shifted targets [B, N]."""
-    check_attention_support(model)
+    """Check the batch (and what of the model it needs) before any work starts; return the shifted targets [B, N]."""
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"oomb needs a transformers PreTrainedModel (e.g. AutoModelForCausalLM), got {type(model).__name__}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a [batch, seq_len] tensor, got {_describe(input_ids)}")
     if input_ids.dtype not in (torch.int64, torch.int32):
@@ -267,8 +282,6 @@ def validate_inputs(model: PreTrainedModel, input_ids: torch.Tensor, labels: tor
     if input_ids.device != param.device:
         raise ValueError(f"input_ids are on {input_ids.device} but the model is on {param.device}")
     cfg = model.config
-    if getattr(cfg, "final_logit_softcapping", None):
-        raise ValueError("final logit soft-capping is not supported by oomb's fused cross-entropy")
     if getattr(cfg, "output_router_logits", False):
         raise ValueError(
             "output_router_logits=True adds a router auxiliary loss that oomb does not compute; "
@@ -302,19 +315,48 @@ def validate_inputs(model: PreTrainedModel, input_ids: torch.Tensor, labels: tor
     return targets
 
 
-def document_starts(doc_ids: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """[B, N] int32 position of the first token of each token's document, from document ids."""
-    if not isinstance(doc_ids, torch.Tensor) or tuple(doc_ids.shape) != tuple(input_ids.shape):
-        raise ValueError(f"doc_ids must have the shape of input_ids {tuple(input_ids.shape)}, got {_describe(doc_ids)}")
-    if doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool:
-        raise TypeError(f"doc_ids must be an integer tensor, got {doc_ids.dtype}")
-    doc_ids = doc_ids.to(input_ids.device)
-    if bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
-        raise ValueError("doc_ids must be non-decreasing along each sequence (documents packed one after another)")
-    batch, seq_len = doc_ids.shape
-    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
-    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    positions = torch.arange(seq_len, device=doc_ids.device).expand(batch, -1)
+def padding_mask(attention_mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """[B, N] bool, True on padding, from transformers' ``attention_mask`` (1 = token, 0 = padding); None where
+    there is no padding. Padding is a document of its own that nothing else attends, and its queries attend
+    nothing: their attention output is zero, as transformers' SDPA attention gives a query whose every key is
+    masked. (Its eager attention spreads such a query over every key of the row instead.)"""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got "
+                         f"{_describe(attention_mask)}")
+    mask = attention_mask.to(input_ids.device)
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("attention_mask must hold 1 for tokens and 0 for padding")
+    mask = mask.bool()
+    switches = mask[:, 1:] != mask[:, :-1]
+    runs_of_ones = (switches & mask[:, 1:]).sum(dim=1) + mask[:, 0].long()  # 0 -> 1 switches, and a first 1
+    if bool((runs_of_ones > 1).any()):  # host sync, once per step
+        raise ValueError("attention_mask has a row whose ones are not one run (padding inside the sequence): oomb "
+                         "takes left or right padding only; pack samples with doc_ids instead")
+    return None if bool(mask.all()) else ~mask
+
+
+def document_starts(doc_ids: torch.Tensor | None, input_ids: torch.Tensor,
+                    padding: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, N] int32 position of the first token of each token's document, from document ids and padding (a run of
+    padding is a document)."""
+    batch, seq_len = input_ids.shape
+    is_start = torch.zeros_like(input_ids, dtype=torch.bool)
+    is_start[:, 0] = True
+    if doc_ids is not None:
+        if not isinstance(doc_ids, torch.Tensor) or tuple(doc_ids.shape) != tuple(input_ids.shape):
+            raise ValueError(f"doc_ids must have the shape of input_ids {tuple(input_ids.shape)}, got "
+                             f"{_describe(doc_ids)}")
+        if doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool:
+            raise TypeError(f"doc_ids must be an integer tensor, got {doc_ids.dtype}")
+        doc_ids = doc_ids.to(input_ids.device)
+        if bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
+            raise ValueError("doc_ids must be non-decreasing along each sequence (documents packed one after another)")
+        is_start[:, 1:] |= doc_ids[:, 1:] != doc_ids[:, :-1]
+    if padding is not None:
+        is_start[:, 1:] |= padding[:, 1:] != padding[:, :-1]
+    positions = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
     return torch.where(is_start, positions, 0).cummax(dim=1).values.to(torch.int32)
 
 

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oomb.attention import check_model_config
-from oomb.cache import StoreSpec
+from oomb.cache import PageShape, StoreSpec
 from oomb.engine.quantize import quantized_linear_names
 
 OPTIMIZER_KINDS = ("adamw", "adamw8bit", "paged_adamw8bit")
@@ -39,6 +38,28 @@ def dtype_name(dtype: torch.dtype) -> str:
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()
+
+
+# The config fields the memory planner reads a decoder's sizes from, in transformers' common names (a config's
+# attribute_map covers most others); the MLP width may be named otherwise or left to its GPT-2-era default.
+MODEL_SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+_MLP_WIDTH_FIELDS = ("intermediate_size", "ffn_dim", "decoder_ffn_dim", "n_inner", "ffn_hidden_size")
+
+
+def check_model_config(config) -> None:
+    """Raise ValueError, naming the model type and the fields, where a config lacks a size the planner needs."""
+    missing = [name for name in MODEL_SIZE_FIELDS if getattr(config, name, None) is None]
+    if missing:
+        raise ValueError(
+            f"oomb cannot plan the memory of {getattr(config, 'model_type', None)!r} models ({type(config).__name__}): "
+            f"the planner reads a decoder's sizes from the config fields {', '.join(MODEL_SIZE_FIELDS)}, and this one "
+            f"has no {', '.join(missing)}. Set train.memory_check=false to train without a plan"
+        )
+
+
+def mlp_width(config) -> int:
+    """The MLP's inner width: the first of the usual fields the config sets, else 4 x hidden (GPT-2's default)."""
+    return next((w for name in _MLP_WIDTH_FIELDS if (w := getattr(config, name, None))), 4 * config.hidden_size)
 
 
 @dataclass(frozen=True)
@@ -65,7 +86,7 @@ class ModelShape:
             family=config.model_type,
             num_layers=config.num_hidden_layers,
             hidden=config.hidden_size,
-            intermediate=config.intermediate_size,
+            intermediate=mlp_width(config),
             heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
@@ -75,15 +96,42 @@ class ModelShape:
         )
 
 
+def config_page_shapes(config, *, calls_per_layer: int = 1) -> tuple[PageShape, ...]:
+    """The K/V shape of each attention call of a forward, read from a decoder config: per-layer configs where the
+    config has them (``per_layer_config``), latent attention's key (``qk_nope_head_dim + qk_rope_head_dim``) and
+    value (``v_head_dim``) head sizes, ``num_key_value_heads`` (else every head has its own K/V), ``head_dim`` (else
+    hidden_size / heads). The store the engine allocates is shaped by the model's own calls (oomb.engine.support);
+    tests check that this reading of the config agrees with them for every family the sweep trains."""
+    check_model_config(config)
+    per_layer = getattr(config, "per_layer_config", None) if getattr(config, "is_heterogeneous", False) else None
+    shapes = []
+    for layer in range(config.num_hidden_layers):
+        c = per_layer[layer] if per_layer else config
+        heads = c.num_attention_heads
+        if getattr(c, "qk_nope_head_dim", None) is not None and getattr(c, "qk_rope_head_dim", None) is not None:
+            key_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
+            value_dim = getattr(c, "v_head_dim", None) or key_dim
+            kv_heads = heads  # the latent is expanded to every head's own keys and values
+        else:
+            key_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+            value_dim = getattr(c, "v_head_dim", None) or key_dim
+            kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        shapes += [PageShape(kv_heads, key_dim, value_dim)] * calls_per_layer
+    return tuple(shapes)
+
+
 def store_spec(config, *, page_size: int, dtype: torch.dtype, grad_dtype: torch.dtype | None,
-               device: torch.device | str, tensor_parallel: int = 1, key_summary: str = "mean") -> StoreSpec:
-    """The paged store's spec for a model config (the same spec the engine builds); with tensor
-    parallelism, one rank's store: its kv_heads / tensor_parallel KV heads."""
-    shape = ModelShape.from_config(config)
-    if shape.kv_heads % tensor_parallel:
-        raise ValueError(f"tensor parallel degree {tensor_parallel} does not divide the {shape.kv_heads} KV heads")
+               device: torch.device | str, tensor_parallel: int = 1, key_summary: str = "mean",
+               calls_per_layer: int = 1) -> StoreSpec:
+    """The paged store's spec for a model config, as the planner counts it (``config_page_shapes``); with tensor
+    parallelism, one rank's store: its kv_heads / tensor_parallel KV heads per layer."""
+    shapes = config_page_shapes(config, calls_per_layer=calls_per_layer)
+    odd = sorted({s.kv_heads for s in shapes if s.kv_heads % tensor_parallel})
+    if odd:
+        raise ValueError(f"tensor parallel degree {tensor_parallel} does not divide the "
+                         f"{' or '.join(map(str, odd))} KV heads")
     return StoreSpec(
-        num_layers=shape.num_layers, num_kv_heads=shape.kv_heads // tensor_parallel, head_dim=shape.head_dim,
+        layers=tuple(PageShape(s.kv_heads // tensor_parallel, s.key_dim, s.value_dim) for s in shapes),
         page_size=page_size, dtype=dtype, grad_dtype=grad_dtype or dtype, device=torch.device(device),
         key_summary=key_summary,
     )

@@ -16,11 +16,12 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from oomb.attention import STEP_KWARG, StepContext, oomb_attention
+from oomb.attention import StepContext
 from oomb.engine.host_stash import HostAttentionCache
 from oomb.engine.layer_recompute import LayerInputs, check_layer_recompute, layer_recompute
 from oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy_sum
-from oomb.engine.prepare import StepOptions, options_from_keywords, prepare_step
+from oomb.engine.prepare import StepOptions, options_from_keywords, prepare_step, unwrap_peft
+from oomb.engine.support import ArchitectureCheck, config_support
 from oomb.sparse import PageSelection
 
 
@@ -35,6 +36,7 @@ def chunked_backward(
     grad_dtype: torch.dtype | None = None,
     loss_impl: str = "auto",
     doc_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
     page_budget: int | None = None,
     selection: PageSelection | None = None,
     offload: bool = False,
@@ -63,6 +65,9 @@ def chunked_backward(
             the packed sequence (RoPE is relative, so a document sees the same attention as alone).
             Labels are not changed: mark the first token of each document -100 in ``labels`` if
             the previous document's last token should not predict it.
+        attention_mask: [B, N] 1 for tokens, 0 for padding (left or right, as transformers' collators pad):
+            padding is attended by nothing and attends nothing (its attention output is zero, as
+            transformers' SDPA attention gives it). Labels on padding are the caller's (collators set -100).
         page_budget: page-sparse attention: each block of queries attends this many pages of the
             chunk's past (plus the chunk itself); None = dense (exact). See oomb.sparse.
         selection: how pages are chosen (block size, sink/local pages, per-head lists);
@@ -106,11 +111,12 @@ def chunked_backward(
     )
     if loss_divisor is not None and not loss_divisor > 0:
         raise ValueError(f"loss_divisor must be positive, got {loss_divisor}")
-    prepared = prepare_step(model, input_ids, labels, doc_ids, options)
+    check_model_architecture(model)
+    prepared = prepare_step(model, input_ids, labels, doc_ids, options, attention_mask=attention_mask)
     model, targets, store, step = prepared.model, prepared.targets, prepared.store, prepared.context
     bounds, counts = prepared.bounds, prepared.target_counts
     divisor = sum(counts) if loss_divisor is None else loss_divisor
-    head = model.get_output_embeddings()
+    head, transform = model.get_output_embeddings(), prepared.support.transform
 
     def run_decoder(start: int, end: int) -> torch.Tensor:
         return run_chunk(model, step, input_ids, start, end)
@@ -130,7 +136,7 @@ def chunked_backward(
 
     total = torch.zeros((), dtype=torch.float32, device=input_ids.device)
     try:
-        with oomb_attention(model), layers as replay:
+        with prepared.running(), layers as replay:
             # Stage 1: fill the store with the K/V of every chunk but the last (recompute="layer": of every
             # chunk, keeping each layer's input).
             step.stage = "fill"
@@ -158,7 +164,7 @@ def chunked_backward(
                 if rows is not None:  # the LM head only where there is a target (answer-only losses)
                     hidden, chunk_targets = hidden.index_select(0, rows), chunk_targets.index_select(0, rows)
                 loss = linear_cross_entropy_sum(
-                    hidden, head.weight, head.bias, chunk_targets, impl=options.loss_impl
+                    hidden, head.weight, head.bias, chunk_targets, impl=options.loss_impl, transform=transform
                 ) / divisor
                 if start == 0 and before_last_backward is not None:
                     before_last_backward()
@@ -173,6 +179,55 @@ def chunked_backward(
     return total
 
 
+def check_model_architecture(model: torch.nn.Module) -> None:
+    """``check_architecture`` of a model's config (a peft model's base), in its training mode."""
+    model = unwrap_peft(model)
+    if isinstance(model, PreTrainedModel):  # anything else is refused by prepare_step, saying so
+        remote = not type(model).__module__.startswith("transformers.")  # a model class from its folder's code
+        check_architecture(model.config, training=model.training, trust_remote_code=remote)
+
+
+def check_architecture(config, *, training: bool = True, trust_remote_code: bool = False) -> ArchitectureCheck:
+    """Raise UnsupportedModel (a ValueError naming why) where oomb cannot train the architecture ``config``
+    describes: ``oomb.engine.support.config_support`` with this step's self-test on the architecture's tiny copy.
+    Once per config; the entry points call it before any work."""
+    return config_support(config, _self_test, training=training, trust_remote_code=trust_remote_code)
+
+
+SELF_TEST_TOKENS = 96  # the tiny copy's windows are 24 tokens: chunks of 32 cross them
+SELF_TEST_TOL = 1e-3  # relative error of the tiny copy's chunked step against its full-sequence step (float32)
+
+
+def _self_test(model: PreTrainedModel) -> str | None:
+    """Train the tiny copy one step both ways (transformers' full sequence, oomb in chunks of 32 tokens) and say
+    what differs (None: the same within SELF_TEST_TOL, far above float32 rounding and far below a real
+    difference, which is of order 1)."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(min(3, vocab - 1), vocab, (1, SELF_TEST_TOKENS), generator=generator)
+    model.zero_grad(set_to_none=True)
+    try:
+        ref_loss = model(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        ref_loss = ref_loss.detach()
+    except RuntimeError:  # the copy does not train as transformers runs it: nothing to compare (not checked)
+        model.zero_grad(set_to_none=True)
+        return None
+    ref = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    loss = chunked_backward(model, ids, chunk_size=32, page_size=16, backend="torch", loss_impl="torch")
+    floor = 1e-3 * max(float(g.norm()) for g in ref.values())
+    worst, name = 0.0, ""
+    for n, p in model.named_parameters():
+        if n in ref:
+            err = float((p.grad - ref[n]).norm()) / max(float(ref[n].norm()), floor) if p.grad is not None else 1.0
+            worst, name = max((worst, name), (err, n))
+    loss_err = abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))
+    if loss_err <= SELF_TEST_TOL and worst <= SELF_TEST_TOL:
+        return None
+    return f"loss off by {loss_err:.1e}, the gradient of {name} by {worst:.1e}"
+
+
 def run_chunk(model: PreTrainedModel, step: StepContext, input_ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """The decoder's hidden states [B, end - start, hidden] of tokens [start, end), attention through oomb.
 
@@ -182,9 +237,8 @@ def run_chunk(model: PreTrainedModel, step: StepContext, input_ids: torch.Tensor
     step.layers_seen.clear()
     positions = torch.arange(start, end, device=input_ids.device).expand(input_ids.shape[0], -1)
     hidden = model.get_decoder()(
-        input_ids=input_ids[:, start:end], position_ids=positions, use_cache=False, **{STEP_KWARG: step}
-    ).last_hidden_state
-    expected = set(range(model.config.num_hidden_layers))
+        input_ids=input_ids[:, start:end], position_ids=positions, use_cache=False).last_hidden_state
+    expected = set(step.site_layers)
     if step.layers_seen != expected:
         missing = sorted(expected - step.layers_seen)
         raise RuntimeError(

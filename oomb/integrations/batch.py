@@ -3,17 +3,20 @@
     collator batch                              oomb
     input_ids [B, N]                        ->  input_ids
     labels [B, N] (or shift_labels [B, N])  ->  labels (shift_labels moved right by one)
-    position_ids [B, N] (packed, padding-free)  \\
-    attention_mask [B, N] (padding)             -> doc_ids [B, N]: a new document wherever the positions
-                                                   do not count on by one, or the mask switches
+    position_ids [B, N] (packed, padding-free)  -> doc_ids [B, N]: a new document wherever the positions
+                                                   do not count on by one
+    attention_mask [B, N] (padding)             -> attention_mask (padding: its own document, attending nothing)
 
 Packed rows (TRL's ``padding_free``/``packing``, transformers' ``DataCollatorWithFlattening``) restart
 ``position_ids`` at 0 for every sample: each restart starts a document, and attention never crosses it.
 oomb keeps the positions of the packed row; RoPE depends only on the distance between two tokens, and
 no token attends across a document start, so each sample is trained as it would be alone.
 
-Padding (``attention_mask`` 0) is a document of its own: left padding is then never attended by the
-tokens after it. The mask's ones must be one run per row, as left or right padding makes them.
+Padding (``attention_mask`` 0) is a document of its own that attends nothing: left padding is then never
+attended by the tokens after it, and a padding position's attention output is zero, as transformers' SDPA
+attention gives a query whose every key is masked (so a target on the last left pad, the first token after
+it, is predicted from the same hidden state). The mask's ones must be one run per row, as left or right
+padding makes them.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class OombBatch:
     input_ids: torch.Tensor  # [B, N] int64
     labels: torch.Tensor  # [B, N] unshifted, as transformers' labels: position t predicts labels[t + 1]; -100 = none
     doc_ids: torch.Tensor | None  # [B, N] int64, non-decreasing along N; None = one document per row
+    attention_mask: torch.Tensor | None = None  # [B, N] 1 = token, 0 = padding; None = no padding
 
     @property
     def target_count(self) -> int:
@@ -60,7 +64,9 @@ def oomb_batch(inputs: Mapping) -> OombBatch:
         raise ValueError(f"the batch needs input_ids as a [batch, seq_len] tensor (inputs_embeds is not supported), "
                          f"got {_describe(input_ids)}")
     labels = unshifted_labels(inputs, input_ids)
-    return OombBatch(input_ids=input_ids, labels=labels, doc_ids=document_ids(inputs, input_ids))
+    mask = inputs.get("attention_mask")
+    return OombBatch(input_ids=input_ids, labels=labels, doc_ids=document_ids(inputs, input_ids),
+                     attention_mask=None if mask is None or bool(mask.all()) else mask)
 
 
 def unshifted_labels(inputs: Mapping, input_ids: torch.Tensor) -> torch.Tensor:
@@ -82,7 +88,8 @@ def unshifted_labels(inputs: Mapping, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def document_ids(inputs: Mapping, input_ids: torch.Tensor) -> torch.Tensor | None:
-    """[B, N] document of each token from ``position_ids`` and ``attention_mask``; None where every row is one."""
+    """[B, N] document of each token from ``position_ids`` and ``attention_mask`` (a run of padding is one); None
+    where every row is one."""
     starts = torch.zeros_like(input_ids, dtype=torch.bool)
     positions = inputs.get("position_ids")
     if positions is not None:

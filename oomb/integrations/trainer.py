@@ -25,6 +25,9 @@ import torch
 from transformers import Trainer
 
 from oomb.engine import StepOptions, chunked_backward, chunked_eval
+from oomb.engine.prepare import unwrap_peft
+from oomb.engine.step import check_model_architecture
+from oomb.engine.support import model_support
 from oomb.integrations.batch import oomb_batch
 
 # Optimizers that run the backward themselves (transformers' OptimizerNames values).
@@ -68,8 +71,8 @@ class OombTrainerMixin:
         if num_items_in_batch is None:  # not from the loop: one of the step's equal batches (as transformers)
             num_items_in_batch = count * getattr(self, "current_gradient_accumulation_steps", 1)
         loss = chunked_backward(self.accelerator.unwrap_model(model), batch.input_ids, batch.labels,
-                                doc_ids=batch.doc_ids, loss_divisor=float(num_items_in_batch),
-                                options=self.oomb_options)
+                                doc_ids=batch.doc_ids, attention_mask=batch.attention_mask,
+                                loss_divisor=float(num_items_in_batch), options=self.oomb_options)
         return loss.to(self.args.device)
 
     def prediction_step(self, model: torch.nn.Module, inputs: dict, prediction_loss_only: bool,
@@ -83,7 +86,7 @@ class OombTrainerMixin:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         batch = oomb_batch(self._prepare_inputs(inputs))
         result = chunked_eval(self.accelerator.unwrap_model(model), batch.input_ids, batch.labels,
-                              doc_ids=batch.doc_ids, options=self.oomb_options)
+                              doc_ids=batch.doc_ids, attention_mask=batch.attention_mask, options=self.oomb_options)
         has_target = result.has_target
         # NaN for a batch without targets, as transformers' mean over no tokens.
         loss = result.nll[has_target].mean() if bool(has_target.any()) else torch.tensor(math.nan)
@@ -146,3 +149,17 @@ def check_trainer_settings(trainer: Trainer) -> None:
     if str(getattr(args.optim, "value", args.optim)) in _BACKWARD_OPTIMIZERS:
         raise ValueError(f"optim={args.optim!r} runs the backward inside the optimizer, and oomb runs its own: "
                          "choose another optimizer (e.g. adamw_torch)")
+    check_model(trainer.model)
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Refuse a model oomb cannot train exactly (oomb.engine.support: UnsupportedModel, a ValueError naming the
+    feature), checked in training mode as the steps will run it."""
+    model = unwrap_peft(model)
+    was_training = model.training
+    model.train()
+    try:
+        check_model_architecture(model)
+        model_support(model)
+    finally:
+        model.train(was_training)

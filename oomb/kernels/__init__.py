@@ -11,6 +11,22 @@
   verified on a GPU).
 - ``auto``: fa4 where it imports and the GPU is Hopper or Blackwell, else triton on CUDA when it
   imports, torch elsewhere.
+
+Head sizes: queries and keys have Dk, values and the output Dv (kernels/reference.py's docstring
+has every shape). Dk == Dv is the common case; latent attention (DeepSeek-V2/V3, GLM-4-MoE-lite,
+MiniCPM3: Dk = 192, Dv = 128) has Dk != Dv, and some models have sizes that are no power of two
+(Phi-3's 96, 80).
+
+- ``torch``: any Dk and Dv.
+- ``triton``: Dk and Dv each 1 .. 256, any pair. A size that is not a power of two >= 16 runs in
+  tiles padded to one (96 in 128, 192 in 256) with masked loads and stores (its K/V tiles through
+  pointers, not TMA); powers of two run unmasked, as before. Wider heads are refused (use
+  ``torch``). Tiles for heads padded past 128 (tiles.py) were chosen by arithmetic, not timed.
+- ``fa4``: what FlashAttention-4 runs (flash4.fa4_supports_head_dims, from its source): on Hopper
+  Dk and Dv each a multiple of 8 from 8 to 256, Dk != Dv only with as many KV heads as query
+  heads (its GQA backward wants equal sizes); on Blackwell equal sizes, multiples of 8 up to 128.
+  Other calls go to the Triton kernels, forward and backward alike. Page-sparse calls use FA4's
+  block sparsity only up to 128 (the wider of Dk and Dv).
 """
 
 from __future__ import annotations

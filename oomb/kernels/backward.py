@@ -17,27 +17,29 @@ import triton
 import triton.language as tl
 
 from oomb.kernels import launch, tiles
+from oomb.kernels.common import dims_mask
 from oomb.kernels.dkdv import launch_dkdv
 from oomb.kernels.dq import launch_dq
+from oomb.kernels.reference import check_backward_args
 from oomb.kernels.sparse_backward import launch_sparse_dkdv
 
 
 @triton.jit
 def _bwd_delta_kernel(
-    OUT,  # [B, H, C, D]
-    DO,  # [B, H, C, D]
+    OUT,  # [B, H, C, DV]
+    DO,  # [B, H, C, DV]
     DELTA,  # [B, H, C] float32, contiguous
     so_b, so_h, so_c,
     sdo_b, sdo_h, sdo_c,
     C,
-    H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr,
+    H: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ok = (c < C)[:, None]
-    offs_d = tl.arange(0, HEAD_DIM)
+    ok = dims_mask((c < C)[:, None], DV, BLOCK_DV)
+    offs_d = tl.arange(0, BLOCK_DV)
     o = tl.load(OUT + b * so_b + h * so_h + c[:, None].to(tl.int64) * so_c + offs_d[None, :], mask=ok, other=0.0)
     do = tl.load(DO + b * sdo_b + h * sdo_h + c[:, None].to(tl.int64) * sdo_c + offs_d[None, :], mask=ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
@@ -45,14 +47,14 @@ def _bwd_delta_kernel(
 
 
 def paged_attention_backward(
-    d_out: torch.Tensor,  # [B, H, C, D]
-    q: torch.Tensor,  # [B, H, C, D]
-    out: torch.Tensor,  # [B, H, C, D]
+    d_out: torch.Tensor,  # [B, H, C, Dv]
+    q: torch.Tensor,  # [B, H, C, Dk]
+    out: torch.Tensor,  # [B, H, C, Dv]
     lse: torch.Tensor,  # [B, H, C] float32
-    k_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D]
-    v_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D]
-    dk_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D], accumulated into
-    dv_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D], accumulated into
+    k_pool: torch.Tensor,  # [num_pages, H_kv, page_size, Dk]
+    v_pool: torch.Tensor,  # [num_pages, H_kv, page_size, Dv]
+    dk_pool: torch.Tensor,  # [num_pages, H_kv, page_size, Dk], accumulated into
+    dv_pool: torch.Tensor,  # [num_pages, H_kv, page_size, Dv], accumulated into
     page_table: torch.Tensor,  # [B, >= ceil(kv_len / page_size)] int32
     kv_len: int,
     *,
@@ -67,17 +69,17 @@ def paged_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Adds dK/dV of every visible page into dk_pool/dv_pool (only pages some query attends are written).
 
-    Returns (dq [B, H, C, D] in q.dtype, d_sinks [H] float32 or None).
+    Returns (dq [B, H, C, Dk] in q.dtype, d_sinks [H] float32 or None).
     """
     b, h, c, d, h_kv, page_size, n_pages = launch.check_args(q, k_pool, v_pool, page_table, kv_len, sliding_window,
                                                              sinks)
-    if dk_pool.shape != k_pool.shape or dv_pool.shape != k_pool.shape or dv_pool.stride() != dk_pool.stride():
-        raise ValueError("dk_pool and dv_pool must match k_pool's shape and each other's strides")
-    if dk_pool.stride(-1) != 1:
+    check_backward_args(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool)
+    if dk_pool.stride(-1) != 1 or dv_pool.stride(-1) != 1:
         raise ValueError("gradient pools must be contiguous in head_dim")
+    d_v = v_pool.shape[-1]
     q, d_out, out = launch.last_dim_contiguous(q), launch.last_dim_contiguous(d_out), launch.last_dim_contiguous(out)
     lse, page_table = launch.last_dim_contiguous(lse), launch.last_dim_contiguous(page_table)
-    t = tiles.choose_tiles(d, page_size, q.dtype)
+    t = tiles.choose_tiles(launch.tile_head_dim(d, d_v), page_size, q.dtype)
     docs, sel = launch.visibility_args(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select,
                                        select_block)
     lo_key, window = launch.window_args(kv_len, c, page_size, sliding_window)
@@ -90,7 +92,7 @@ def paged_attention_backward(
         out, d_out, delta,
         out.stride(0), out.stride(1), out.stride(2),
         d_out.stride(0), d_out.stride(1), d_out.stride(2),
-        c, H=h, HEAD_DIM=d, BLOCK_C=t.delta_c,
+        c, H=h, DV=d_v, BLOCK_DV=launch.head_block(d_v), BLOCK_C=t.delta_c,
     )
 
     fused_dq = sel is None and t.dq_fused

@@ -2,10 +2,17 @@
 
 The kernels (forward.py, backward.py, dkdv.py, sparse_backward.py, dq.py) have the
 signatures and conventions of ``oomb.kernels.reference`` (read its docstring): the queries
-are the newest C tokens, absolute positions kv_len-C .. kv_len-1; pools are
-[num_pages, H_kv, page_size, D]; query head h reads KV head h // G; key j is visible to
-query i when j <= i (and i - j < W with a sliding window); ``sinks`` join the softmax
-denominator; lse is natural-log, sink included.
+are the newest C tokens, absolute positions kv_len-C .. kv_len-1; key pools are
+[num_pages, H_kv, page_size, Dk] and value pools [num_pages, H_kv, page_size, Dv]; query
+head h reads KV head h // G; key j is visible to query i when j <= i (and i - j < W with a
+sliding window); ``sinks`` join the softmax denominator; lse is natural-log, sink included.
+
+Head sizes. Keys (and queries) and values have their own sizes DK and DV (constexprs), each
+held in tiles of BLOCK_DK / BLOCK_DV columns: the next power of two >= 16 (tl.arange and
+tl.dot need one). Where a size is padded (96 in 128, 192 in 256, 24 in 32) loads read the
+columns past it as 0 and stores skip them: zero columns of q and K add nothing to q @ K^T,
+and zero columns of V and dO give zero columns of out, dQ, dK, dV that are never stored.
+Where BLOCK_D == D (the power-of-two sizes) ``dims_mask`` adds no mask at all.
 
 GQA layout. A program owns one KV head and a block of ROWS of the flattened
 (query position, group head) axis, row = c * G + g, whose position is kv_len - C + c:
@@ -21,7 +28,8 @@ footprint (G accumulators) or reload K/V per head.
 
 Key blocks: BLOCK_N keys from the first visible page on, page-aligned. A block inside one
 page (page_size % BLOCK_N == 0, the usual case) needs one page id per block and can be read
-with TMA (the pool seen as a 2D [num_pages * H_kv * page_size, D] tensor); otherwise a block
+with TMA (each pool seen as a 2D [num_pages * H_kv * page_size, D] tensor; unpadded head
+sizes only, launch.kv_descriptors); otherwise a block
 spans pages and every key looks up its own page id (any page_size works). Each loop over
 blocks is split into masked | unmasked | masked runs (sliding-window edge, interior, causal
 diagonal), so only edge blocks pay for masks. Slots past kv_len are never trusted (they may
@@ -36,6 +44,30 @@ import triton.language as tl
 
 
 @triton.jit
+def key_pages(
+    table_row,  # [>= n_pages] int32: this sequence's row of the page table
+    n0,  # first key position of the block
+    n_pages,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    """(page ids int64: a scalar when the block lies inside one page, else [BLOCK_N]; slots [BLOCK_N]) of keys
+    n0 .. n0 + BLOCK_N - 1. Looked up once per block for the K and the V pool (and their gradient pools)."""
+    offs = tl.arange(0, BLOCK_N)
+    if PAGE_SIZE % BLOCK_N == 0:
+        # The block lies inside one page: one page id (a scalar load) per block.
+        page = tl.load(table_row + n0 // PAGE_SIZE).to(tl.int64)
+        slot = n0 % PAGE_SIZE + offs
+    else:
+        # The block spans several pages: one page id per key (PAGE_SIZE is a constexpr, so // is cheap).
+        pos = n0 + offs
+        idx = pos // PAGE_SIZE
+        page = tl.load(table_row + idx, mask=idx < n_pages, other=0).to(tl.int64)
+        slot = pos % PAGE_SIZE
+    return page, slot
+
+
+@triton.jit
 def kv_offsets(
     table_row,  # [>= n_pages] int32: this sequence's row of the page table
     n0,  # first key position of the block
@@ -47,18 +79,27 @@ def kv_offsets(
     PAGE_SIZE: tl.constexpr,
 ):
     """int64 element offsets [BLOCK_N] of keys n0 .. n0 + BLOCK_N - 1 of one KV head in a pool."""
-    offs = tl.arange(0, BLOCK_N)
-    if PAGE_SIZE % BLOCK_N == 0:
-        # The block lies inside one page: one page id (a scalar load) per block.
-        page = tl.load(table_row + n0 // PAGE_SIZE).to(tl.int64)
-        rows = page * s_page + head_off + (n0 % PAGE_SIZE + offs) * s_slot
+    page, slot = key_pages(table_row, n0, n_pages, BLOCK_N, PAGE_SIZE)
+    return page * s_page + head_off + slot * s_slot
+
+
+@triton.jit
+def dims_mask(ok, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The mask of a [rows, BLOCK_D] tile: ``ok`` ([rows, 1] or [1, 1]) and, where the head size is padded
+    (D < BLOCK_D), the real columns. ``ok`` itself when D == BLOCK_D: the power-of-two sizes pay nothing."""
+    if D < BLOCK_D:
+        return ok & (tl.arange(0, BLOCK_D) < D)[None, :]
     else:
-        # The block spans several pages: one page id per key (PAGE_SIZE is a constexpr, so // is cheap).
-        pos = n0 + offs
-        idx = pos // PAGE_SIZE
-        page = tl.load(table_row + idx, mask=idx < n_pages, other=0).to(tl.int64)
-        rows = page * s_page + head_off + (pos % PAGE_SIZE) * s_slot
-    return rows
+        return ok
+
+
+@triton.jit
+def dims_mask_t(ok, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``dims_mask`` of a transposed [BLOCK_D, cols] tile (``ok`` [1, cols])."""
+    if D < BLOCK_D:
+        return ok & (tl.arange(0, BLOCK_D) < D)[:, None]
+    else:
+        return ok
 
 
 @triton.jit
@@ -158,38 +199,53 @@ def count_le(
 
 
 @triton.jit
-def kv_coord(
+def kv_coords(
     table_row,  # [>= n_pages] int32
-    n0, n_pages, h_kv, s_page, s_head, s_slot,
-    H_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    n0, n_pages, h_kv,
+    s_page, s_head, s_slot,  # K pool strides
+    sv_page, sv_head, sv_slot,  # V pool strides
+    H_KV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, KV_SAME: tl.constexpr,
 ):
-    """Where keys n0 .. n0 + BLOCK_N - 1 of KV head h_kv live: a row of the pool seen as a 2D
-    [num_pages * H_kv * PAGE_SIZE, D] tensor (TMA), or element offsets [BLOCK_N, D] (pointers)."""
+    """Where keys n0 .. n0 + BLOCK_N - 1 of KV head h_kv live in the K and the V pool: (k, v) rows of the pools
+    seen as 2D [num_pages * H_kv * PAGE_SIZE, D] tensors (TMA: one row index serves both), or element offsets
+    [BLOCK_N, BLOCK_DK] and [BLOCK_N, BLOCK_DV] (pointers), from one page-table lookup. KV_SAME (the pools
+    share head size and strides, the common case): one set of offsets serves both."""
     if USE_TMA:
         page = tl.load(table_row + n0 // PAGE_SIZE)  # the block lies inside one page
-        coord = (page * H_KV + h_kv) * PAGE_SIZE + n0 % PAGE_SIZE
-    else:
+        k_coord = (page * H_KV + h_kv) * PAGE_SIZE + n0 % PAGE_SIZE
+        v_coord = k_coord
+    elif KV_SAME:
         rows = kv_offsets(table_row, n0, n_pages, h_kv.to(tl.int64) * s_head, s_page, s_slot, BLOCK_N, PAGE_SIZE)
-        coord = rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
-    return coord
+        k_coord = rows[:, None] + tl.arange(0, BLOCK_DK)[None, :]
+        v_coord = k_coord
+    else:
+        page, slot = key_pages(table_row, n0, n_pages, BLOCK_N, PAGE_SIZE)
+        h64 = h_kv.to(tl.int64)
+        k_rows = page * s_page + h64 * s_head + slot * s_slot
+        v_rows = page * sv_page + h64 * sv_head + slot * sv_slot
+        k_coord = k_rows[:, None] + tl.arange(0, BLOCK_DK)[None, :]
+        v_coord = v_rows[:, None] + tl.arange(0, BLOCK_DV)[None, :]
+    return k_coord, v_coord
 
 
 @triton.jit
 def load_kv(
     POOL,  # [num_pages, H_kv, PAGE_SIZE, D] K or V pool (pointer loads)
-    DESC,  # TMA descriptor of POOL as [num_pages * H_kv * PAGE_SIZE, D] (USE_TMA)
-    coord, n_ok, MASK: tl.constexpr, USE_TMA: tl.constexpr,
+    DESC,  # TMA descriptor of POOL as [num_pages * H_kv * PAGE_SIZE, D] (USE_TMA; only where D == BLOCK_D)
+    coord, n_ok, MASK: tl.constexpr, USE_TMA: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """A [BLOCK_N, D] K or V tile. With MASK, keys past kv_len read as 0: their slots may hold
-    anything (NaN too), and 0 * NaN would leak into p @ v or dS @ K."""
+    """A [BLOCK_N, BLOCK_D] K or V tile, columns past D read as 0. With MASK, keys past kv_len read as 0: their
+    slots may hold anything (NaN too), and 0 * NaN would leak into p @ v or dS @ K."""
     if USE_TMA:
         x = DESC.load([coord, 0])
         if MASK:
             x = tl.where(n_ok[:, None], x, 0.0)
     else:
         if MASK:
-            x = tl.load(POOL + coord, mask=n_ok[:, None], other=0.0)
+            x = tl.load(POOL + coord, mask=dims_mask(n_ok[:, None], D, BLOCK_D), other=0.0)
+        elif D < BLOCK_D:
+            x = tl.load(POOL + coord, mask=dims_mask(tl.full([1, 1], True, tl.int1), D, BLOCK_D), other=0.0)
         else:
             x = tl.load(POOL + coord)
     return x

@@ -2,7 +2,7 @@
 
 FA4 attends contiguous keys and values and its backward takes no page table, so each call
 gathers the keys and values its queries can see out of the pages into FA4's layout (one copy
-of about 2 x kv_len x H_kv x D elements, linear in the context where the attention is
+of about kv_len x H_kv x (Dk + Dv) elements, linear in the context where the attention is
 quadratic), and the backward adds FA4's dK/dV back into the gradient pages through the same
 page ids. Documents packed into a row become FA4's variable-length sequences: each document's
 queries in the chunk over its keys from its first token, bottom-right causal, as in the
@@ -19,10 +19,11 @@ call's workspace is bounded by ``key_segment`` plus the chunk at any context len
 Page-sparse selections (``page_select``) become FA4's block sparsity over the union of the chosen
 pages and the chunk's own keys (kernels/flash4_sparse.py) where the kernels object offers it
 (``block_sparse_blocks``) and the call fits its blocks. What FA4 cannot express here goes to the
-fallback backend (the Triton kernels on a GPU): per-head sinks, 32-bit inputs, head dimensions FA4
-lacks, and selections with documents, a window, or pages and selection blocks off FA4's blocks. The
-choice depends only on the call's arguments, which forward and backward share, so an output and
-its gradient always come from the same kernels.
+fallback backend (the Triton kernels on a GPU): per-head sinks, 32-bit inputs, head sizes FA4
+lacks (``fa4_supports_head_dims``: on Hopper, sizes off multiples of 8 or above 256, and key and
+value sizes that differ under GQA), and selections with documents, a window, or pages and selection
+blocks off FA4's blocks. The choice depends only on the call's arguments, which forward and backward
+share, so an output and its gradient always come from the same kernels.
 
 The kernels are an object with ``forward``/``backward`` (``FlashAttention4`` wraps
 flash-attn-4's functions); tests give a PyTorch stand-in with FA4's semantics to check the
@@ -42,7 +43,7 @@ import torch
 from oomb.cache.layout import first_visible_page
 from oomb.kernels import flash4_sparse
 from oomb.kernels.flash4_sparse import BlockLists, BlockSparsity, page_sparse_keys
-from oomb.kernels.reference import check_paged_args, check_visibility_args
+from oomb.kernels.reference import check_backward_args, check_paged_args, check_visibility_args
 
 # The flash-attn-4 release this adapter was written and measured against: it calls the
 # package's forward and backward functions below its autograd wrapper (oomb runs its own
@@ -88,21 +89,53 @@ class KeyLayout:
         return self.cu_seqlens_q is not None
 
 
+def fa4_supports_head_dims(arch: int, head_dim: int, head_dim_v: int, grouped: bool) -> bool:
+    """Whether oomb hands FlashAttention-4 (FLASH4_VERSION) a call with key head size ``head_dim`` (queries' too)
+    and value head size ``head_dim_v`` on a GPU of major compute capability ``arch`` (9: Hopper, 10: Blackwell);
+    ``grouped``: more query heads than KV heads (GQA, MQA). Forward and backward alike: an output and its
+    gradient come from the same kernels. What it refuses goes to the fallback (the Triton kernels).
+
+    What flash-attn-4 4.0.0b40 takes (files under flash_attn/cute/ of its wheel, lines of that release):
+    - Hopper (SM90): Dk and Dv each from 8 to 256 and a multiple of 8 (16 bytes of bf16/fp16), Dk != Dv
+      included: ``_validate_head_dims`` (interface.py:134-146), called by the forward (interface.py:789-792) and
+      the backward (interface.py:2315-2317). Sizes off a multiple of 16 are padded to FA4's tiles and
+      predicated (flash_fwd.py:81-89, flash_bwd_sm90.py:84-92); the tiles for head_dim > 128 come from
+      config.py:241-279 (forward) and select_sm90_bwd_tile (backward).
+      But the SM90 backward asserts head_dim == head_dim_v when there are more query heads than KV heads
+      (flash_bwd_sm90.py:122-123, "GQA backward requires head_dim == head_dim_v"): GQA or MQA with Dk != Dv
+      falls back. DeepSeek-V2/V3-style latent attention (Dk 192, Dv 128) reaches attention with as many KV
+      heads as query heads, so it runs on FA4.
+    - Blackwell (SM100/SM110): b40 validates both sizes 8..128 (multiples of 8), (192, 128) and (256, 256)
+      (interface.py:147-151), with more conditions in its SM100 backward (flash_bwd_sm100.py:255-275); oomb has
+      run FA4 there only with equal sizes up to 128, so that is what it hands it.
+    """
+    if min(head_dim, head_dim_v) < 8 or head_dim % 8 or head_dim_v % 8:
+        return False
+    if arch == 9:
+        return max(head_dim, head_dim_v) <= 256 and (head_dim == head_dim_v or not grouped)
+    return head_dim == head_dim_v <= 128
+
+
 class FlashKernels(Protocol):
-    """FA4's two calls, in its layouts: q [B, C, H, D] and k/v [B, S, H_kv, D], or (varlen) q [T_q, H, D]
-    and k/v [T_k, H_kv, D]; lse [B, H, C] or [H, T_q]. Causal, aligned bottom-right per sequence;
+    """FA4's two calls, in its layouts: q [B, C, H, Dk], k [B, S, H_kv, Dk] and v [B, S, H_kv, Dv], or (varlen)
+    q [T_q, H, Dk], k [T_k, H_kv, Dk] and v [T_k, H_kv, Dv]; out and d_out with Dv, dq with Dk; lse [B, H, C]
+    or [H, T_q]. Causal, aligned bottom-right per sequence;
     ``window_left`` keys before each query's own (None: unlimited); ``causal=False``: every key seen (a segment
     of the past, batched layout, no window). The backward takes the forward's out and lse and computes its
     gradients from them (as FA4 does), not from a softmax over the keys it is given.
 
+    ``supports_head_dims(head_dim, head_dim_v, grouped)``: whether it runs these key and value head sizes (with
+    more query heads than KV heads where ``grouped``).
+
     ``block_sparse_blocks(head_dim)``: the (query, key) block sizes in tokens of FA4's block sparsity, or None
-    where it is not offered. Optional: a kernels object without it never receives ``block_sparse``, which is
-    only passed to kernels that offer it (batched layout, no window): the pairs of blocks attended
-    (flash4_sparse.BlockSparsity), causal within the listed mask blocks."""
+    where it is not offered (asked with the wider of the key and value head sizes). Optional: a kernels object
+    without it never receives ``block_sparse``, which is only passed to kernels that offer it (batched layout,
+    no window): the pairs of blocks attended (flash4_sparse.BlockSparsity), causal within the listed mask
+    blocks."""
 
     dtypes: tuple[torch.dtype, ...]
 
-    def supports_head_dim(self, head_dim: int) -> bool: ...
+    def supports_head_dims(self, head_dim: int, head_dim_v: int, grouped: bool) -> bool: ...
 
     def block_sparse_blocks(self, head_dim: int) -> tuple[int, int] | None: ...
 
@@ -129,9 +162,8 @@ class FlashAttention4:
         self._arch = torch.cuda.get_device_capability()[0]
         self._offers_block_sparse = os.environ.get(BLOCK_SPARSE_ENV) != "0" if block_sparse is None else block_sparse
 
-    def supports_head_dim(self, head_dim: int) -> bool:
-        top = 256 if self._arch == 9 else 128
-        return 8 <= head_dim <= top and head_dim % 8 == 0
+    def supports_head_dims(self, head_dim: int, head_dim_v: int, grouped: bool) -> bool:
+        return fa4_supports_head_dims(self._arch, head_dim, head_dim_v, grouped)
 
     def block_sparse_blocks(self, head_dim: int) -> tuple[int, int] | None:
         """(128, 128) on Hopper up to head_dim 128: FA4's forward tile there is 128 x 128 and its causal backward
@@ -297,19 +329,26 @@ class Flash4Attention:
         return chosen
 
     def expresses(self, q: torch.Tensor, k_pool: torch.Tensor, *, sinks=None, sliding_window=None, doc_start=None,
-                  page_select=None, select_block=None) -> bool:
-        """Whether FA4 runs this call; from its arguments alone, so forward and backward agree."""
-        return (sinks is None and q.dtype in self.kernels.dtypes and self.kernels.supports_head_dim(q.shape[-1])
+                  page_select=None, select_block=None, v_pool: torch.Tensor | None = None) -> bool:
+        """Whether FA4 runs this call; from its arguments alone, so forward and backward agree. ``v_pool``: for the
+        value head size (None: the key head size)."""
+        head_dim_v = q.shape[-1] if v_pool is None else v_pool.shape[-1]
+        return (sinks is None and q.dtype in self.kernels.dtypes
+                and self.kernels.supports_head_dims(q.shape[-1], head_dim_v, grouped=q.shape[1] != k_pool.shape[1])
                 and (page_select is None
-                     or self._sparse_blocks(q, k_pool, sliding_window, doc_start, select_block) is not None))
+                     or self._sparse_blocks(q, k_pool, sliding_window, doc_start, select_block, head_dim_v)
+                     is not None))
 
-    def _sparse_blocks(self, q, k_pool, sliding_window, doc_start, select_block) -> tuple[int, int] | None:
+    def _sparse_blocks(self, q, k_pool, sliding_window, doc_start, select_block,
+                       head_dim_v: int | None = None) -> tuple[int, int] | None:
         """FA4's (query, key) blocks for a page-sparse call, or None where its block sparsity cannot express it:
         kernels without it, documents (FA4 has no varlen block-sparse backward), a window (the Triton kernels
         refuse it with a selection too), pages of another size than its key block, and selection blocks that
-        split one of its query blocks between two page lists."""
+        split one of its query blocks between two page lists. Asked with the wider head size: FA4's tiles grow
+        with either."""
         offered = getattr(self.kernels, "block_sparse_blocks", None)  # absent on kernels objects before it
-        blocks = offered(q.shape[-1]) if offered is not None else None
+        head_dim = max(q.shape[-1], q.shape[-1] if head_dim_v is None else head_dim_v)
+        blocks = offered(head_dim) if offered is not None else None
         if blocks is None or sliding_window is not None or doc_start is not None or not select_block:
             return None
         block_q, block_kv = blocks
@@ -348,9 +387,10 @@ class Flash4Attention:
         return x.transpose(1, 2)
 
     @staticmethod
-    def _check(q, k_pool, page_table, kv_len, *, sliding_window, doc_start, page_select, select_block) -> None:
+    def _check(q, k_pool, page_table, kv_len, *, sliding_window, doc_start, page_select, select_block,
+               v_pool=None) -> None:
         _, h_kv, page_size, _ = k_pool.shape
-        check_paged_args(q, k_pool, page_table, kv_len, sliding_window)
+        check_paged_args(q, k_pool, page_table, kv_len, sliding_window, v_pool)
         check_visibility_args(q, h_kv, kv_len, page_size, doc_start, page_select, select_block)
 
     def _segments(self, k_pool, page_table, kv_len, q_len, *, sliding_window, doc_start, page_select,
@@ -384,15 +424,15 @@ class Flash4Attention:
 
     def forward(self, q, k_pool, v_pool, page_table, kv_len, *, scale, sliding_window=None, sinks=None,
                 doc_start=None, page_select=None, select_block=None, block_tokens=None, page_union=None):
-        """Returns (out [B, H, C, D] in q.dtype, lse [B, H, C] float32). ``page_union``: the most distinct past
+        """Returns (out [B, H, C, Dv] in q.dtype, lse [B, H, C] float32). ``page_union``: the most distinct past
         pages one row's lists name where fewer than their entries (a chunk's cap): a page-sparse call gathers no
         more."""
         visibility = dict(sliding_window=sliding_window, doc_start=doc_start, page_select=page_select,
                           select_block=select_block)
-        if not self.expresses(q, k_pool, sinks=sinks, **visibility):
+        if not self.expresses(q, k_pool, sinks=sinks, v_pool=v_pool, **visibility):
             return self.fallback.forward(q, k_pool, v_pool, page_table, kv_len, scale=scale, sinks=sinks,
                                          **visibility)
-        self._check(q, k_pool, page_table, kv_len, **visibility)
+        self._check(q, k_pool, page_table, kv_len, v_pool=v_pool, **visibility)
         b, h, c, _ = q.shape
         if segments := self._segments(k_pool, page_table, kv_len, c, **visibility):
             return self._segmented_forward(q, k_pool, v_pool, segments, scale)
@@ -409,15 +449,14 @@ class Flash4Attention:
     def backward(self, d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len, *, scale,
                  sliding_window=None, sinks=None, doc_start=None, page_select=None, select_block=None,
                  block_tokens=None, page_union=None):
-        """Adds dK/dV of every visible key into dk_pool/dv_pool; returns (dq [B, H, C, D], None)."""
+        """Adds dK/dV of every visible key into dk_pool/dv_pool; returns (dq [B, H, C, Dk], None)."""
         visibility = dict(sliding_window=sliding_window, doc_start=doc_start, page_select=page_select,
                           select_block=select_block)
-        if not self.expresses(q, k_pool, sinks=sinks, **visibility):
+        if not self.expresses(q, k_pool, sinks=sinks, v_pool=v_pool, **visibility):
             return self.fallback.backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len,
                                           scale=scale, sinks=sinks, **visibility)
-        if dk_pool.shape != k_pool.shape or dv_pool.shape != k_pool.shape:
-            raise ValueError("dk_pool and dv_pool must match k_pool's shape")
-        self._check(q, k_pool, page_table, kv_len, **visibility)
+        self._check(q, k_pool, page_table, kv_len, v_pool=v_pool, **visibility)
+        check_backward_args(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool)
         if segments := self._segments(k_pool, page_table, kv_len, q.shape[2], **visibility):
             return self._segmented_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, segments, scale)
         layout, window_left, sparsity = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,

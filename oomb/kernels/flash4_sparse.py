@@ -21,7 +21,9 @@ What flash-attn-4 4.0.0b40 offers (files under flash_attn/cute/, lines of that r
   forward tiles (config.py:241-279, shrunk to fit the blocks by config.py:282-294, 673-686) and
   64 x 128 backward tiles for causal head_dim 65..128 (128 x 128 for <= 64; config.py:2994-3017),
   so blocks of (128, 128) serve both directions; ``get_sparse_q_block_size`` (block_sparsity.py:181-195)
-  reads block_size[0] when given, else infers it from seqlen_q / n_q_blocks.
+  reads block_size[0] when given, else infers it from seqlen_q / n_q_blocks. Up to 128 those tiles depend on
+  the key head size alone; oomb asks with the wider of the key and value sizes (Dk != Dv: latent attention),
+  which covers both.
 - Causal: ``causal=True`` needs no ``mask_mod`` (one given turns causal off, interface.py:279-300).
   Both SM90 and SM100 bind ``mask_causal`` into the mask of EVERY listed block, full ones too
   (flash_fwd_sm90.py:1158-1167 and block_sparse_utils.py:1805-1832 backward; flash_fwd_sm100.py:

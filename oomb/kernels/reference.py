@@ -3,11 +3,16 @@
 This is the CPU path and the oracle for the Triton kernels, which share these
 signatures. Conventions (the same for every backend):
 
-- ``q`` [B, H, C, D] holds the queries of the NEWEST chunk in the store: absolute
+- ``q`` [B, H, C, Dk] holds the queries of the NEWEST chunk in the store: absolute
   positions ``kv_len - C .. kv_len - 1``. Keys are every stored token 0 .. kv_len-1
   (the chunk's own keys included, already written to its pages).
-- Pools are [num_pages, H_kv, page_size, D]; ``page_table`` [B, >= ceil(kv_len/page_size)]
-  int32 maps a sequence's page index to a page id.
+- Head sizes: queries and keys have Dk, values and the output Dv. Dk == Dv is the common
+  case; latent attention (DeepSeek-V2/V3's MLA: Dk = 192, Dv = 128) has Dk != Dv. The
+  ``scale`` is given, never derived from Dk.
+- Pools: ``k_pool`` and ``dk_pool`` [num_pages, H_kv, page_size, Dk], ``v_pool`` and
+  ``dv_pool`` [num_pages, H_kv, page_size, Dv]; ``page_table`` [B, >= ceil(kv_len/page_size)]
+  int32 maps a sequence's page index to a page id (the same for keys and values).
+- ``out`` and ``d_out`` [B, H, C, Dv]; ``dq`` [B, H, C, Dk]; ``lse`` [B, H, C].
 - GQA: query head h reads KV head h // (H // H_kv), as transformers' repeat_kv does.
 - Mask: key position j is visible to query position i when j <= i, and, with a
   ``sliding_window`` W, when i - j < W (transformers' convention).
@@ -144,12 +149,25 @@ def _visibility(q, kv_heads, kv_len, page_size, sliding_window, doc_start, page_
     return _Visibility(q_pos_rows, kv_len, sliding_window, doc_rows, selected, first_page)
 
 
-def check_paged_args(q, k_pool, page_table, kv_len, sliding_window) -> int:
-    """Shapes and ranges every backend needs of a call over paged keys; returns the pages kv_len spans."""
+def check_paged_args(q, k_pool, page_table, kv_len, sliding_window, v_pool=None) -> int:
+    """Shapes and ranges every backend needs of a call over paged keys; returns the pages kv_len spans.
+
+    q [B, H, C, Dk] against k_pool [num_pages, H_kv, page_size, Dk] and, when given, v_pool
+    [num_pages, H_kv, page_size, Dv] (any Dv: the values' head size may differ from the keys')."""
+    if q.dim() != 4 or k_pool.dim() != 4:
+        raise ValueError(f"q must be [B, H, C, Dk] and k_pool [num_pages, H_kv, page_size, Dk]; got q "
+                         f"{tuple(q.shape)}, k_pool {tuple(k_pool.shape)}")
     b, h, c, d = q.shape
     _, h_kv, page_size, d_kv = k_pool.shape
-    if d_kv != d or h % h_kv:
-        raise ValueError(f"q {tuple(q.shape)} does not fit pools {tuple(k_pool.shape)}")
+    if h % h_kv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit pools {tuple(k_pool.shape)}: its {h} heads are not a "
+                         f"multiple of the pools' {h_kv} KV heads")
+    if d_kv != d:
+        raise ValueError(f"q {tuple(q.shape)} does not fit pools {tuple(k_pool.shape)}: q's head size {d} must equal "
+                         f"k_pool's {d_kv} (queries and keys share Dk; values may differ)")
+    if v_pool is not None and (v_pool.dim() != 4 or v_pool.shape[:3] != k_pool.shape[:3]):
+        raise ValueError(f"v_pool {tuple(v_pool.shape)} must be [num_pages, H_kv, page_size, Dv] with k_pool's "
+                         f"first three sizes {tuple(k_pool.shape[:3])} (any Dv)")
     if not 0 < c <= kv_len:
         raise ValueError(f"the chunk ({c} queries) must be the newest part of kv_len={kv_len}")
     n_pages = -(-kv_len // page_size)
@@ -182,6 +200,20 @@ def check_visibility_args(q, kv_heads, kv_len, page_size, doc_start, page_select
                              f"[{b}, 1|{kv_heads}, {n_qb}, K], got {page_select.dtype} {tuple(page_select.shape)}")
 
 
+def check_backward_args(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool) -> None:
+    """Shapes of a backward call's tensors beyond the forward's (shared by every backend): out and d_out
+    [B, H, C, Dv], lse [B, H, C], dk_pool like k_pool and dv_pool like v_pool."""
+    b, h, c, _ = q.shape
+    out_shape = (b, h, c, v_pool.shape[-1])
+    if tuple(out.shape) != out_shape or tuple(d_out.shape) != out_shape:
+        raise ValueError(f"out {tuple(out.shape)} and d_out {tuple(d_out.shape)} must be [B, H, C, Dv] = {out_shape}")
+    if tuple(lse.shape) != (b, h, c):
+        raise ValueError(f"lse {tuple(lse.shape)} must be [B, H, C] = {(b, h, c)}")
+    if dk_pool.shape != k_pool.shape or dv_pool.shape != v_pool.shape:
+        raise ValueError(f"dk_pool {tuple(dk_pool.shape)} and dv_pool {tuple(dv_pool.shape)} must match k_pool "
+                         f"{tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)}")
+
+
 def _block_scores(qg, k_pool, v_pool, page_table, p0, p1, masked, vis: _Visibility, scale):
     """Keys and values of pages [p0, p1) in qg's dtype, and the scaled scores with invisible keys at -inf."""
     ids = page_table[:, p0:p1]
@@ -207,9 +239,9 @@ def _sink_logits(sinks: torch.Tensor, batch: int, kv_heads: int, q_len: int) -> 
 
 
 def paged_attention_forward(
-    q: torch.Tensor,  # [B, H, C, D]
-    k_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D]
-    v_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D]
+    q: torch.Tensor,  # [B, H, C, Dk]
+    k_pool: torch.Tensor,  # [num_pages, H_kv, page_size, Dk]
+    v_pool: torch.Tensor,  # [num_pages, H_kv, page_size, Dv]
     page_table: torch.Tensor,  # [B, >= ceil(kv_len / page_size)] int32
     kv_len: int,
     *,
@@ -222,10 +254,10 @@ def paged_attention_forward(
     block_tokens: int | None = None,
     page_union: int | None = None,  # the most distinct pages one row's lists name (fa4 sizes its gather by it); unused
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out [B, H, C, D] in q.dtype, lse [B, H, C] float32)."""
-    b, h, c, d = q.shape
-    h_kv, page_size = k_pool.shape[1], k_pool.shape[2]
-    check_paged_args(q, k_pool, page_table, kv_len, sliding_window)
+    """Returns (out [B, H, C, Dv] in q.dtype, lse [B, H, C] float32)."""
+    b, h, c, _ = q.shape
+    h_kv, page_size, d_v = k_pool.shape[1], k_pool.shape[2], v_pool.shape[-1]
+    check_paged_args(q, k_pool, page_table, kv_len, sliding_window, v_pool)
     check_visibility_args(q, h_kv, kv_len, page_size, doc_start, page_select, select_block)
     vis = _visibility(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block)
     acc_dtype = _acc_dtype(q.dtype)
@@ -238,7 +270,7 @@ def paged_attention_forward(
     else:
         m = torch.full((b, h_kv, rows), -math.inf, device=q.device, dtype=acc_dtype)
         l = torch.zeros((b, h_kv, rows), device=q.device, dtype=acc_dtype)
-    acc = torch.zeros((b, h_kv, rows, d), device=q.device, dtype=acc_dtype)
+    acc = torch.zeros((b, h_kv, rows, d_v), device=q.device, dtype=acc_dtype)
 
     step = _block_pages(q, page_size, block_tokens)
     always_mask = sliding_window is not None or doc_start is not None or page_select is not None
@@ -256,18 +288,18 @@ def paged_attention_forward(
     # Every query sees at least its own key, so l > 0.
     out = acc / l.unsqueeze(-1)
     lse = m + torch.log(l)
-    return out.reshape(b, h, c, d).to(q.dtype), lse.reshape(b, h, c).to(acc_dtype)
+    return out.reshape(b, h, c, d_v).to(q.dtype), lse.reshape(b, h, c).to(acc_dtype)
 
 
 def paged_attention_backward(
-    d_out: torch.Tensor,  # [B, H, C, D]
-    q: torch.Tensor,  # [B, H, C, D]
-    out: torch.Tensor,  # [B, H, C, D]
+    d_out: torch.Tensor,  # [B, H, C, Dv]
+    q: torch.Tensor,  # [B, H, C, Dk]
+    out: torch.Tensor,  # [B, H, C, Dv]
     lse: torch.Tensor,  # [B, H, C] float32
-    k_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D]
-    v_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D]
-    dk_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D], accumulated into
-    dv_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D], accumulated into
+    k_pool: torch.Tensor,  # [num_pages, H_kv, page_size, Dk]
+    v_pool: torch.Tensor,  # [num_pages, H_kv, page_size, Dv]
+    dk_pool: torch.Tensor,  # [num_pages, H_kv, page_size, Dk], accumulated into
+    dv_pool: torch.Tensor,  # [num_pages, H_kv, page_size, Dv], accumulated into
     page_table: torch.Tensor,  # [B, >= ceil(kv_len / page_size)] int32
     kv_len: int,
     *,
@@ -282,18 +314,19 @@ def paged_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Adds dK/dV of every visible page into dk_pool/dv_pool.
 
-    Returns (dq [B, H, C, D] in q.dtype, d_sinks [H] float32 (fp64 for fp64 q) or None).
+    Returns (dq [B, H, C, Dk] in q.dtype, d_sinks [H] float32 (fp64 for fp64 q) or None).
     """
     b, h, c, d = q.shape
     h_kv, page_size = k_pool.shape[1], k_pool.shape[2]
-    check_paged_args(q, k_pool, page_table, kv_len, sliding_window)
+    check_paged_args(q, k_pool, page_table, kv_len, sliding_window, v_pool)
+    check_backward_args(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool)
     check_visibility_args(q, h_kv, kv_len, page_size, doc_start, page_select, select_block)
     vis = _visibility(q, h_kv, kv_len, page_size, sliding_window, doc_start, page_select, select_block)
     acc_dtype = _acc_dtype(q.dtype)
     qg = _group(q, h_kv).to(acc_dtype)
     dog = _group(d_out, h_kv).to(acc_dtype)
     lse_g = _group(lse, h_kv).to(acc_dtype)
-    delta = (dog * _group(out, h_kv).to(acc_dtype)).sum(dim=-1)  # [B, H_kv, G*C] = rowsum(dO * O)
+    delta = (dog * _group(out, h_kv).to(acc_dtype)).sum(dim=-1)  # [B, H_kv, G*C] = rowsum(dO * O) over Dv
     dq = torch.zeros_like(qg)
 
     step = _block_pages(q, page_size, block_tokens)
@@ -303,7 +336,7 @@ def paged_attention_backward(
             k, v, s = _block_scores(qg, k_pool, v_pool, page_table, p0, p1, masked, vis, scale)
             p = torch.exp(s - lse_g.unsqueeze(-1))  # masked keys: exp(-inf) = 0
             ids = page_table[:, p0:p1]
-            dv = p.transpose(-1, -2) @ dog  # [B, H_kv, T, D], summed over the group's heads
+            dv = p.transpose(-1, -2) @ dog  # [B, H_kv, T, Dv], summed over the group's heads
             ds = p * (dog @ v.transpose(-1, -2) - delta.unsqueeze(-1))
             dq += (ds @ k) * scale
             dk = (ds.transpose(-1, -2) @ qg) * scale

@@ -23,8 +23,9 @@ def _dkdv_group(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row,  # as in dkdv.dkdv_blocks
     h_kv, sq_h, sq_c, sdo_h, sdo_c, sl_h,
     c_lo, c_hi, n_pos, q0, C, qk_scale,
-    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    MASK: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
     """Queries c_lo .. c_hi - 1 of every query head of the group into one key block's dK, dV.
 
@@ -35,25 +36,26 @@ def _dkdv_group(
         for g in range(G):
             dk, dv = dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, delta_base,
                                  h_kv * G + g, sq_h, sq_c, sdo_h, sdo_c, sl_h, 0, n_tiles, c_lo, c_hi, n_pos, q0, C,
-                                 0, qk_scale, 0, 1, HEAD_DIM, BLOCK_M, MASK, False, HAS_DOCS, DOT_PREC, False)
+                                 0, qk_scale, 0, 1, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, MASK, False, HAS_DOCS,
+                                 DOT_PREC, False)
     else:
         n_tiles = tl.cdiv((c_hi - c_lo) * G, BLOCK_M)
         dk, dv = dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, delta_base, h_kv, sq_h,
                              sq_c, sdo_h, sdo_c, sl_h, 0, n_tiles, c_lo * G, c_hi * G, n_pos, q0, C, 0, qk_scale, 0,
-                             G, HEAD_DIM, BLOCK_M, MASK, False, HAS_DOCS, DOT_PREC, False)
+                             G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, MASK, False, HAS_DOCS, DOT_PREC, False)
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_sparse_kernel(
-    Q,  # [B, H, C, D]
-    DO,  # [B, H, C, D]
+    Q,  # [B, H, C, DK]
+    DO,  # [B, H, C, DV]
     LSE,  # [B, H, C] float32
     DELTA,  # [B, H, C] float32, contiguous
-    K_POOL,  # [num_pages, H_kv, PAGE_SIZE, D]
-    V_POOL,  # [num_pages, H_kv, PAGE_SIZE, D], same strides as K_POOL
-    DK_POOL,  # [num_pages, H_kv, PAGE_SIZE, D], accumulated into (read-modify-write)
-    DV_POOL,  # [num_pages, H_kv, PAGE_SIZE, D], same strides as DK_POOL
+    K_POOL,  # [num_pages, H_kv, PAGE_SIZE, DK]
+    V_POOL,  # [num_pages, H_kv, PAGE_SIZE, DV]
+    DK_POOL,  # [num_pages, H_kv, PAGE_SIZE, DK], accumulated into (read-modify-write)
+    DV_POOL,  # [num_pages, H_kv, PAGE_SIZE, DV], accumulated into (read-modify-write)
     TABLE,  # [B, >= n_pages] int32
     DOC,  # [B, C] int32 document starts, contiguous (HAS_DOCS)
     HITS,  # [B, H_sel, n_items, n_qb] int8: 1 where query block qb attends page p (past: selected; chunk: causal)
@@ -63,14 +65,16 @@ def _bwd_dkdv_sparse_kernel(
     sdo_b, sdo_h, sdo_c,
     sl_b, sl_h,
     s_page, s_head, s_slot,
+    sv_page, sv_head, sv_slot,
     sg_page, sg_head, sg_slot,
+    sgv_page, sgv_head, sgv_slot,
     st_b,
     sh_b, sh_h, sh_p,
     so_b, so_h,
     n_bh, C, kv_len, n_pages, n_qb, sel_block, qk_scale, scale,
-    H_KV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+    H_KV: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DOCS: tl.constexpr, DOT_PREC: tl.constexpr, HEAD_MAJOR: tl.constexpr, KV_SAME: tl.constexpr,
 ):
     """dK/dV under page selection, of the selected past pages and the chunk's own pages in one launch.
 
@@ -99,9 +103,10 @@ def _bwd_dkdv_sparse_kernel(
         table_row = TABLE + b * st_b
         # Masked: the chunk's last page may be partly filled.
         n_pos, kv_ok, k, v = load_key_block(K_POOL, V_POOL, table_row, n0, kv_len, n_pages, h_kv, s_page, s_head,
-                                            s_slot, HEAD_DIM, BLOCK_N, PAGE_SIZE)
-        dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-        dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+                                            s_slot, sv_page, sv_head, sv_slot, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                                            PAGE_SIZE, KV_SAME)
+        dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
         q_base = Q + b * sq_b
         do_base = DO + b * sdo_b
         lse_base = LSE + b * sl_b
@@ -119,15 +124,17 @@ def _bwd_dkdv_sparse_kernel(
                 if q0 + c_lo < n1:  # some query precedes a key of the block: the causal diagonal
                     dk, dv = _dkdv_group(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h,
                                          sq_c, sdo_h, sdo_c, sl_h, c_lo, c1, n_pos, q0, C, qk_scale,
-                                         G, HEAD_DIM, BLOCK_M, True, HAS_DOCS, DOT_PREC, HEAD_MAJOR)
+                                         G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, True, HAS_DOCS, DOT_PREC, HEAD_MAJOR)
                 else:
                     dk, dv = _dkdv_group(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_row, h_kv, sq_h,
                                          sq_c, sdo_h, sdo_c, sl_h, c_lo, c1, n_pos, q0, C, qk_scale,
-                                         G, HEAD_DIM, BLOCK_M, HAS_DOCS, HAS_DOCS, DOT_PREC, HEAD_MAJOR)
+                                         G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, HAS_DOCS, HAS_DOCS, DOT_PREC,
+                                         HEAD_MAJOR)
                 n_hit += 1
         if n_hit > 0:
             add_into_grad_pages(DK_POOL, DV_POOL, dk * scale, dv, table_row, n0, n_pages, h_kv, sg_page, sg_head,
-                                sg_slot, kv_ok, HEAD_DIM, BLOCK_N, PAGE_SIZE)
+                                sg_slot, sgv_page, sgv_head, sgv_slot, kv_ok, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                                PAGE_SIZE, KV_SAME)
 
 
 def page_hits(sel: torch.Tensor, n_past: int, c: int, select_block: int, page_size: int) -> torch.Tensor:
@@ -147,14 +154,14 @@ def page_hits(sel: torch.Tensor, n_past: int, c: int, select_block: int, page_si
 
 
 def launch_sparse_dkdv(
-    q: torch.Tensor,  # [B, H, C, D]
-    d_out: torch.Tensor,  # [B, H, C, D]
+    q: torch.Tensor,  # [B, H, C, Dk]
+    d_out: torch.Tensor,  # [B, H, C, Dv]
     lse: torch.Tensor,  # [B, H, C] float32
     delta: torch.Tensor,  # [B, H, C] float32, contiguous
-    k_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D]
-    v_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D]
-    dk_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D], accumulated into
-    dv_pool: torch.Tensor,  # [num_pages, H_kv, page_size, D], accumulated into
+    k_pool: torch.Tensor,  # [num_pages, H_kv, page_size, Dk]
+    v_pool: torch.Tensor,  # [num_pages, H_kv, page_size, Dv]
+    dk_pool: torch.Tensor,  # [num_pages, H_kv, page_size, Dk], accumulated into
+    dv_pool: torch.Tensor,  # [num_pages, H_kv, page_size, Dv], accumulated into
     page_table: torch.Tensor,  # [B, >= ceil(kv_len / page_size)] int32
     docs: torch.Tensor | None,  # [B, C] int32 document starts, contiguous
     sel: torch.Tensor,  # [B, H_sel, ceil(C / select_block), K] int32 selected past pages, contiguous
@@ -166,6 +173,7 @@ def launch_sparse_dkdv(
 ) -> None:
     """Adds dK/dV of the selected past pages and of the chunk's own pages into the gradient pools."""
     b, h, c, d = q.shape
+    d_v = v_pool.shape[-1]
     h_kv, page_size = k_pool.shape[1], k_pool.shape[2]
     g = h // h_kv
     n_pages = -(-kv_len // page_size)
@@ -177,11 +185,12 @@ def launch_sparse_dkdv(
     _bwd_dkdv_sparse_kernel[(hits.shape[2] * (page_size // block_n) * b * h_kv,)](
         q, d_out, lse, delta, k_pool, v_pool, dk_pool, dv_pool, page_table,
         docs if docs is not None else page_table, hits, order, count,
-        *launch.backward_strides(q, d_out, lse, k_pool, dk_pool, page_table),
+        *launch.backward_strides(q, d_out, lse, k_pool, dk_pool, page_table, v_pool, dv_pool),
         hits.stride(0), hits.stride(1) if per_head else 0, hits.stride(2),
         order.stride(0), order.stride(1) if per_head else 0,
         b * h_kv, c, kv_len, n_pages, hits.shape[3], select_block, scale * launch.LOG2E, scale,
-        H_KV=h_kv, G=g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=t.dkdv_m, BLOCK_N=block_n,
+        H_KV=h_kv, G=g, DK=d, DV=d_v, BLOCK_DK=launch.head_block(d), BLOCK_DV=launch.head_block(d_v),
+        PAGE_SIZE=page_size, BLOCK_M=t.dkdv_m, BLOCK_N=block_n,
         HAS_DOCS=docs is not None, DOT_PREC=launch.dot_precision(q.dtype), HEAD_MAJOR=t.dkdv_head_major,
-        num_warps=t.bwd_warps, num_stages=t.bwd_stages,
+        KV_SAME=launch.kv_same(k_pool, v_pool, dk_pool, dv_pool), num_warps=t.bwd_warps, num_stages=t.bwd_stages,
     )

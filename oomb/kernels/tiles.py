@@ -46,18 +46,34 @@ def interpreting() -> bool:
 def choose_tiles(head_dim: int, page_size: int, dtype: torch.dtype) -> Tiles:
     """Tiles for one problem class; a module-level function so tests and tuning can replace it.
 
-    Any power-of-two key block >= 16 works with any page size (a block inside one page, or
-    whole pages with one page id per key); a block inside one page is the cheaper case and the
-    only one TMA serves. Register use was checked offline (ptxas for sm_90a, no GPU): these
-    settings do not spill inside loops. Their speed against other tiles: docs/benchmarks.md
-    ("Attention kernels"), benchmarks.tune_attention.
+    ``head_dim``: the wider of the key and value head tiles, each padded to a power of two >= 16
+    (launch.tile_head_dim: 96 comes as 128; Dk=192, Dv=128 as 256). Any power-of-two key block
+    >= 16 works with any page size (a block inside one page, or whole pages with one page id per
+    key); a block inside one page is the cheaper case and the only one TMA serves. Register use
+    of the head_dim <= 128 settings was checked offline (ptxas for sm_90a, no GPU): they do not
+    spill inside loops. Their speed against other tiles: docs/benchmarks.md ("Attention
+    kernels"), benchmarks.tune_attention.
     """
     if interpreting():
         # The interpreter costs ~ms per block iteration whatever the tile: small tiles, few programs.
         return Tiles(16, 16, 1, 1, 16, 16, 16, 16, 1, 1, delta_c=16, dkdv_head_major=True)
     if dtype == torch.float32:
         # Exact fp32 products run on FMA units, not tensor cores: a correctness path with small tiles.
+        # Heads of 256 columns: 32-key blocks of K and V are 32 KiB each in fp32, two stages 128 KiB.
         return Tiles(32, 32, 8, 2, 16, 32, 32, 32, 8, 2)
+    if head_dim > 128:
+        # Heads padded to 256 (192 for DeepSeek-style latent attention's keys, 256, or any size in (128, 256]):
+        # chosen by arithmetic, not timed (no GPU here); tune them with benchmarks.tune_attention.
+        # - Forward: 128 rows x 64 keys, 8 warps, 2 stages. Per thread the fp32 output tile [128, 256] is
+        #   128 registers and the scores [128, 64] 32 more, FlashAttention-3's budget at this size (it runs
+        #   128 x 80); K and V blocks of 64 keys are 32 KiB each in bf16, so two stages with the q tile
+        #   (64 KiB) use 192 KiB of the 227 KiB of shared memory an H100 block may have, where 128-key
+        #   blocks or three stages would not fit.
+        # - dK/dV: 64 keys a program (its fp32 dK and dV [64, 256] are 64 registers each at 8 warps;
+        #   128 keys would double them past the 255-register limit), 32-row steps.
+        # - dQ: 64 rows x 64 keys (the fp32 dQ [64, 256] is 64 registers a thread).
+        # TMA as for d <= 128 where the head sizes are whole tiles (launch.kv_descriptors).
+        return Tiles(128, 64, 8, 2, 32, 64, 64, 64, 8, 2, tma=True, dkdv_head_major=True)
     # Key blocks of the forward/dQ loops stay inside one page when pages are large enough (one page id
     # per block, TMA); small or odd pages get 128-key blocks with a page id per key instead.
     fwd_n = min(128, page_size) if page_size >= 64 and page_size & (page_size - 1) == 0 else 128

@@ -16,11 +16,16 @@ from oomb.cache import PastPages, StoreSpec
 KINDS = ("k", "v", "dk", "dv")
 
 
+def kind_dim(spec: StoreSpec, kind: str) -> int:
+    """Head size of a page of ``kind``: the keys' for k and dk, the values' for v and dv (one shape per store)."""
+    return spec.shape.key_dim if kind in ("k", "dk") else spec.shape.value_dim
+
+
 @dataclass
 class DeviceSlot:
     """One layer's working set on the device."""
 
-    pools: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> [capacity, H_kv, P, D]
+    pools: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> [capacity, H_kv, P, D_k or D_v]
     table: torch.Tensor | None = None  # [B, max_pages] int32
     key: tuple | None = None  # what the slot holds: (layer, chunk start, past pages' serial, grads)
     past: PastPages | None = None  # its past pages (None = 0..m-1)
@@ -54,8 +59,8 @@ class DeviceSlot:
             self.pools = {}
             for kind in KINDS:
                 dtype = spec.dtype if kind in ("k", "v") else spec.grad_dtype
-                self.pools[kind] = torch.zeros((new, spec.num_kv_heads, spec.page_size, spec.head_dim), dtype=dtype,
-                                               device=spec.device)
+                self.pools[kind] = torch.zeros((new, spec.num_kv_heads, spec.page_size, kind_dim(spec, kind)),
+                                               dtype=dtype, device=spec.device)
             if spec.device.type == "cuda":
                 # The zero fill above is queued on the compute stream, but the copies that fill
                 # the new pools run on the copy stream after waiting only ``self.free``, an event

@@ -5,7 +5,8 @@ they live in host pools (pinned when CUDA is present), one allocation per kind f
 layers, in sequence order::
 
     host k, v, dk, dv : [num_layers, B, max_pages, H_kv, page_size, D]     (page p of row b
-                                                                          at [layer, b, p])
+                                                                          at [layer, b, p]; D = D_k for
+                                                                          k, dk and D_v for v, dv)
     host mean         : [num_layers, B, max_pages, H_kv, summary_dim] (K's dtype) (page selection)
     page_table        : [B, max_pages] int32 = b * max_pages + p          (for mean keys only)
 
@@ -66,7 +67,7 @@ from oomb.cache import ChunkRecord, LayerPools, PastPages, StoreSpec
 from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
 from oomb.cache.store import ChunkLedger, page_key_summary
 from oomb.offload.copy import copy_pages, pinned_empty
-from oomb.offload.slots import KINDS, DeviceSlot
+from oomb.offload.slots import KINDS, DeviceSlot, kind_dim
 
 SYNC_ENV = "OOMB_OFFLOAD_SYNC"
 
@@ -84,6 +85,7 @@ class OffloadedKVStore(ChunkLedger):
             raise ValueError(f"offload needs at least 2 device slots (compute one layer, fetch the next), "
                              f"got {num_slots}")
         self.spec = spec
+        spec.shape  # noqa: B018 -- raises where layers differ in shape: one allocation per kind holds every layer
         self.num_slots = num_slots
         if gpu_bytes < 0:
             raise ValueError(f"gpu_bytes must be >= 0, got {gpu_bytes}")
@@ -152,10 +154,10 @@ class OffloadedKVStore(ChunkLedger):
             self._host, self._dev = {}, {}  # drop the old buffers before allocating
             for slot in self._slots:
                 slot.mean = None
-            page = (batch_size, max_pages, s.num_kv_heads, s.page_size, s.head_dim)
             for kind in (*KINDS, "mean"):
                 dtype = s.grad_dtype if kind in ("dk", "dv") else s.dtype
-                shape = page if kind != "mean" else (batch_size, max_pages, s.num_kv_heads, s.summary_dim)
+                shape = ((batch_size, max_pages, s.num_kv_heads, s.page_size, kind_dim(s, kind)) if kind != "mean"
+                         else (batch_size, max_pages, s.num_kv_heads, s.summary_dim()))
                 if resident:
                     self._dev[kind] = torch.zeros((resident, *shape), dtype=dtype, device=s.device)
                 if resident < s.num_layers:
@@ -335,7 +337,7 @@ class OffloadedKVStore(ChunkLedger):
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the newest chunk's K/V [B, H_kv, T, D] into the layer's slot (``fetch`` first)."""
         s = self.spec
-        record = self._check_write(k, v)
+        record = self._check_write(layer_idx, k, v)
         n = record.num_pages
         kt, vt = tokens_to_tiles(k, s.page_size), tokens_to_tiles(v, s.page_size)  # [B * n, H, P, D]
         for kind, tiles in (("k", kt), ("v", vt)):
@@ -374,13 +376,13 @@ class OffloadedKVStore(ChunkLedger):
     def _ensure_mean(self, slot: DeviceSlot) -> None:
         """Give the slot a mean-key buffer of the reserved shape."""
         s = self.spec
-        slot.ensure_mean(s, (self.batch_size, self._max_pages, s.num_kv_heads, s.summary_dim), self._synchronize)
+        slot.ensure_mean(s, (self.batch_size, self._max_pages, s.num_kv_heads, s.summary_dim()), self._synchronize)
 
     def _page_nbytes(self) -> int:
-        """Bytes of one page of one kind (K, V, dK or dV) of one layer (gradients in their own dtype
-        may differ: counted at the K/V size, which they are by default)."""
+        """Bytes of one page of one kind (K, V, dK or dV) of one layer, the mean of K's and V's (gradients in
+        their own dtype may differ: counted at the K/V size, which they are by default)."""
         s = self.spec
-        return s.num_kv_heads * s.page_size * s.head_dim * s.dtype.itemsize
+        return s.num_kv_heads * s.page_size * (s.shape.key_dim + s.shape.value_dim) // 2 * s.dtype.itemsize
 
     def _home(self, kind: str, layer_idx: int) -> torch.Tensor:
         """[B, max_pages, H_kv, P, D]: where a non-resident layer's pages live (host)."""
@@ -388,7 +390,8 @@ class OffloadedKVStore(ChunkLedger):
 
     def _dev_pools(self, layer_idx: int) -> dict[str, torch.Tensor]:
         s = self.spec
-        return {kind: self._dev[kind][layer_idx].view(-1, s.num_kv_heads, s.page_size, s.head_dim) for kind in KINDS}
+        return {kind: self._dev[kind][layer_idx].view(-1, s.num_kv_heads, s.page_size, kind_dim(s, kind))
+                for kind in KINDS}
 
     def _chunk_rows(self, layer_idx: int, kind: str, record: ChunkRecord, what: str) -> tuple[torch.Tensor, int]:
         """([B, rows, H_kv, P, D] view holding the layer's newest chunk, index of its first page there)."""

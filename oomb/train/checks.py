@@ -106,6 +106,26 @@ def check_config(cfg: Config) -> None:
                           "and train.offload=true needs the GPU's memory and PCIe for pages: choose one")
 
 
+def check_model(cfg: Config) -> None:
+    """The model before anything is built or written: its folder (check_model_path), then its architecture."""
+    check_model_path(cfg)
+    check_architecture(cfg)
+
+
+def check_architecture(cfg: Config) -> None:
+    """Refuse a model oomb cannot train exactly: its architecture is checked on a tiny random copy of its config
+    (oomb.engine.support), which takes about a second once per config. After check_model_path (the folder, and
+    whether its code may run)."""
+    from oomb.engine.step import check_architecture
+    from oomb.engine.support import UnsupportedModel
+    from oomb.train.inputs import model_config
+
+    try:
+        check_architecture(model_config(cfg), trust_remote_code=cfg.model.trust_remote_code)
+    except UnsupportedModel as e:
+        raise ConfigError(f"{e}. docs/models.md lists the models oomb trains and why others are refused") from None
+
+
 def _check_ranges(cfg: Config) -> None:
     """The ranges where the numbers mean something: outside them a run fails later or trains nothing."""
     t = cfg.train

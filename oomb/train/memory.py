@@ -459,9 +459,10 @@ def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memo
     Plans for CUDA when train.device asks for it, when it is auto and a GPU is visible, or when
     --gpu-memory names the GPU to plan for; else for a CPU run (host memory only).
     """
-    from oomb.train.checks import check_config, resolve_dtype
+    from oomb.train.checks import check_config, check_model, resolve_dtype
 
     check_config(cfg)
+    check_model(cfg)
     name = cfg.train.device
     if name not in ("auto", "cpu") and not name.startswith("cuda"):
         raise ConfigError(f"train.device={name!r}: use auto, cpu, cuda or cuda:N")

@@ -27,7 +27,7 @@ from oomb.kernels import get_backend
 from oomb.offload import OffloadedKVStore
 from oomb.train import distributed
 from oomb.train.checkpoint import CheckpointError, checkpoint_state, load_checkpoint, rng_state, set_rng_state
-from oomb.train.checks import check_config, check_model_path, resolve_device, resolve_dtype
+from oomb.train.checks import check_config, check_model, resolve_device, resolve_dtype
 from oomb.train.config import Config, ConfigError, offload_selection_note, step_options
 from oomb.train.faults import (
     EXIT_SIGINT,
@@ -157,7 +157,7 @@ def _open_run_folder(cfg: Config, out: Path, created: bool, main_rank: bool) -> 
 
 def _check_before_work(cfg: Config, ctx) -> Path | None:
     """Model folder, run folder and the checkpoint to resume from; returns that checkpoint."""
-    check_model_path(cfg)
+    check_model(cfg)  # its folder, and its architecture: a model oomb cannot train exactly is refused, naming why
     resume_from = check_paths(cfg)
     if resume_from is None:  # a new run's hub commits and RoPE factor as they resolve now; config.json records them
         pin_run_inputs(cfg)

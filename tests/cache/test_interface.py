@@ -8,7 +8,7 @@ import torch
 from oomb.cache import KVStore, PagedKVStore, StoreSpec
 from oomb.offload import OffloadedKVStore
 
-SPEC = StoreSpec(num_layers=2, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float32,
+SPEC = StoreSpec.uniform(num_layers=2, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float32,
                  grad_dtype=torch.float32, device=torch.device("cpu"))
 METHODS = sorted(name for name, member in vars(KVStore).items()
                  if inspect.isfunction(member) and not name.startswith("_"))

@@ -8,7 +8,7 @@ from oomb.cache import PagedKVStore, PageLists, PastPages, StoreSpec
 from oomb.offload import OffloadedKVStore
 
 PAGE = 4
-SPEC = StoreSpec(num_layers=3, num_kv_heads=1, head_dim=4, page_size=PAGE, dtype=torch.float32,
+SPEC = StoreSpec.uniform(num_layers=3, num_kv_heads=1, head_dim=4, page_size=PAGE, dtype=torch.float32,
                  grad_dtype=torch.float32, device=torch.device("cpu"))
 
 
@@ -72,7 +72,7 @@ def test_the_union_of_a_layers_lists_is_what_an_offloaded_store_fetches():
 
 def _offloaded_with_pages():
     """An offloaded 1-layer store whose past pages 0..3 hold keys p (page p) and the next chunk appended."""
-    spec = StoreSpec(num_layers=1, num_kv_heads=1, head_dim=4, page_size=PAGE, dtype=torch.float32,
+    spec = StoreSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=4, page_size=PAGE, dtype=torch.float32,
                      grad_dtype=torch.float32, device=torch.device("cpu"))
     store = OffloadedKVStore(spec)
     store.reserve(1, 6 * PAGE)

@@ -49,7 +49,7 @@ def _spec(**kw):
     base = dict(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.float32,
                 grad_dtype=torch.float32, device=torch.device("cpu"))
     base.update(kw)
-    return StoreSpec(**base)
+    return StoreSpec.uniform(**base)
 
 
 def test_store_round_trip_and_page_table():
@@ -143,7 +143,7 @@ def test_store_reserve_grows_empty_pools_without_copy():
 
 
 def test_bytes_per_token_matches_qwen25_7b():
-    spec = StoreSpec(num_layers=28, num_kv_heads=4, head_dim=128, page_size=128, dtype=torch.bfloat16,
+    spec = StoreSpec.uniform(num_layers=28, num_kv_heads=4, head_dim=128, page_size=128, dtype=torch.bfloat16,
                      grad_dtype=torch.bfloat16, device=torch.device("cpu"))
     assert spec.bytes_per_token() == 112 * 1024  # DESIGN.md: K+V 56 KiB/token, with gradients 112 KiB
 

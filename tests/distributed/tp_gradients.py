@@ -28,6 +28,7 @@ from tiny_models import tiny_model  # noqa: E402
 
 import oomb  # noqa: E402
 from oomb.engine import apply_tensor_parallel, store_for_model  # noqa: E402
+from oomb.engine.support import model_support  # noqa: E402
 from oomb.sparse import PageSelection  # noqa: E402
 from oomb.train.distributed import DistributedContext, tensor_parallel_norm  # noqa: E402
 
@@ -88,6 +89,7 @@ def main(path: str) -> None:
         model = copy.deepcopy(reference)
         ref_loss = oomb.chunked_backward(reference, ids, chunk_size=CHUNK, page_size=PAGE, **kwargs)
         apply_tensor_parallel(model, mesh)
+        model_support(model)  # the model's check, once (its probe forward runs the layers' collectives too)
         with CountAllReduces() as counted:
             loss = oomb.chunked_backward(model, ids, chunk_size=CHUNK, page_size=PAGE, **kwargs)
         results[case] = {"loss": loss, "ref_loss": ref_loss, "ref": grads(reference), "tp": grads(model),

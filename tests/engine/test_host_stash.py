@@ -62,7 +62,7 @@ def test_the_attention_cache_mapping_pops_once_and_forgets_a_chunk():
     owner = torch.nn.Linear(1, 1)
     out, lse = torch.randn(1, 8, 2, 4).transpose(1, 2), torch.randn(1, 2, 8)  # [B, H, C, D] of [B, C, H, D]
     chunks = [(0, 8), (8, 16)]
-    size = HostAttentionCache.nbytes(2, chunks, 1, 2, 4, torch.float32)
+    size = HostAttentionCache.nbytes([(2, 4)] * 2, chunks, 1, torch.float32)
     assert size == 2 * 2 * (region_bytes((1, 2, 8, 4), torch.float32) + region_bytes((1, 2, 8), torch.float32))
     cache = HostAttentionCache(HostStash.for_model(owner, "attention outputs", size, torch.device("cpu")), step=-1)
     for layer in (0, 1):
@@ -97,5 +97,5 @@ def test_host_memory_that_cannot_be_pinned_is_refused_with_the_setting_that_avoi
         if purpose == "layer inputs":  # each host store as the step makes it
             LayerInputs.on_host(model, 2, [(0, 64)], 1, 8, torch.float32, torch.device("cuda"))
         else:
-            HostAttentionCache.on_host(model, 2, [(0, 64)], 1, 2, 4, torch.float32, torch.device("cuda"))
+            HostAttentionCache.on_host(model, [(2, 4)] * 2, [(0, 64)], 1, torch.float32, torch.device("cuda"))
     assert purpose not in host_stash._BUFFERS.get(model, {})  # nothing half-made is kept for the next step

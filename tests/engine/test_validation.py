@@ -82,12 +82,12 @@ def test_model_without_attention_interface():
 
 
 def test_layer_that_bypasses_oomb_is_caught(model):
-    # Layer 1 keeps its own config object, so switching the model to oomb's attention misses it.
+    # Layer 1 keeps its own config object, so switching the model to oomb's attention (or the check's) misses it.
     model.model.layers[1].self_attn.config = copy.deepcopy(model.config)
-    with pytest.raises(RuntimeError, match=r"attention layers \[1\] did not go through oomb"):
+    with pytest.raises(ValueError, match=r"decoder layers \[1\] make no attention call through AttentionInterface"):
         oomb.chunked_backward(model, torch.randint(0, VOCAB, (1, 40)), chunk_size=16, page_size=16)
     _untouched(model)
-    assert store_for_model(model).num_used_pages == 0  # the failed step left the store empty
+    assert store_for_model(model) is None  # refused before the store was made
     assert model.config._attn_implementation == "eager"
 
 
@@ -99,7 +99,8 @@ def test_not_a_transformers_model():
 def test_attention_dropout_refused():
     model = tiny_model("llama", attention_dropout=0.1)
     model.train()
-    with pytest.raises(ValueError, match="attention_dropout"):
+    with pytest.raises(ValueError, match=r"attention dropout 0.1 \(set attention_dropout=0 in the config\) in "
+                                         r"model.layers.0.self_attn, model.layers.1.self_attn"):
         oomb.chunked_backward(model, torch.zeros(1, 8, dtype=torch.long))
 
 
@@ -186,16 +187,24 @@ def _opt():
     return OPTForCausalLM(cfg)
 
 
-@pytest.mark.parametrize("build,model_type", [(_gpt2, "gpt2"), (_opt, "opt")])
-def test_models_without_the_config_sizes_oomb_needs_are_refused(build, model_type):
-    from oomb.engine import largest_context, plan_memory
+@pytest.mark.parametrize("build,mlp", [(_gpt2, 4 * 64), (_opt, 96)])
+def test_configs_that_name_their_sizes_otherwise_train_and_are_planned(build, mlp):
+    # GPT-2 names its MLP width n_inner (None: 4 x hidden), OPT ffn_dim; the store is shaped by the calls.
+    from oomb.engine import plan_memory
+    from oomb.engine.sizes import ModelShape
 
     model = build()
-    expected = rf"oomb does not support '{model_type}' models .*has no intermediate_size.*Use a supported decoder"
-    with pytest.raises(ValueError, match=expected):
-        oomb.chunked_backward(model, torch.randint(0, VOCAB, (1, 64)), chunk_size=32, page_size=16)
-    _nothing_allocated(model)
-    with pytest.raises(ValueError, match=expected):
-        plan_memory(model.config, seq_len=1024)
-    with pytest.raises(ValueError, match=expected):
-        largest_context(model.config, device_type="cpu", host_total_bytes=2**34)
+    loss = oomb.chunked_backward(model, torch.randint(0, VOCAB, (1, 64)), chunk_size=32, page_size=16)
+    assert torch.isfinite(loss)
+    assert ModelShape.from_config(model.config).intermediate == mlp
+    assert plan_memory(model.config, seq_len=1024, device_type="cpu").host_bytes > 0
+
+
+def test_a_config_without_the_sizes_the_planner_reads_is_refused_by_it():
+    from transformers import MambaConfig
+
+    from oomb.engine import plan_memory
+
+    with pytest.raises(ValueError, match=r"cannot plan the memory of 'mamba' models.*has no num_attention_heads.*"
+                                         r"train.memory_check=false"):
+        plan_memory(MambaConfig(), seq_len=1024)

@@ -3,6 +3,7 @@ for padded (left and right), packed (position_ids) and shift_labels batches; wha
 
 import pytest
 import torch
+from helpers import rel_err
 from tiny_models import VOCAB, tiny_model
 from transformers import Trainer, TrainingArguments
 
@@ -42,9 +43,18 @@ def _packed() -> dict:
     return {"input_ids": ids, "position_ids": positions, "labels": labels}
 
 
-def _step(trainer_class, tmp_path, batch: dict, **kwargs):
+def _collated(side: str) -> dict:
+    """As DataCollatorForLanguageModeling(mlm=False) pads: labels -100 on padding only, so after left padding the
+    last pad position predicts the row's first token."""
+    batch = _padded(side)
+    batch["labels"] = torch.where(batch["attention_mask"].bool(), batch["input_ids"], -100)
+    return batch
+
+
+def _step(trainer_class, tmp_path, batch: dict, family: str = "llama", attn_implementation: str = "eager",
+          **kwargs):
     torch.manual_seed(1)
-    model = tiny_model("llama")
+    model = tiny_model(family, attn_implementation=attn_implementation)
     trainer = trainer_class(model=model, args=_args(tmp_path), **kwargs)
     count = int((batch["labels"][:, 1:] != -100).sum())
     loss = trainer.training_step(trainer.model, dict(batch), num_items_in_batch=torch.tensor(count))
@@ -59,6 +69,21 @@ def test_the_step_equals_transformers_own_on_padded_and_packed_batches(tmp_path,
     assert loss == pytest.approx(want_loss, rel=1e-5)
     for name, want in want_grads.items():
         torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases, so padding's keys and values are not 0
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_trains_as_transformers_sdpa_step_with_a_target_after_left_padding(tmp_path, family, side):
+    # transformers' SDPA attention gives a padding query (every key masked) a zero output; oomb's padding attends
+    # nothing, so the last left pad's prediction of the first token is the same. (Its eager attention differs: a
+    # fully masked row there attends every key of the row uniformly.)
+    batch = _collated(side)
+    loss, grads = _step(OombTrainer, tmp_path, batch, family, oomb_options=OOMB)
+    want_loss, want_grads = _step(Trainer, tmp_path, batch, family, attn_implementation="sdpa")
+    assert rel_err(torch.tensor(loss), torch.tensor(want_loss)) <= 1e-5
+    errors = {name: rel_err(grads[name], want) for name, want in want_grads.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-5, f"{worst}: relative gradient error {errors[worst]:.2e}"
 
 
 def test_shift_labels_are_labels_moved_by_one():
@@ -77,6 +102,7 @@ def test_document_ids_from_positions_and_masks():
     assert packed.doc_ids[0].bincount().tolist() == [30, 25, 15]
     left = oomb_batch(_padded("left"))
     assert left.doc_ids[1].bincount().tolist() == [13, 27] and left.doc_ids[0].unique().tolist() == [0]
+    assert torch.equal(left.attention_mask, _padded("left")["attention_mask"])
 
 
 @pytest.mark.parametrize("batch,message", [

@@ -9,9 +9,9 @@ import torch
 
 @dataclass
 class PagedProblem:
-    q: torch.Tensor  # [B, H, C, D]
-    k: torch.Tensor  # [B, H_kv, kv_len, D] dense keys
-    v: torch.Tensor  # [B, H_kv, kv_len, D]
+    q: torch.Tensor  # [B, H, C, Dk]
+    k: torch.Tensor  # [B, H_kv, kv_len, Dk] dense keys
+    v: torch.Tensor  # [B, H_kv, kv_len, Dv]
     k_pool: torch.Tensor
     v_pool: torch.Tensor
     page_table: torch.Tensor  # [B, n_pages] int32, shuffled ids
@@ -20,16 +20,18 @@ class PagedProblem:
 
 
 def make_problem(b, h, h_kv, c, kv_len, d, page_size, *, dtype=torch.float32, device="cpu", sinks=False,
-                 spare_pages=3) -> PagedProblem:
+                 spare_pages=3, d_v=None) -> PagedProblem:
+    """``d``: the key head size Dk; ``d_v``: the value head size Dv (None: d)."""
+    d_v = d if d_v is None else d_v
     n_pages = -(-kv_len // page_size)
     total = b * n_pages + spare_pages  # spare pages that no table row uses must stay untouched
     perm = torch.randperm(total, device=device)[: b * n_pages].to(torch.int32)
     page_table = perm.view(b, n_pages)
     q = torch.randn(b, h, c, d, device=device, dtype=dtype)
     k = torch.randn(b, h_kv, kv_len, d, device=device, dtype=dtype)
-    v = torch.randn(b, h_kv, kv_len, d, device=device, dtype=dtype)
+    v = torch.randn(b, h_kv, kv_len, d_v, device=device, dtype=dtype)
     k_pool = torch.randn(total, h_kv, page_size, d, device=device, dtype=dtype)  # garbage where unused
-    v_pool = torch.randn(total, h_kv, page_size, d, device=device, dtype=dtype)
+    v_pool = torch.randn(total, h_kv, page_size, d_v, device=device, dtype=dtype)
     for bi in range(b):
         for p in range(n_pages):
             lo, hi = p * page_size, min((p + 1) * page_size, kv_len)
@@ -41,7 +43,7 @@ def make_problem(b, h, h_kv, c, kv_len, d, page_size, *, dtype=torch.float32, de
 
 def dense_attention(q, k, v, kv_len, *, scale, sliding_window=None, sinks=None, extra_mask=None):
     """Float64 causal attention of the last C positions over all kv_len keys (autograd-friendly)."""
-    b, h, c, d = q.shape
+    b, h, c, _ = q.shape
     g = h // k.shape[1]
     k = k.repeat_interleave(g, dim=1)
     v = v.repeat_interleave(g, dim=1)

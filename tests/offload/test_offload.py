@@ -82,7 +82,7 @@ def test_device_memory_holds_two_slots_not_the_context():
 def test_offload_store_refuses_misuse():
     from oomb.cache import StoreSpec
 
-    spec = StoreSpec(num_layers=2, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float32,
+    spec = StoreSpec.uniform(num_layers=2, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float32,
                      grad_dtype=torch.float32, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="2 device slots"):
         OffloadedKVStore(spec, num_slots=1)
@@ -324,7 +324,7 @@ def test_a_slot_table_sends_the_pages_it_does_not_hold_to_a_row_of_their_own():
     (oomb.cache.KVStore.fetch): kernels add gradients by gather-add-write as over the device store's table."""
     from oomb.cache import PastPages, StoreSpec
 
-    spec = StoreSpec(num_layers=2, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float32,
+    spec = StoreSpec.uniform(num_layers=2, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float32,
                      grad_dtype=torch.float32, device=torch.device("cpu"))
     store = OffloadedKVStore(spec)
     store.reserve(2, 24)  # 6 pages a row

@@ -21,7 +21,7 @@ SLEEP = 500_000_000  # GPU clock cycles: ~0.25 s, far longer than the host takes
 
 def _store_with_past() -> tuple[OffloadedKVStore, torch.Tensor]:
     """A one-layer store holding PAST pages of random keys (written home), and the next chunk appended."""
-    spec = StoreSpec(num_layers=1, num_kv_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.bfloat16,
+    spec = StoreSpec.uniform(num_layers=1, num_kv_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.bfloat16,
                      grad_dtype=torch.bfloat16, device=torch.device("cuda"))
     store = OffloadedKVStore(spec)
     store.reserve(1, (PAST + 4) * PAGE)

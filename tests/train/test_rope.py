@@ -107,10 +107,11 @@ def test_dynamic_scaling_trains_chunks_like_one_full_sequence(short_model):
     grads = {n: p.grad for n, p in reference.named_parameters()}
     errors = {n: rel_err(p.grad, grads[n]) for n, p in pinned.named_parameters()}
     assert max(errors.values()) <= 1e-5, max(errors.items(), key=lambda kv: kv[1])
-    # transformers alone would recompute the frequencies per chunk: stage 1 stores keys rotated otherwise.
+    # transformers alone would recompute the frequencies per chunk; the engine holds them for its pass
+    # (oomb.engine.rope), so a model loaded without the pin trains the same.
     unpinned = AutoModelForCausalLM.from_pretrained(short_model, config=model_config(cfg))
     oomb.chunked_backward(unpinned, ids, chunk_size=128, page_size=64)
-    assert max(rel_err(p.grad, grads[n]) for n, p in unpinned.named_parameters()) > 0.1
+    assert max(rel_err(p.grad, grads[n]) for n, p in unpinned.named_parameters()) <= 1e-5
 
 
 @pytest.mark.parametrize("overrides,match", [
