@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from oomb.cache import PageShape, StoreSpec
+from oomb.engine.adapters import ALL_LINEAR, lora_numels
 from oomb.engine.quantize import quantized_linear_names
 
 OPTIMIZER_KINDS = ("adamw", "adamw8bit", "paged_adamw8bit")
@@ -239,19 +240,19 @@ def _count_parameters(config_json: str, model_type: str, lora_r: int, lora_targe
     tensors = tuple(p.numel() for _, p in named)
     split = tuple(bool(_SPLIT.search(name)) for name, _ in named)
     four_bit = {f"{name}.weight" for name in quantized_linear_names(model)} if quantized else set()
-    lora: list[int] = []
-    if lora_r > 0:
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets:
-                lora += [lora_r * module.in_features, module.out_features * lora_r]
-    return ParameterCounts(total=sum(tensors), tensors=tensors, lora=tuple(lora), split=split,
+    lora: tuple[int, ...] = ()
+    if lora_r > 0:  # peft on the meta copy: the adapters the run adds (fused experts' too), nothing allocated
+        targets = ALL_LINEAR if lora_targets == (ALL_LINEAR,) else list(lora_targets)
+        lora = lora_numels(model, lora_r, targets)
+    return ParameterCounts(total=sum(tensors), tensors=tensors, lora=lora, split=split,
                            quantized=tuple(name in four_bit for name, _ in named) if quantized else ())
 
 
 def count_parameters(config, lora_r: int = 0, lora_targets: tuple[str, ...] = (), *,
                      quantized: bool = False) -> ParameterCounts:
-    """Parameters of ``config``'s causal LM and of the LoRA adapters peft would add; ``quantized``: also which
-    weights a 4-bit base holds in NF4 (ParameterCounts.quantized)."""
+    """Parameters of ``config``'s causal LM and of the LoRA adapters peft would add on ``lora_targets`` (module
+    names, or ``("all-linear",)``: oomb.engine.adapters); ``quantized``: also which weights a 4-bit base holds in
+    NF4 (ParameterCounts.quantized)."""
     return _count_parameters(config.to_json_string(use_diff=False), config.model_type, lora_r, tuple(lora_targets),
                              quantized)
 

@@ -59,7 +59,7 @@ def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
     torchrun = _under_torchrun(cfg)
     return dict(
         batch_size=t.batch_size, chunk_size=settled_chunk_size(cfg), page_size=t.page_size, dtype=dtype,
-        lora_r=cfg.lora.r, lora_targets=lora_target_names(cfg) if cfg.lora.r > 0 else (),
+        lora_r=cfg.lora.r, lora_targets=lora_target_names(cfg),  # the targets "lora.r=16" is suggested with too
         optimizer=t.optimizer, master_weights=wants_master_weights(t.master_weights, torchrun=torchrun),
         layer_checkpointing=t.layer_checkpointing, device_type=device_type,
         page_budget=t.page_budget, select_block=t.select_block, per_head_selection=t.select_per_head,

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from oomb.engine.adapters import ALL_LINEAR, lora_config
 from oomb.engine.fused_ops import run_mode as fused_ops_run_mode
 from oomb.engine.fused_ops import use_fused_ops
 from oomb.engine.grad_accumulation import fused_grad_accumulation_applies, use_fused_grad_accumulation
@@ -66,9 +67,6 @@ def base_model_name(cfg: Config) -> str | None:
     return str(path.resolve()) if path.is_dir() else cfg.model.path
 
 
-ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output one (the LM head)
-
-
 def lora_targets(cfg: Config) -> list[str] | str:
     """lora.targets as peft takes them: a list of module names, or "all-linear"."""
     if cfg.lora.targets.strip().lower() == ALL_LINEAR:
@@ -77,22 +75,14 @@ def lora_targets(cfg: Config) -> list[str] | str:
 
 
 def lora_target_names(cfg: Config) -> tuple[str, ...]:
-    """The names (last part) of the linear layers that get adapters, for the memory plan; all-linear lists the
-    model's linear layers as peft does (every torch.nn.Linear but the output embedding), on the meta device."""
+    """lora.targets as the memory plan takes them: the module names, or ("all-linear",) (oomb.engine.adapters)."""
     targets = lora_targets(cfg)
-    if targets != ALL_LINEAR:
-        return tuple(targets)
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config(cfg), trust_remote_code=cfg.model.trust_remote_code)
-    head = model.get_output_embeddings()
-    return tuple(dict.fromkeys(name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                               if isinstance(module, torch.nn.Linear) and module is not head))
+    return (ALL_LINEAR,) if targets == ALL_LINEAR else tuple(targets)
 
 
 def add_lora(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-    """Wrap with peft LoRA adapters: only the adapters train (no dropout: chunks are recomputed)."""
+    """Wrap with peft LoRA adapters: only the adapters train (no dropout: chunks are recomputed); all-linear covers
+    fused experts' weights too (oomb.engine.adapters)."""
     try:
         import peft
     except ImportError as e:
@@ -104,8 +94,7 @@ def add_lora(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
         if not targets or unknown:
             raise ConfigError(f"lora.targets names no layer of this model: {unknown or targets}; "
                               f"e.g. q_proj,k_proj,v_proj,o_proj, or {ALL_LINEAR}")
-    lora = peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0, target_modules=targets)
-    return peft.get_peft_model(model, lora)
+    return peft.get_peft_model(model, lora_config(model, cfg.lora.r, cfg.lora.alpha, targets))
 
 
 def prepare_for_training(model: torch.nn.Module, cfg: Config, ctx, console) -> torch.nn.Module:

@@ -8,7 +8,7 @@ from oomb.train.presets import preset_config, preset_names
 
 # Parameter counts in billions (bf16 weights, no MXFP4), as the published configs give them.
 PUBLISHED_B = {"qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-7b": 7.62, "llama-3-8b": 8.03,
-               "qwen3-8b": 8.19, "gpt-oss-20b": 20.91}
+               "qwen3-8b": 8.19, "gpt-oss-20b": 20.91, "gemma-3-12b": 11.77, "granite-3.3-8b": 8.17}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_B))
