@@ -58,8 +58,8 @@ def add_grad_accumulation_argument(parser) -> None:
     """--grad-accumulation for benches whose oomb rows run fused ops (``use_bench_grad_accumulation``)."""
     parser.add_argument("--grad-accumulation", default="fused", choices=["fused", "plain"],
                         help="with fused ops on CUDA: weight gradients added into .grad by their matmuls "
-                             "(train.fused_grad_accumulation, as `oomb train` does since 2026-12-05) or by autograd's "
-                             "add (plain; records made before)")
+                             "(train.fused_grad_accumulation, as `oomb train` does) or by autograd's add (plain, as "
+                             "the records measured without it)")
 
 
 def use_bench_grad_accumulation(model, args) -> list[str]:

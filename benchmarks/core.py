@@ -201,7 +201,7 @@ def attention_seconds(profile: dict) -> float:
 
 
 def sparse_floor(results: list[dict]) -> list[dict]:
-    """Each profiled page-sparse oomb row against its floor (issue 24 item 4): the profiled transformers stack's
+    """Each profiled page-sparse oomb row against its floor: the profiled transformers stack's
     step without its attention kernels (what the best dense stack spends outside attention), plus the attention
     kernels of the oomb row's own profiled step (attention over the chosen pages and the chunk). Measured on one
     machine in one run, so a floor taken on another GPU need not be rescaled. The stack is the faster profiled one
@@ -399,7 +399,7 @@ def _report(args, results: list[dict], *, complete: bool, cfg, fused_record: dic
         "versus_baseline": versus_baseline(results),
         "sparse_floor": sparse_floor(results),
         "auto_settings": auto,
-        # transformers' RoPE against liger's (the baseline's, and oomb's rows' with fused ops since 2026-12-04), per
+        # transformers' RoPE against liger's (the baseline's, and oomb's rows' with fused ops), per
         # chunk and for a step at each profiled length (measured after plain_rope() above: transformers' own)
         "rope": ({"chunk": args.chunk[0], "per_chunk": rope_cost(cfg, args.chunk[0]),
                   "calls_per_step": {n: rope_calls_per_step(cfg.num_hidden_layers, n, args.chunk[0])
@@ -504,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="attention backend of oomb's rows; a comma list times each row once per backend")
     p.add_argument("--fa4-block-sparse", action=argparse.BooleanOptionalAction, default=True,
                    help="page-sparse rows of the fa4 backend on FA4's block sparsity (kernels/flash4_sparse.py; oomb's "
-                        "default since 2026-12-05) or, with --no-fa4-block-sparse, on the Triton kernels "
+                        "default on Hopper) or, with --no-fa4-block-sparse, on the Triton kernels "
                         "(OOMB_FA4_BLOCK_SPARSE=0)")
     p.add_argument("--recompute", default="chunk",
                    help="how stage 2 rebuilds a chunk in oomb's rows (chunk, layer, layer-host; "

@@ -26,11 +26,11 @@ part() { PART[$1]=$2; PARTS+=("$1"); }
 C='python3 -m benchmarks.core'
 O='python3 -m benchmarks.offload'
 NOSPLIT='--dense-lengths "" --sparse-lengths "" --growth-lengths ""'
-# benchmarks.offload swaps in liger's fused ops as `oomb train` does since 2026-12-05; the jobs whose records were
-# measured before keep transformers' modules, so they reproduce those records (and compare with them).
+# benchmarks.offload swaps in liger's fused ops as `oomb train` does; the jobs whose records were measured with
+# transformers' modules keep them, so they reproduce those records (and compare with them).
 PLAIN='--fused-ops none'
-# Since 2026-12-05 (session 18) weight gradients are added into .grad by their matmuls where fused ops are on
-# (train.fused_grad_accumulation); the jobs whose records were measured before add them as autograd did.
+# Weight gradients are added into .grad by their matmuls where fused ops are on (train.fused_grad_accumulation);
+# the jobs whose records were measured with autograd's add keep it.
 G0='--grad-accumulation plain'
 
 # gpu-tests: every GPU test; the gradient errors of bf16 training against fp32 that they print.
@@ -115,14 +115,14 @@ job sparse-steps-7b 'python3 -m benchmarks.sparse --contexts 65536,131072,262144
   --sparse-lengths 262144,524288'
 job core-7b-sparse-128k-bound "$C $G0 --lengths '' --sparse-cache-lengths 131072 --select-score bound --fused-ops auto"
 # The sparse 128K step as `oomb train` runs it (layer-host, the cache, liger's RoPE; page-sparse calls on FA4's block
-# sparsity, the default since 2026-12-05) against issue 24's floor (about 15.3 s) and target (16.5 s); one profiled
+# sparsity, the default on Hopper) against its floor (about 15.3 s) and target (16.5 s); one profiled
 # step per row says where the rest goes. Chunks of 8192 and 16384: a query attends its 64 pages and, causally, its
 # own chunk (4096 keys on average with chunks of 8192, 8192 with 16384). About 4 minutes.
 job core-7b-sparse-128k-fa4-blocks "$C $G0 --lengths '' --sparse-cache-lengths 131072 --chunk 8192,16384 --recompute layer-host \
   --fused-ops auto --warm-each --repeats 2 --backend fa4 --profile-lengths 131072"
 # The same step (chunks of 8192) with blocks choosing among every past page and among 64 (the budget) pages a chunk
-# (train.chunk_pages): what FA4 gathers and scatters per call shrinks from the whole past to the cap. Issue 24
-# item 4 (<= 16.5 s); each row profiled. About 4 minutes.
+# (train.chunk_pages): what FA4 gathers and scatters per call shrinks from the whole past to the cap. Target:
+# <= 16.5 s; each row profiled. About 4 minutes.
 job core-7b-sparse-128k-caps "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192 --recompute layer-host \
   --fused-ops auto --warm-each --repeats 2 --backend fa4 --chunk-pages none,64 --profile-lengths 131072"
 # The capped step with weight gradients added by autograd's add instead of their matmuls (train.fused_grad_accumulation
@@ -139,7 +139,7 @@ job core-7b-sparse-128k-default "$C --lengths '' --sparse-cache-lengths 131072 -
   --fused-ops auto --warm-each --repeats 2 --backend fa4 --chunk-pages 64"
 job core-7b-sparse-128k-grad-plain "$C --lengths '' --sparse-cache-lengths 131072 --chunk 8192 --recompute layer-host \
   --fused-ops auto --warm-each --repeats 2 --backend fa4 --chunk-pages 64 --grad-accumulation plain"
-# The same step with the page-sparse calls on the Triton kernels (before 2026-12-05), chunks of 8192.
+# The same step with the page-sparse calls on the Triton kernels (--no-fa4-block-sparse), chunks of 8192.
 job core-7b-sparse-128k-layer-host "$C $G0 --lengths '' --sparse-cache-lengths 131072 --chunk 8192 --recompute layer-host \
   --fused-ops auto --warm-each --repeats 2 --backend fa4 --no-fa4-block-sparse --profile-lengths 131072"
 job core-7b-sparse-128k-mean "$C $G0 --lengths '' --sparse-cache-lengths 131072 --select-score mean --fused-ops auto"
@@ -154,8 +154,8 @@ job sparse-quality-study 'python3 -m benchmarks.studies.sparse_quality --out "$O
   --data-workers 12 --learn-options default,bound
   cp "$OUT/sparse-quality-study/sparse_quality.json" "$OUT/sparse-quality-study.json"
   rm -rf "$OUT/sparse-quality-study/dense_model"'
-# Issue 24's default selection with offload: sparse training with a page list per 128 queries, free (the default
-# without offload) against blocks that choose among one or two budgets of pages a chunk (train.chunk_pages: what
+# The default selection with offload: sparse training with a page list per 128 queries, free,
+# against blocks that choose among one or two budgets of pages a chunk (train.chunk_pages: what
 # offload moves per layer and chunk; one budget is train.chunk_pages=auto with offload), learning arms only.
 # About 7 minutes.
 job sparse-quality-blocks 'python3 -m benchmarks.studies.sparse_quality --out "$OUT/sparse-quality-blocks" \
@@ -167,17 +167,17 @@ part quality 'sparse-quality-study sparse-quality-blocks'
 # offload: pages in host memory: overhead, where it goes, memory growth, the longest contexts, bit identity.
 job offload-overhead-7b "$O $PLAIN --preset qwen2.5-7b --chunk 4096 --dense-lengths 65536 --sparse-lengths 131072 \
   --growth-lengths '' --select-blocks 4096,128"
-# Offload at the defaults, sparse (issue 24 items 3 and 5: <= 5% step time, <= 10 MB of GPU memory per 10K tokens):
+# Offload at the defaults, sparse (targets: <= 5% step time, <= 10 MB of GPU memory per 10K tokens):
 # chunks of 8192 (what `oomb train` picks with train.offload at 128K), blocks of 128 choosing among 64 pages a chunk
 # (train.chunk_pages=auto with offload), every page on the host, against the same steps without offload; then a 512K
 # step, so the GPU memory growth per token with every page on the host comes from 128K to 512K. About 6 minutes.
 job offload-sparse-default-7b "$O --preset qwen2.5-7b --chunk 8192 --dense-lengths '' --sparse-lengths 131072 \
   --growth-lengths 524288 --select-blocks 128 --chunk-pages 64"
-# The dense pair at the same chunks, liger's ops and FA4 (not run yet; offload-overhead-7b has the dense pair at chunks
-# of 4096 without them). About 3 minutes.
+# The dense pair at the same chunks, liger's ops and FA4 (offload-overhead-7b has the dense pair at chunks of 4096
+# without them). About 3 minutes.
 job offload-overhead-7b-dense-default "$O --preset qwen2.5-7b --chunk 8192 --dense-lengths 65536 --sparse-lengths '' \
   --growth-lengths ''"
-# Issue 24 item 5 at the defaults: GPU memory per extra 10K tokens with every page on the host, chunks of 8192, blocks
+# At the defaults: GPU memory per extra 10K tokens with every page on the host, chunks of 8192, blocks
 # of 128 among 64 pages a chunk, fused ops and FA4, from 128K through 512K to 1M (the longest that every page on the
 # 125.8 GiB host allows). One step per length. About 8 minutes.
 job offload-growth-7b-default "$O --preset qwen2.5-7b --chunk 8192 --dense-lengths '' --sparse-lengths '' \
@@ -191,21 +191,21 @@ job offload-longest-7b "$O $PLAIN --preset qwen2.5-7b $NOSPLIT --longest-lengths
   --select-blocks 4096 --chunk 4096 --host-margin-gib 4"
 # The longest step with both memories filled: the store keeps whole layers in what the plan leaves free on the GPU
 # (--offload-gpu-memory auto, as train.offload_gpu_memory=auto), the rest on the host; the planner's longest first,
-# then 95% and 90% of it (issue 24: >= 1.8M tokens, the planner within 5% of what runs). About 9 minutes.
+# then 95% and 90% of it (targets: >= 1.8M tokens, the planner within 5% of what runs). About 9 minutes.
 job offload-longest-7b-split "$O $G0 --preset qwen2.5-7b $NOSPLIT --longest-lengths plan --longest-first-fit \
   --select-blocks 4096 --chunk 4096 --host-margin-gib 4 --offload-gpu-memory auto"
 # A 1M-token sparse step with fused ops and the pages split between GPU and host, one page list per chunk of 8192.
-# Issue 24's target is <= 150 s (230 s measured 2026-12-03: every page on the host, block 4096, chunks of 4096, no
-# fused ops). One more step under the profiler says where the time goes (issue 24 item 4). About 7 minutes.
+# Target: <= 150 s (offload-longest-7b: 230 s with every page on the host, block 4096, chunks of 4096, no fused ops).
+# One more step under the profiler says where the time goes. About 7 minutes.
 job sparse-1m-7b "$O $G0 --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576 --select-blocks 8192 --chunk 8192 \
   --host-margin-gib 4 --offload-gpu-memory auto --profile-longest"
-# The same step as `oomb train` runs it with offload now: blocks of 128 choosing among 64 pages a chunk
+# The same step as `oomb train` runs it with offload: blocks of 128 choosing among 64 pages a chunk
 # (train.chunk_pages=auto), FA4 gathering only those. Its first step (allocating the store, pinning the host's share)
 # timed apart, a second step timed as a run's later steps are. About 6 minutes. (With --profile-longest as well it
-# ran past a device call's 10 minutes on an H100, 2026-12-05: the profile has its own job.)
+# runs past a device call's 10 minutes on an H100: the profile has its own job.)
 job sparse-1m-7b-chunk-pages "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576 --longest-steady --select-blocks 128 \
   --chunk-pages 64 --chunk 8192 --host-margin-gib 4 --offload-gpu-memory auto"
-# Where that step's time goes (issue 24 item 4): one step timed (the first, which allocates and pins the store), then
+# Where that step's time goes: one step timed (the first, which allocates and pins the store), then
 # one under the profiler, kernels only. About 7 minutes.
 job sparse-1m-7b-profile "$O --preset qwen2.5-7b $NOSPLIT --longest-lengths 1048576 --select-blocks 128 \
   --chunk-pages 64 --chunk 8192 --host-margin-gib 4 --offload-gpu-memory auto --profile-longest"

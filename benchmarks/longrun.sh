@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6's long-context run on ONE GPU (about 9 minutes on an H200, one command):
+# A long-context run on ONE GPU (about 9 minutes on an H200, one command):
 # Qwen2.5-0.5B (built-in preset, random init, no downloads) learns the passkey task through a
 # length curriculum 128 -> 1K -> 8K -> 32K tokens (dense attention), then a real run at 128K
 # tokens (131072, dense by default), then `oomb eval --retrieval` over lengths x depths (dense).
@@ -14,7 +14,7 @@
 # train.keep_last=1) and may be given more LONG_STEPS; each call evaluates into eval, eval-2, ...
 # (SKIP_EVAL=1: not this call). The weights are deleted only once the long phase has finished.
 #
-# Why this shape (CPU evidence in dev/LOG.md, 2026-12-02 session 3):
+# Why this shape (evidence from runs on a CPU):
 # - loss on the answer digits only (data.loss_on=answer): with the loss on all tokens the filler
 #   dominates the gradient and a random-init model did not learn retrieval at all in 500 steps;
 #   with the answer only it did, within a few hundred steps at 64-256 tokens;
@@ -60,7 +60,7 @@ SEED=${SEED:-0}
 # the curriculum (dense): "len:batch:steps:lr[:needles]" per phase, each from the previous phase's export;
 # needles (data.needles, TASK=needle only, default 1): key/value needles per sequence, each asked once at the end
 CURRICULUM=${CURRICULUM:-"128:64:150:5e-4 1024:16:60:4e-4 8192:4:30:2e-4 32768:1:40:1e-4"}
-# the long run (>= 128K for issue 6), batch 1
+# the long run (>= 128K), batch 1
 LONG_LEN=${LONG_LEN:-131072}; LONG_STEPS=${LONG_STEPS:-12}; LONG_LR=${LONG_LR:-1e-4}  # constant lr after warmup
 LONG_NEEDLES=${LONG_NEEDLES:-1}  # needles per long sequence (TASK=needle): retrieval examples per long step
 # time guard: the long phase gets at most DEADLINE - (seconds used so far) - EVAL_RESERVE seconds

@@ -43,9 +43,9 @@ plan (no optimizer) leaves free on the GPU less oomb.engine.plan.AUTO_GPU_MARGIN
 the GPU and the host together. Default 0: only the two working layers on the GPU, as in the paper.
 
 ``--fused-ops``: liger's fused RMSNorm, SwiGLU and RoPE as `oomb train` swaps them in (default ``auto``:
-on CUDA where liger imports; records made before 2026-12-05 ran ``none``). ``--no-fa4-block-sparse``:
-page-sparse rows on the Triton kernels instead of FA4's block sparsity (kernels/flash4_sparse.py; records made
-before 2026-12-05 ran them on Triton).
+on CUDA where liger imports; the records measured without them ran ``none``). ``--no-fa4-block-sparse``:
+page-sparse rows on the Triton kernels instead of FA4's block sparsity (kernels/flash4_sparse.py; as the records
+measured on the Triton kernels ran them).
 
 ``--time-budget S``: rows not started within S seconds are recorded as skipped (the device scripts
 give the bench a hard timeout as well). ``--device cpu --dtype float32`` runs the same rows on CPU
@@ -58,6 +58,7 @@ no optimizer": see PLAN_NO_OPTIMIZER) beside the measurement and their ratio.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -85,7 +86,7 @@ from benchmarks.common import (
     write_report,
 )
 from benchmarks.timeline import format_profile, profile_streams, step_profile
-from oomb.engine import store_for_model
+from oomb.engine import MemoryLimits, RunShape, StepOptions, store_for_model
 from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.engine.fused_ops import use_fused_ops
 from oomb.engine.plan import AUTO_GPU_MARGIN_BYTES, plan_memory
@@ -245,21 +246,24 @@ def plan_prediction(plan) -> dict:
     }
 
 
-def plan_without_optimizer(model_config, *, offload_gpu_memory: int | str = 0, **settings) -> dict:
-    """plan_prediction of plan_memory(**settings) with the optimizer left out (PLAN_NO_OPTIMIZER). With
-    offload, ``offload_gpu_memory`` "auto" gives the store what that plan leaves free on the GPU (as
-    plan_memory's own "auto" does for a run with its optimizer), a byte count gives it that."""
+def plan_without_optimizer(model_config, options: StepOptions, shape: RunShape, limits: MemoryLimits, *,
+                           offload_gpu_memory: int | str = 0) -> dict:
+    """plan_prediction of the row's plan with the optimizer left out (PLAN_NO_OPTIMIZER: planned as AdamW without
+    master weights, its items then dropped). With offload, ``offload_gpu_memory`` "auto" gives the store what that
+    plan leaves free on the GPU (as the planner's own "auto" does for a run with its optimizer), a byte count
+    gives it that."""
+    shape = dataclasses.replace(shape, optimizer="adamw", master_weights=False)
+
     def predict(allowance: int) -> dict:
-        return plan_prediction(plan_memory(model_config, optimizer="adamw", master_weights=False,
-                                           offload_gpu_bytes=allowance if settings.get("offload") else 0, **settings))
+        return plan_prediction(plan_memory(model_config, options, shape, limits,
+                                           offload_gpu_bytes=allowance if options.offload else 0))
 
     if offload_gpu_memory != "auto":
         return predict(offload_gpu_memory)
     pred = predict(0)
-    total = settings.get("device_total_bytes")
-    if not settings.get("offload") or total is None:
+    if not options.offload or limits.gpu_bytes is None:
         return pred
-    return predict(max(0, total - pred["predicted_gpu_total_bytes"] - AUTO_GPU_MARGIN_BYTES))
+    return predict(max(0, limits.gpu_bytes - pred["predicted_gpu_total_bytes"] - AUTO_GPU_MARGIN_BYTES))
 
 
 def planned_longest(fits, unit: int, limit: int) -> int:
@@ -399,12 +403,15 @@ class Bench:
         return kw
 
     def plan(self, s: Setting) -> dict:
-        return plan_without_optimizer(
-            self.model.config, offload_gpu_memory=self.args.offload_gpu_memory, seq_len=s.seq_len, batch_size=1,
-            chunk_size=self.args.chunk, page_size=self.args.page, dtype=self.dtype, page_budget=s.budget,
-            select_block=s.block or 128, chunk_pages=self.chunk_pages if s.budget is not None else None,
-            offload=s.offload, device_type="cuda" if self.cuda else "cpu",
-            fused_ops=bool(self.fused), device_total_bytes=self.device_total, host_total_bytes=self.host_total)
+        selection = None if s.budget is None else PageSelection(page_budget=s.budget, block=s.block or 128,
+                                                                 chunk_pages=self.chunk_pages)
+        options = StepOptions(chunk_size=self.args.chunk, page_size=self.args.page, selection=selection,
+                              offload=s.offload, backend="triton")
+        shape = RunShape(seq_len=s.seq_len, dtype=self.dtype, device_type="cuda" if self.cuda else "cpu",
+                         fused_ops=bool(self.fused))
+        limits = MemoryLimits(gpu_bytes=self.device_total, host_bytes=self.host_total)
+        return plan_without_optimizer(self.model.config, options, shape, limits,
+                                      offload_gpu_memory=self.args.offload_gpu_memory)
 
     def planned_longest(self) -> int:
         """The longest sparse + offload row (first select block) the planner says fits, with this bench's
@@ -818,12 +825,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="parameters, gradients and pages (float32 only to check the bench quickly on CPU)")
     p.add_argument("--fused-ops", default="auto", choices=FUSED_OPS_MODES,
-                   help="liger's fused RMSNorm/SwiGLU/RoPE as `oomb train` uses them (train.fused_ops; records before "
-                        "2026-12-05 ran without: none)")
+                   help="liger's fused RMSNorm/SwiGLU/RoPE as `oomb train` uses them (train.fused_ops; records "
+                        "measured without them: none)")
     add_grad_accumulation_argument(p)
     p.add_argument("--fa4-block-sparse", action=argparse.BooleanOptionalAction, default=True,
                    help="page-sparse rows on FA4's block sparsity where the fa4 backend runs them (oomb's default "
-                        "since 2026-12-05) or, with --no-fa4-block-sparse, on the Triton kernels "
+                        "on Hopper) or, with --no-fa4-block-sparse, on the Triton kernels "
                         "(OOMB_FA4_BLOCK_SPARSE=0)")
     add_step_arguments(p)
     args = p.parse_args(argv)

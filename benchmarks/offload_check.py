@@ -42,7 +42,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 import oomb
 from benchmarks.common import command_line, machine_description
 from oomb.engine import store_for_model
-from oomb.offload.store import SYNC_ENV
+from oomb.offload.copy import SYNC_ENV
 
 
 def _model(device: str, tiny: bool, dtype: torch.dtype):

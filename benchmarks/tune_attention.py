@@ -27,19 +27,19 @@ from oomb.kernels.forward import paged_attention_forward
 # (name, overrides of the default Tiles). The default is measured first.
 CANDIDATES = [
     ("default", {}),
-    ("interleaved-m32", {"dkdv_head_major": False, "dkdv_m": 32}),  # the default before 2026-12-02 run 3
+    ("interleaved-m32", {"dkdv_head_major": False, "dkdv_m": 32}),  # rows interleaving a group's heads
     ("head-major-m32", {"dkdv_m": 32}),
     ("head-major-m64-4st", {"bwd_stages": 4}),
     ("head-major-m64-2st", {"bwd_stages": 2}),
     ("dq-m64", {"dq_m": 64}),
     ("no-tma", {"tma": False}),
-    # the forward (424-443 TFLOP/s against cuDNN's 600+, session 3): key blocks, stages, a smaller row tile
+    # the forward (424-443 TFLOP/s against cuDNN's 600+ on the H200): key blocks, stages, a smaller row tile
     ("fwd-n64", {"fwd_n": 64}),
     ("fwd-2st", {"fwd_stages": 2}),
     ("fwd-4st", {"fwd_stages": 4}),
     ("fwd-m64-w4", {"fwd_m": 64, "fwd_warps": 4}),
     # dQ inside the dK/dV kernel (fp32 atomics, no dQ kernel). Its [dkdv_m, D] fp32 tile spills inside the row
-    # loops at 64 rows and not at 32 (offline ptxas for sm_90a, 2026-12-03), so 32 rows with 3 and 4 stages too.
+    # loops at 64 rows and not at 32 (offline ptxas for sm_90a), so 32 rows with 3 and 4 stages too.
     ("dq-fused", {"dq_fused": True}),
     ("dq-fused-m32", {"dq_fused": True, "dkdv_m": 32}),
     ("dq-fused-m32-4st", {"dq_fused": True, "dkdv_m": 32, "bwd_stages": 4}),

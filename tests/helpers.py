@@ -24,3 +24,9 @@ def assert_close_rel(x: torch.Tensor, ref: torch.Tensor, tol: float, what: str =
         raise AssertionError(
             f"{what}: relative error {err:.3e} > {tol:.1e}; worst at {idx}: {x[idx].item()} vs {ref[idx].item()}"
         )
+
+
+def overridden(args, *changes: str) -> list[str]:
+    """key=value ``args`` with ``changes`` in place of the same keys (a command line gives each key once)."""
+    keys = {change.partition("=")[0] for change in changes}
+    return [arg for arg in args if arg.partition("=")[0] not in keys] + list(changes)

@@ -1,4 +1,4 @@
-"""Page-sparse attention against dense: learning and gradient quality (issue 4's two studies).
+"""Page-sparse attention against dense: learning and gradient quality (two studies).
 
     python -m benchmarks.studies.sparse_quality --out out/sparse_quality   # the H200 study
     python -m benchmarks.studies.sparse_quality --out /tmp/sq --smoke      # tiny sizes, CPU, seconds
@@ -55,16 +55,16 @@ GRAD_STEP = 3 * HELD_OUT_STEP + 7
 
 # Selection options compared at every budget: PageSelection fields beyond the budget.
 OPTIONS: dict[str, dict] = {
-    # The paper's top-k by mean key: the study's baseline. (The library's default page score is "bound"
-    # since session 9, chosen on this study's results; the tables keep calling this one `default`.)
+    # The paper's top-k by mean key: the study's baseline. (The library's default page score is "bound",
+    # chosen on this study's results; the tables keep calling this one `default`.)
     "default": {"score": "mean"},
     "sink1": {"sink_pages": 1},
     "local4": {"local_pages": 4},
     "per_head": {"per_head": True},
     "sink1+local4+per_head": {"sink_pages": 1, "local_pages": 4, "per_head": True},
     "bound": {"score": "bound"},  # pages ranked by the upper bound over their keys (per-channel min / max)
-    # The same with one page list per chunk instead of per 128 queries: what offload moves least for (docs/offload.md,
-    # issue 24: the default block's quality against this one's decides the default with offload).
+    # The same with one page list per chunk instead of per 128 queries: what offload moves least for (docs/offload.md:
+    # the default block's quality against this one's decides the default with offload).
     "bound+chunk_block": {"score": "bound", "block": "chunk"},
     # Blocks of 128 that choose among at most 1 or 2 budgets of pages a chunk (PageSelection.chunk_pages: the pages
     # with the best score for any block), so offload moves as little as one list per chunk, or twice that. The first

@@ -4,7 +4,7 @@ from oomb.cache.allocator import OutOfPagesError, PageAllocator
 from oomb.cache.interface import KVStore
 from oomb.cache.page_lists import PageLists
 from oomb.cache.past_pages import PastPages
-from oomb.cache.store import ChunkRecord, LayerPools, PagedKVStore, PageShape, StoreSpec
+from oomb.cache.store import ChunkRecord, LayerPools, PagedKVStore, PageShape, StoreBytes, StoreSpec
 
 __all__ = [
     "ChunkRecord",
@@ -16,5 +16,6 @@ __all__ = [
     "PageShape",
     "PagedKVStore",
     "PastPages",
+    "StoreBytes",
     "StoreSpec",
 ]

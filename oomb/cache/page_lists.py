@@ -45,6 +45,18 @@ class PageLists:
         self._past: dict[tuple[int, int], PastPages | None] = {}
         self._windows: dict[int, int | None] = {}  # each layer's sliding window (None = full attention)
 
+    @staticmethod
+    def bytes_for(*, batch_size: int, seq_len: int, chunk_size: int, page_size: int, page_budget: int, block: int,
+                  lists: int, layers: int) -> int:
+        """The page lists a step keeps from stage 1 to stage 2: int32 [B, ``lists``, ceil(C / block), budget] per
+        sparse layer (``layers`` of them), for every chunk whose past holds more than ``page_budget`` pages (with
+        fewer, attention is dense and no list is made)."""
+        chunk = min(chunk_size, seq_len)
+        n_chunks = -(-seq_len // chunk)
+        # Chunk k has k * chunk // page_size past pages: lists exist from k = ceil((budget + 1) * page / chunk).
+        listed = max(0, n_chunks - -(-(page_budget + 1) * page_size // chunk))
+        return 4 * batch_size * lists * -(-chunk // block) * page_budget * layers * listed
+
     def chosen(self, layer_idx: int, chunk_start: int,
                choose: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         """The layer's page lists [B, H_sel, n_blocks, K] for the chunk (None: it attends densely). ``choose``

@@ -40,7 +40,7 @@ class PastPages:
         PageSelection.chunk_pages); the device slot is sized for it."""
         dev = page_lists.device
         # index_fill_, not ``named[ids] = True``: indexed assignment of a Python scalar copies it from pageable host
-        # memory first, a host sync per layer and chunk (the GPU sync test counted it, H200 2026-12-05)
+        # memory first, a host sync per layer and chunk (tests/engine/test_gpu_syncs.py counts them)
         named = torch.zeros(num_past_pages, dtype=torch.bool, device=dev)
         named.index_fill_(0, page_lists.reshape(-1).long(), True)
         none = torch.full((num_past_pages,), -1, dtype=torch.int32, device=dev)

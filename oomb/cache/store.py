@@ -147,6 +147,16 @@ def page_key_summary(tiles: torch.Tensor, valid: torch.Tensor | None, kind: str)
     return torch.cat([mean, k_min, k_max], dim=-1)
 
 
+@dataclass(frozen=True)
+class StoreBytes:
+    """Bytes a store allocates for one step: on the device, in host memory, and (offloaded) how many layers stay
+    whole on the device. What the memory planner adds up, from the stores' own ``bytes_for``."""
+
+    device: int
+    host: int = 0
+    resident_layers: int = 0
+
+
 @dataclass
 class LayerPools:
     """The tensors of one layer; kernels see only these, a page table and lengths."""
@@ -261,6 +271,13 @@ class PagedKVStore(ChunkLedger):
 
     def pages_for(self, batch_size: int, num_tokens: int) -> int:
         return batch_size * -(-num_tokens // self.spec.page_size)
+
+    @staticmethod
+    def bytes_for(spec: StoreSpec, batch_size: int, num_tokens: int) -> StoreBytes:
+        """What ``reserve(batch_size, num_tokens)`` allocates: every page's K, V, dK, dV and key summary, and the
+        block table (int32)."""
+        pages = batch_size * -(-num_tokens // spec.page_size)
+        return StoreBytes(device=pages * spec.bytes_per_page() + pages * 4)
 
     def nbytes(self) -> int:
         """Bytes held by the pools (allocated capacity, used or not)."""

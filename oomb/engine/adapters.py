@@ -1,7 +1,8 @@
 """LoRA adapters as peft makes them, in one place for the run that trains them and the plan that counts them.
 
     lora_config(model, r, alpha, targets)   the peft.LoraConfig of a run (no dropout: chunks are recomputed)
-    lora_numels(model, r, targets)          the adapters' tensor sizes, peft applied to a meta-device copy
+    lora_numels(model, r, targets)          the adapters' tensor sizes and the names of the adapted modules, peft
+                                            applied to a meta-device copy
 
 ``targets`` is a list of module names or ``ALL_LINEAR`` ("all-linear", peft's name for every linear layer
 but the LM head). Mixture-of-experts models whose experts are fused into 3-D weights (GPT-OSS's
@@ -15,6 +16,21 @@ from __future__ import annotations
 import torch
 
 ALL_LINEAR = "all-linear"
+
+
+class UnknownLoraTargets(ValueError):
+    """LoRA targets that name no module of the model (a typo, or another family's names)."""
+
+
+def check_targets(model: torch.nn.Module, targets: list[str] | str) -> None:
+    """Refuse named targets that match no module's last name: peft's own error names neither the setting nor a fix."""
+    if targets == ALL_LINEAR:
+        return
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    unknown = [t for t in targets if t not in names]
+    if not targets or unknown:
+        raise UnknownLoraTargets(f"lora.targets names no layer of this model: {unknown or targets}; "
+                                 f"e.g. q_proj,k_proj,v_proj,o_proj, or {ALL_LINEAR}")
 
 
 def expert_weights(model: torch.nn.Module) -> list[str]:
@@ -35,14 +51,19 @@ def lora_config(model: torch.nn.Module, r: int, alpha: float, targets: list[str]
         import peft
     except ImportError as e:
         raise ValueError("LoRA adapters need the peft package: pip install peft") from e
+    check_targets(model, targets)
     experts = expert_weights(model) if targets == ALL_LINEAR else []
     return peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
                            target_parameters=experts or None)
 
 
-def lora_numels(model: torch.nn.Module, r: int, targets: list[str] | str) -> tuple[int, ...]:
-    """numel of each adapter tensor peft adds to ``model`` (a meta-device model: nothing is allocated)."""
+def lora_numels(model: torch.nn.Module, r: int, targets: list[str] | str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """numel of each adapter tensor peft adds to ``model`` (a meta-device model: nothing is allocated), and the
+    last names of the modules it adapts (``q_proj``, ``experts``, ...)."""
     import peft
 
     wrapped = peft.get_peft_model(model, lora_config(model, r, 2 * r, targets))
-    return tuple(p.numel() for name, p in wrapped.named_parameters() if "lora_" in name)
+    numels = tuple(p.numel() for name, p in wrapped.named_parameters() if "lora_" in name)
+    adapted = {name.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for name, _ in wrapped.named_parameters()
+               if ".lora_A." in name}
+    return numels, tuple(sorted(adapted))

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from oomb.engine.loss import linear_cross_entropy_sum
-from oomb.engine.prepare import StepOptions, prepare_step
+from oomb.engine.options import StepOptions
+from oomb.engine.prepare import prepare_step
 from oomb.engine.step import check_model_architecture, run_chunk
 
 

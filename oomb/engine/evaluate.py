@@ -17,14 +17,15 @@ at hidden 896, 112 MiB at hidden 3584).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Unpack
 
 import torch
 from transformers import PreTrainedModel
 
 from oomb.engine.loss import IDENTITY, IGNORE_INDEX, LogitTransform
-from oomb.engine.prepare import StepOptions, options_from_keywords, prepare_step, unwrap_peft
+from oomb.engine.options import EVAL_KEYWORDS, StepKeywords, StepOptions, options_from_keywords
+from oomb.engine.prepare import prepare_step, unwrap_peft
 from oomb.engine.step import check_model_architecture, run_chunk
-from oomb.sparse import PageSelection
 
 _ROW_BLOCK = 2048
 _VOCAB_BLOCK = 8192
@@ -58,16 +59,10 @@ def chunked_eval(
     input_ids: torch.Tensor,
     labels: torch.Tensor | None = None,
     *,
-    chunk_size: int = 4096,
-    page_size: int = 128,
-    backend: str = "auto",
     doc_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
-    page_budget: int | None = None,
-    selection: PageSelection | None = None,
-    offload: bool = False,
-    offload_gpu_bytes: int = 0,
     options: StepOptions | None = None,
+    **step_keywords: Unpack[StepKeywords],
 ) -> EvalResult:
     """Per-token NLL and argmax correctness of a long sequence, one chunk of activations at a time.
 
@@ -91,9 +86,7 @@ def chunked_eval(
     Positions without a target skip the LM head, so an evaluation that scores a few
     tokens (retrieval answers) pays for the head on those tokens only.
     """
-    options = options_from_keywords(options, chunk_size=chunk_size, page_size=page_size, backend=backend,
-                                    page_budget=page_budget, selection=selection, offload=offload,
-                                    offload_gpu_bytes=offload_gpu_bytes)
+    options = options_from_keywords(options, step_keywords, caller="chunked_eval", allowed=EVAL_KEYWORDS)
     model = unwrap_peft(model)
     was_training = model.training
     model.eval()  # no dropout: evaluation is deterministic

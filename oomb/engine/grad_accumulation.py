@@ -4,9 +4,8 @@ A chunked step runs every layer's backward once per chunk, so each weight's grad
 once per chunk and summed into ``.grad``. Autograd does that in two kernels: the weight-gradient
 matmul writes dY^T X into a new tensor, then AccumulateGrad adds it to ``.grad`` (reading both,
 writing ``.grad``). For Qwen2.5-7B that add moves about 43 GiB per chunk; bf16 adds, these among
-them, took 0.46 s of a 131,072-token sparse step on an H100 (16 chunks of 8192; the profile of the
-first H100 run of `core-7b-sparse-128k-caps`, 2026-12-05, before this module: dev/LOG.md, session
-18). cuBLAS can add the product into the existing gradient inside the matmul (beta = 1),
+them, took 0.46 s of a 131,072-token sparse step on an H100 (16 chunks of 8192, profiled with autograd's
+add). cuBLAS can add the product into the existing gradient inside the matmul (beta = 1),
 which reads ``.grad`` once in its epilogue and writes it once: no second kernel, no temporary
 gradient, and one rounding to bf16 instead of two.
 

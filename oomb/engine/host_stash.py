@@ -17,8 +17,9 @@ On a CPU the buffer is ordinary memory and the copies are synchronous (the tests
 
 from __future__ import annotations
 
+import collections
 import weakref
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
@@ -31,6 +32,21 @@ _ALIGN = 256  # bytes: every region starts aligned for any dtype and for DMA
 # failed cannot land after the next step's copy into the same region).
 _BUFFERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[torch.Tensor, torch.cuda.Stream | None]]] = (
     weakref.WeakKeyDictionary())
+
+
+def chunk_lengths(chunks: Sequence[tuple[int, int]]) -> dict[int, int]:
+    """How many of ``chunks`` ((start, end) each) have each length: what a stash's size depends on."""
+    return dict(collections.Counter(end - start for start, end in chunks))
+
+
+def chunk_lengths_of(seq_len: int, chunk_size: int, *, but_last: bool = False) -> dict[int, int]:
+    """chunk_lengths of a sequence of ``seq_len`` split into chunks of ``chunk_size`` (the last one ragged),
+    without listing them (the planner asks about sequences of up to 2^40 tokens); ``but_last``: all but the last."""
+    full, last = divmod(seq_len, chunk_size)
+    lengths = {chunk_size: full, last: 1} if last else {chunk_size: full}
+    if but_last and seq_len > 0:
+        lengths[last or chunk_size] -= 1
+    return {length: count for length, count in lengths.items() if count > 0}
 
 
 def region_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -170,17 +186,17 @@ class HostAttentionCache:
                 dtype: torch.dtype, device: torch.device, step: int = 1) -> HostAttentionCache:
         """The cache of a step over ``chunks``, in ``model``'s kept host buffer for attention outputs; ``layers``:
         (query heads, value head size) of each attention layer (store layer)."""
-        nbytes = cls.nbytes(layers, chunks, batch, dtype)
+        nbytes = cls.nbytes(layers, chunk_lengths(chunks), batch, dtype)
         return cls(HostStash.for_model(model, "attention outputs", nbytes, device,
                                        on_gpu="cache_attention=True (train.cache_attention=true) or False"), step)
 
     @staticmethod
-    def nbytes(layers: list[tuple[int, int]], chunks: list[tuple[int, int]], batch: int, dtype: torch.dtype) -> int:
+    def nbytes(layers: list[tuple[int, int]], lengths: Mapping[int, int], batch: int, dtype: torch.dtype) -> int:
         """Host bytes for every chunk's and layer's out [B, H, C, D_v] (``dtype``) and lse [B, H, C] (float32);
-        ``layers``: (H, D_v) of each attention layer."""
-        return sum(region_bytes((batch, heads, end - start, value_dim), dtype)
-                   + region_bytes((batch, heads, end - start), torch.float32)
-                   for start, end in chunks for heads, value_dim in layers)
+        ``layers``: (H, D_v) of each attention layer; ``lengths``: chunk_lengths of the chunks."""
+        return sum(count * (region_bytes((batch, heads, length, value_dim), dtype)
+                            + region_bytes((batch, heads, length), torch.float32))
+                   for length, count in lengths.items() for heads, value_dim in layers)
 
     def __setitem__(self, key: tuple[int, int], value: tuple[torch.Tensor, torch.Tensor]) -> None:
         out, lse = value

@@ -30,12 +30,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from transformers import PreTrainedModel
 
-from oomb.engine.host_stash import HostStash, region_bytes
+from oomb.engine.host_stash import HostStash, chunk_lengths, region_bytes
 
 RECOMPUTE_MODES = ("chunk", "layer", "layer-host")
 
@@ -104,10 +104,17 @@ class LayerInputs:
         self._kept: dict[tuple[int, int], torch.Tensor] = {}
         self._stash = stash
 
+    @staticmethod
+    def nbytes(num_layers: int, lengths: Mapping[int, int], batch: int, hidden: int, dtype: torch.dtype) -> int:
+        """Bytes of every layer's input and the last layer's output of every chunk (each region aligned);
+        ``lengths``: the chunks' chunk_lengths (oomb.engine.host_stash)."""
+        return sum(count * (num_layers + 1) * region_bytes((batch, length, hidden), dtype)
+                   for length, count in lengths.items())
+
     @classmethod
     def on_host(cls, model: torch.nn.Module, num_layers: int, chunks: list[tuple[int, int]], batch: int,
                 hidden: int, dtype: torch.dtype, device: torch.device) -> LayerInputs:
-        nbytes = sum((num_layers + 1) * region_bytes((batch, end - start, hidden), dtype) for start, end in chunks)
+        nbytes = cls.nbytes(num_layers, chunk_lengths(chunks), batch, hidden, dtype)
         return cls(HostStash.for_model(model, "layer inputs", nbytes, device,
                                        on_gpu='recompute="chunk" (train.recompute=chunk)'))
 

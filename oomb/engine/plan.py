@@ -1,8 +1,11 @@
 """Memory planner: the bytes one training step needs, per item, before any work starts.
 
-    plan_memory(config, seq_len=..., ...)              ->  MemoryPlan (GPU and host bytes, one row per item)
-    plan_first_fitting(config, choices, seq_len=...)    ->  the first of alternative settings that fits
-    largest_context(config, choices=..., ...)           ->  the longest seq_len whose plan fits with one of them
+    plan_memory(config, options, shape, limits)          ->  MemoryPlan (GPU and host bytes, one row per item)
+    plan_first_fitting(config, ..., choices=...)         ->  the first of alternative settings that fits
+    largest_context(config, ..., choices=...)            ->  the longest seq_len whose plan fits with one of them
+
+``options`` is the StepOptions the step runs with, ``shape`` the RunShape of what it trains
+(oomb/engine/options.py): the one description of a step that the step, the planner and the trainer share.
 
 What a step holds at its peak (stage 2, the recompute forward + backward of one chunk):
 
@@ -17,18 +20,22 @@ What a step holds at its peak (stage 2, the recompute forward + backward of one 
     attention cache and the kept layer inputs on the GPU)
     CUDA context allowance
 
-The sizes of the fixed items and of the store are in oomb/engine/sizes.py, the activation
-model (saved tensors per token, measured per family) in oomb/engine/activations.py; this
-module adds them up for one configuration and searches the longest context that fits.
+Each item is sized by the code that allocates it (the stores' and page lists' ``bytes_for``, the host
+stash's and kept inputs' ``nbytes``, FlashAttention-4's workspace), parameters on a meta-device copy of
+the model (oomb/engine/sizes.py), activations by the model of oomb/engine/activations.py (saved tensors
+per token, measured per family); this module adds them up for one configuration and searches the
+longest context that fits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from oomb.cache import PagedKVStore, PageLists, StoreBytes, StoreSpec
 from oomb.engine.activations import (
     LoraShape,
     checkpointed_bytes_per_token,
@@ -37,24 +44,23 @@ from oomb.engine.activations import (
     measure_saved_activations,
     saved_bytes_per_token,
 )
-from oomb.engine.layer_recompute import RECOMPUTE_MODES
-from oomb.engine.prepare import require_int
-from oomb.engine.quantize import QUANTIZE_KINDS, nf4_weight_bytes
+from oomb.engine.host_stash import HostAttentionCache, chunk_lengths_of
+from oomb.engine.layer_recompute import LayerInputs
+from oomb.engine.options import MemoryLimits, RunShape, StepOptions, with_changes
+from oomb.engine.quantize import nf4_weight_bytes
 from oomb.engine.sizes import (
     OPTIMIZER_KINDS,
     ModelShape,
     ParameterCounts,
-    StoreBytes,
     count_parameters,
     dtype_name,
     itemsize,
     optimizer_state_bytes,
-    page_list_bytes,
-    paged_store_bytes,
     store_spec,
 )
 from oomb.engine.step import check_architecture
-from oomb.kernels.flash4 import KEY_SEGMENT
+from oomb.kernels.flash4 import KEY_SEGMENT, backward_workspace_bytes
+from oomb.offload import OffloadedKVStore
 from oomb.sparse import DEFAULT_SCORE, store_key_summary
 
 # The planner's names, importable from here as before the split into sizes and activations.
@@ -62,8 +68,8 @@ __all__ = [
     "AUTO_GPU_MARGIN_BYTES", "CUDA_CONTEXT_BYTES", "HOST_PROCESS_BYTES", "MEASURED_FAMILIES", "OPTIMIZER_KINDS",
     "LoraShape", "MemoryItem", "MemoryPlan", "ModelShape", "ParameterCounts", "StoreBytes",
     "checkpointed_bytes_per_token", "count_parameters", "format_bytes", "fused_loss_bytes", "largest_context",
-    "layer_backward_bytes_per_token", "measure_saved_activations", "optimizer_state_bytes", "page_list_bytes",
-    "paged_store_bytes", "plan_first_fitting", "plan_memory", "saved_bytes_per_token", "store_spec",
+    "layer_backward_bytes_per_token", "measure_saved_activations", "optimizer_state_bytes",
+    "plan_first_fitting", "plan_memory", "saved_bytes_per_token", "store_spec",
 ]
 
 GiB = 2**30
@@ -140,298 +146,303 @@ class MemoryPlan:
         }
 
 
-def plan_memory(
-    model_config,
-    *,
-    seq_len: int,
-    batch_size: int = 1,
-    chunk_size: int = 4096,
-    page_size: int = 128,
-    dtype: torch.dtype = torch.bfloat16,
-    grad_dtype: torch.dtype | None = None,
-    page_budget: int | None = None,
-    select_block: int = 128,
-    per_head_selection: bool = False,
-    select_score: str = DEFAULT_SCORE,
-    chunk_pages: int | None = None,
-    lora_r: int = 0,
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
-    optimizer: str = "adamw",
-    master_weights: bool = False,
-    layer_checkpointing: bool = False,
-    offload: bool = False,
-    offload_gpu_bytes: int | str = 0,
-    cache_attention: bool | str = False,
-    device_type: str = "cuda",
-    loss_impl: str = "auto",
-    device_total_bytes: int | None = None,
-    host_total_bytes: int | None = None,
-    tensor_parallel: int = 1,
-    attention: str = "triton",
-    fused_ops: bool = False,
-    quantize: str = "none",
-    recompute: str = "chunk",
-) -> MemoryPlan:
-    """Predict the peak bytes of one training step of ``model_config`` (a transformers config).
+def plan_memory(model_config, options: StepOptions, shape: RunShape, limits: MemoryLimits | None = None, *,
+                offload_gpu_bytes: int | str | None = None) -> MemoryPlan:
+    """Predict the peak bytes of one training step of ``model_config`` (a transformers config) run with ``options``
+    (how the step runs: the same object chunked_backward takes) on ``shape`` (what it trains), checked against
+    ``limits``.
 
-    ``device_type="cpu"`` puts every item in host memory (a CPU run); "cuda" puts the step on
-    the GPU and the process on the host. ``page_budget`` (sparse mode) adds the page lists
-    kept between the stages; ``chunk_pages`` caps the pages a chunk's lists name (PageSelection.chunk_pages),
-    which sizes an offloaded store's device slots. ``offload`` moves the pages to host memory and keeps two layer
-    slots (and the mean keys) on the GPU, as oomb.offload.OffloadedKVStore does;
-    ``offload_gpu_bytes`` lets it keep the first layers whose pages fit in that many bytes whole
-    on the GPU ("auto": what the GPU has left after every other item, less 1 GiB).
-    ``loss_impl`` as in chunked_backward ("auto": liger on CUDA). ``tensor_parallel``: the plan of
-    one of that many ranks that split the heads: its paged store and page lists hold 1/T of the KV
-    heads, and it holds 1/T of the attention and MLP weights (their gradients and optimizer
-    states) and all of the replicated ones; activations are planned as for one process (an upper
-    bound: the split layers keep 1/T of theirs). ``master_weights``: the optimizer steps fp32 copies
-    of the 16-bit trainable parameters (oomb.train.optim.MasterWeights; `oomb train`'s default
-    train.master_weights=auto in one process): 4 B per parameter, fp32 optimizer states, and fp32
-    gradients during the step; a no-op when the trainable parameters are fp32 (LoRA adapters).
-    ``attention``: the attention backend; "fa4" adds the keys and values it reads gathered out of the pages.
-    ``fused_ops``: liger's RMSNorm and SwiGLU replace transformers' (oomb.engine.fused_ops), which keep less.
-    ``quantize="nf4"`` (QLoRA, with ``lora_r`` > 0): the linear layers transformers' bitsandbytes quantizer
-    replaces hold NF4 weights (oomb.engine.quantize.nf4_weight_bytes, about 0.516 B per value), the rest
-    stays in ``dtype``; a layer's backward also holds one weight dequantized to ``dtype``.
-    ``cache_attention="host"`` keeps the attention outputs in pinned host memory, with two layers' of one chunk
-    on the GPU at a time. ``recompute`` as in chunked_backward: "layer" keeps every decoder layer's input (and
-    the last output) of the whole sequence on the GPU, "layer-host" in pinned host memory with two of one
-    chunk's on the GPU, and stage 2 rebuilds one layer's activations at a time; stage 1 runs the last chunk
-    too, so the attention cache holds every chunk.
+    ``shape.device_type="cpu"`` puts every item in host memory (a CPU run); "cuda" puts the step on the GPU and
+    the process on the host. Each item's bytes come from the code that allocates it: the stores' ``bytes_for``
+    (oomb/cache/store.py, oomb/offload/store.py), the page lists' (oomb/cache/page_lists.py), the attention
+    output cache's and the kept layer inputs' (oomb/engine/host_stash.py, layer_recompute.py), FlashAttention-4's
+    gathered keys (oomb/kernels/flash4.py); parameters, gradients and optimizer states are counted on a meta-device
+    copy of the model (oomb/engine/sizes.py), activations by the formulas of oomb/engine/activations.py.
+    ``offload_gpu_bytes``: replaces ``options.offload_gpu_bytes``; "auto" keeps the first layers whole on the GPU
+    that fit in what it has left after every other item, less 1 GiB. ``shape.tensor_parallel``: the plan of one of
+    that many ranks: its store and page lists hold 1/T of the KV heads, it holds 1/T of the attention and MLP
+    weights (their gradients and optimizer states) and all of the replicated ones; activations are planned as
+    for one process (an upper bound). ``shape.master_weights``: fp32 copies of the 16-bit trainable parameters,
+    fp32 optimizer states and fp32 gradients during the update; a no-op for fp32 parameters (LoRA adapters).
+    ``shape.quantize="nf4"``: the linear layers bitsandbytes replaces hold NF4 weights (about 0.516 B a value),
+    and a layer's backward holds one weight dequantized. The attention backend "fa4" (or "auto" on CUDA, where it
+    may run) adds the keys and values FA4 reads gathered out of the pages.
     """
-    arguments = dict(locals())  # the parameters, for the "auto" GPU allowance's second plan
-    for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("chunk_size", chunk_size),
-                        ("page_size", page_size), ("select_block", select_block), ("tensor_parallel", tensor_parallel)):
-        require_int(name, value, minimum=1)
-    require_int("lora_r", lora_r, minimum=0)
-    if page_budget is not None:
-        require_int("page_budget", page_budget, minimum=1)
-        if chunk_pages is not None:
-            require_int("chunk_pages", chunk_pages, minimum=page_budget)
-    if device_type not in ("cuda", "cpu"):
-        raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
-    if optimizer not in OPTIMIZER_KINDS:
-        raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_KINDS)}")
-    if quantize not in QUANTIZE_KINDS:
-        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_KINDS)}, got {quantize!r}")
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
-    if recompute != "chunk" and (offload or layer_checkpointing):
-        raise ValueError(f"recompute={recompute!r} rebuilds one layer at a time from kept inputs: not with "
-                         "offload or layer_checkpointing")
-    if quantize != "none" and (lora_r == 0 or tensor_parallel > 1):
-        raise ValueError("a 4-bit base (quantize='nf4') trains LoRA adapters (lora_r > 0) in one process "
-                         "(tensor_parallel=1)")
-    if offload_gpu_bytes == "auto":
-        settings = {k: v for k, v in arguments.items() if k not in ("model_config", "offload_gpu_bytes")}
-        base = plan_memory(model_config, **settings)
+    limits = limits or MemoryLimits()
+    if offload_gpu_bytes == "auto":  # the allowance is what the plan without it leaves
+        base = plan_memory(model_config, dataclasses.replace(options, offload_gpu_bytes=0), shape, limits)
         headroom = 0
-        if offload and device_type == "cuda" and base.device_total_bytes is not None:
-            headroom = max(0, base.device_total_bytes - base.gpu_bytes - AUTO_GPU_MARGIN_BYTES)
-        return plan_memory(model_config, offload_gpu_bytes=headroom, **settings)
-    if isinstance(offload_gpu_bytes, bool) or not isinstance(offload_gpu_bytes, int) or offload_gpu_bytes < 0:
-        raise ValueError(f"offload_gpu_bytes must be a byte count >= 0 or 'auto', got {offload_gpu_bytes!r}")
-    shape = ModelShape.from_config(model_config)
+        if options.offload and shape.device_type == "cuda" and limits.gpu_bytes is not None:
+            headroom = max(0, limits.gpu_bytes - base.gpu_bytes - AUTO_GPU_MARGIN_BYTES)
+        return plan_memory(model_config, options, shape, limits, offload_gpu_bytes=headroom)
+    if offload_gpu_bytes is not None:
+        options = dataclasses.replace(options, offload_gpu_bytes=offload_gpu_bytes)  # checked by StepOptions
+    if options.recompute != "chunk" and shape.layer_checkpointing:
+        raise ValueError(f"recompute={options.recompute!r} rebuilds one layer at a time from kept inputs: not with "
+                         "layer_checkpointing")
+    model = ModelShape.from_config(model_config)
     notes = []
-    if shape.family not in MEASURED_FAMILIES:
-        notes.append(f"activations of {shape.family!r} are planned with the llama formula "
+    if model.family not in MEASURED_FAMILIES:
+        notes.append(f"activations of {model.family!r} are planned with the llama formula "
                      f"(measured families: {', '.join(MEASURED_FAMILIES)})")
-    grad_dtype = grad_dtype or dtype
-    s = itemsize(dtype)
-    chunk = min(chunk_size, seq_len)
-    tokens = batch_size * chunk  # rows of one chunk
-
-    counts = count_parameters(model_config, lora_r, tuple(lora_targets) if lora_r > 0 else (),
-                              quantized=quantize != "none")
-    rank_tensors = counts.per_rank(tensor_parallel)  # = counts.tensors in one process
-    four_bit = [n for n, q in zip(rank_tensors, counts.quantized, strict=True) if q] if quantize != "none" else []
-    params = (sum(rank_tensors) - sum(four_bit)) * s + sum(nf4_weight_bytes(n) for n in four_bit)
-    # peft keeps adapters of a bf16/fp16 model in float32 (autocast_adapter_dtype=True).
-    lora_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-    if lora_r > 0:
-        trainable, train_dtype = counts.lora, lora_dtype
-        params += sum(counts.lora) * itemsize(lora_dtype)
-    else:
-        trainable, train_dtype = rank_tensors, dtype
-    grads = sum(trainable) * itemsize(train_dtype)
-    masters = master_weights and train_dtype in (torch.bfloat16, torch.float16)
-    step_dtype = torch.float32 if masters else train_dtype  # what the optimizer steps
-    master_bytes = 4 * sum(trainable) if masters else 0
-    states = optimizer_state_bytes(optimizer, trainable, step_dtype)
-
-    if tensor_parallel > 1:
-        notes.append(f"tensor parallel over {tensor_parallel} ranks: one rank's paged store "
-                     f"({shape.kv_heads // tensor_parallel} of {shape.kv_heads} KV heads) and its shards of the "
+    weights = _weights(model_config, shape)
+    if shape.tensor_parallel > 1:
+        notes.append(f"tensor parallel over {shape.tensor_parallel} ranks: one rank's paged store "
+                     f"({model.kv_heads // shape.tensor_parallel} of {model.kv_heads} KV heads) and its shards of the "
                      "attention and MLP weights, gradients and optimizer states; activations are planned "
                      "unsplit (an upper bound)")
     architecture = check_architecture(model_config)  # UnsupportedModel (a ValueError) for what oomb cannot train
-    spec = store_spec(model_config, page_size=page_size, dtype=dtype, grad_dtype=grad_dtype, device="meta",
-                      tensor_parallel=tensor_parallel, calls_per_layer=architecture.calls_per_layer,
-                      key_summary=store_key_summary(select_score if page_budget is not None else None))
-    pages_per_seq = -(-seq_len // page_size)
-    store_bytes = paged_store_bytes(spec, batch_size=batch_size, seq_len=seq_len, chunk_size=chunk_size,
-                                    offload=offload, offload_gpu_bytes=offload_gpu_bytes, page_budget=page_budget,
-                                    select_block=select_block, per_head_selection=per_head_selection,
-                                    chunk_pages=chunk_pages)
-    store, store_host, resident = store_bytes.device, store_bytes.host, store_bytes.resident_layers
-    page_lists = 0 if page_budget is None else page_list_bytes(
-        model_config, spec, batch_size=batch_size, seq_len=seq_len, chunk_size=chunk_size, page_budget=page_budget,
-        select_block=select_block, per_head_selection=per_head_selection)
-
-    by_layer = recompute != "chunk"
-    attention_outputs = 0
-    if cache_attention:
-        # chunked_backward(cache_attention=True): out [B, H, C, D] in the model's dtype and lse [B, H, C]
-        # float32 of every attention layer for every chunk of stage 1 (all but the last; by layer: all), until
-        # stage 2.
-        # (in host memory the buffer is sized for every chunk: oomb.engine.prepare allocates it before the chunks run)
-        every = by_layer or cache_attention == "host"
-        stage1_tokens = batch_size * (seq_len if every else (-(-seq_len // chunk) - 1) * chunk)
-        heads = shape.heads // tensor_parallel  # one rank's query heads
-        attention_outputs = stage1_tokens * shape.num_layers * heads * (shape.head_dim * s + 4)
-
-    lora_shape = LoraShape(lora_r, tuple(lora_targets), lora_dtype) if lora_r > 0 else None
-    per_layer, per_model = saved_bytes_per_token(shape, dtype, lora_shape, fused_ops=fused_ops)
-    # recompute="layer": each decoder layer's input and the last layer's output of every token, in the model's dtype.
-    kept_inputs = batch_size * seq_len * (shape.num_layers + 1) * shape.hidden * s if by_layer else 0
-    if by_layer:
-        saved = tokens * (per_layer + per_model)  # the layer being rebuilt, and the model's own (final norm, RoPE)
-        rebuilt = 2 * tokens * shape.hidden * s if recompute == "layer-host" else 0  # the input in use, the next
-        saved_note = f"{per_layer} B/token of the one layer rebuilt + {per_model} B/token, {tokens} tokens"
-    elif layer_checkpointing:
-        ck_layer, ck_model = checkpointed_bytes_per_token(shape, dtype, fused_ops=fused_ops)
-        saved = tokens * (shape.num_layers * ck_layer + ck_model)
-        rebuilt = tokens * per_layer  # the layer whose backward runs, recomputed with all its tensors
-        saved_note = f"layer inputs of {shape.num_layers} layers + one layer rebuilt, {tokens} tokens"
-    else:
-        saved = tokens * (shape.num_layers * per_layer + per_model)
-        rebuilt = 0
-        saved_note = f"{per_layer} B/token/layer x {shape.num_layers} layers + {per_model} B/token, {tokens} tokens"
-    liger = loss_impl == "liger" or (loss_impl == "auto" and device_type == "cuda")
-    loss_ws = fused_loss_bytes(shape, tokens, dtype, liger=liger)
-    layer_ws = rebuilt + tokens * layer_backward_bytes_per_token(shape, dtype)
-    if attention == "fa4":
-        # FlashAttention-4 reads keys and values laid out contiguously (kernels/flash4.py): its backward holds the
-        # layer's K and V gathered out of the pages, dK and dV, and fp32 dK/dV accumulators (GQA): 8 copies of
-        # [keys, H_kv, D] in 16-bit units, beside the layer's own backward. Dense: every key of the sequence, up
-        # to KEY_SEGMENT keys of the past and the chunk (longer pasts are attended in segments, whose merged output
-        # and dQ add two float32 copies of the chunk's queries). A page-sparse call gathers at most the pages its
-        # lists name and the chunk's own keys (kernels/flash4_sparse.py), or nothing where the Triton kernels run it.
-        keys = min(seq_len, KEY_SEGMENT + chunk_size)
-        heads = shape.heads // tensor_parallel
-        merged = 2 * tokens * heads * shape.head_dim * 4 if seq_len > KEY_SEGMENT + chunk_size else 0
-        if page_budget is not None:
-            per_list = -(-chunk_size // select_block) * page_budget
-            named = per_list if chunk_pages is None else min(per_list, chunk_pages)  # a capped chunk gathers its cap
-            lists = shape.kv_heads if per_head_selection else 1
-            keys, merged = min(seq_len, lists * named * page_size + chunk_size), 0
-        layer_ws += 8 * batch_size * keys * (shape.kv_heads // tensor_parallel) * shape.head_dim * s + merged
-    if four_bit:  # bitsandbytes dequantizes a 4-bit weight to the compute dtype for each matmul, forward and backward
-        layer_ws += max(four_bit) * s
-    if cache_attention == "host":  # the next layer's outputs on their way back from the host
-        layer_ws += tokens * (shape.heads // tensor_parallel) * (shape.head_dim * s + 4)
-    workspace = max(loss_ws, layer_ws)
-    activations = saved + workspace
-
-    # torch AdamW with foreach (CUDA) builds sqrt(exp_avg_sq) of all states at once; the for-loop
-    # path (CPU) one tensor at a time. bitsandbytes updates in place. With master weights the
-    # step's gradients are fp32 copies, each replacing its 16-bit gradient as it is made.
-    if optimizer == "adamw":
-        update_numel = sum(trainable) if device_type == "cuda" else max(trainable, default=0)
-        update = update_numel * itemsize(step_dtype)
-    else:
-        update = 0
-    if masters:
-        update += (4 - itemsize(train_dtype)) * sum(trainable)
-    # The optimizer steps after chunked_backward has returned: the chunk's activations, the attention cache and
-    # the kept layer inputs (where they are on the GPU) are freed by then; the paged store stays between steps.
-    # (H200, Qwen2.5-7B, AdamW, recompute=layer-host with the cache: the measured peak is the step's, not the
-    # update's; benchmarks/results/train-7b-auto.json.)
-    freed = (activations + (attention_outputs if cache_attention != "host" else 0)
-             + (kept_inputs if recompute == "layer" else 0))
-    update_extra = max(0, update - freed)
-
-    gpu = device_type == "cuda"
+    selection = options.selection
+    spec = store_spec(model_config, page_size=options.page_size, dtype=shape.dtype, grad_dtype=options.grad_dtype,
+                      device="meta", tensor_parallel=shape.tensor_parallel,
+                      calls_per_layer=architecture.calls_per_layer,
+                      key_summary=store_key_summary(selection.score if selection is not None else None))
+    items, freed = _step_items(model_config, model, spec, options, shape, weights)
+    update = _update_bytes(weights, shape)
+    gpu = shape.device_type == "cuda"
 
     def item(name: str, nbytes: int, note: str = "", *, host_always: bool = False) -> MemoryItem:
         on_gpu = gpu and not host_always
         return MemoryItem(name, nbytes if on_gpu else 0, 0 if on_gpu else nbytes, note)
 
-    trainable_note = (f"LoRA r={lora_r}: {sum(trainable):,} trainable ({dtype_name(train_dtype)})" if lora_r > 0
-                      else f"{sum(trainable):,} trainable ({dtype_name(train_dtype)})")
-    items = [
-        item("parameters", params, (f"{sum(four_bit):,} in NF4 (4-bit) + " if four_bit else "")
-             + f"{sum(rank_tensors) - sum(four_bit):,} x {dtype_name(dtype)}" + (" + adapters" if lora_r > 0 else "")
-             + (f" (one of {tensor_parallel} tensor parallel ranks)" if tensor_parallel > 1 else "")),
-        item("gradients", grads, trainable_note),
-        item("optimizer states", states, f"{optimizer} ({dtype_name(step_dtype)} moments)" if optimizer == "adamw"
-             else optimizer),
-        item("master weights", master_bytes, f"fp32 copies of the {sum(trainable):,} trainable parameters"
-             if masters else "off"),
-        item("paged store", store, f"{batch_size} x {pages_per_seq} pages x {spec.bytes_per_page():,} B "
-             f"(K, V, dK, dV, mean keys) + page table") if not offload else
-        item("paged store (device part)", store, f"{resident} of {spec.num_layers} layers kept whole, "
-             "block tables, two layer slots" if offload and resident else
-             "block tables, two layer slots (pages and mean keys of one layer each)"),
-        item("sparse page lists", page_lists, "dense" if page_budget is None else
-             f"budget {page_budget}, block {select_block}"
-             + ("" if chunk_pages is None else f", at most {chunk_pages} pages a chunk")),
-        item("attention output cache", attention_outputs, "off" if not cache_attention else
-             "out + lse of every stage-1 chunk and layer (train.cache_attention)"
-             + (" in pinned host memory" if cache_attention == "host" else ""), host_always=cache_attention == "host"),
-        item("kept layer inputs", kept_inputs, "off (recompute=chunk)" if not by_layer else
-             f"{shape.num_layers + 1} x {shape.hidden} values per token, {batch_size} x {seq_len} tokens"
-             + (" (pinned host memory)" if recompute == "layer-host" else ""), host_always=recompute == "layer-host"),
-        item("saved activations", saved, saved_note),
-        item("chunk workspace", workspace, f"larger of fused loss {format_bytes(loss_ws)} and layer "
-             f"backward {format_bytes(layer_ws)}" + (" (with a dequantized weight)" if four_bit else "")),
-        item("optimizer update", update_extra, f"{format_bytes(update)} workspace"
-             + (" (with the step's fp32 gradients)" if masters else "") + ", counted beyond the chunk's activations"),
+    trainable = weights.trainable
+    plan_items = [
+        item("parameters", weights.params, (f"{sum(weights.four_bit):,} in NF4 (4-bit) + " if weights.four_bit else "")
+             + f"{weights.plain:,} x {dtype_name(shape.dtype)}" + (" + adapters" if shape.lora_r > 0 else "")
+             + (f" (one of {shape.tensor_parallel} tensor parallel ranks)" if shape.tensor_parallel > 1 else "")),
+        item("gradients", weights.grads, (f"LoRA r={shape.lora_r}: " if shape.lora_r > 0 else "")
+             + f"{sum(trainable):,} trainable ({dtype_name(weights.train_dtype)})"),
+        item("optimizer states", weights.states, f"{shape.optimizer} ({dtype_name(weights.step_dtype)} moments)"
+             if shape.optimizer == "adamw" else shape.optimizer),
+        item("master weights", weights.masters, f"fp32 copies of the {sum(trainable):,} trainable parameters"
+             if weights.masters else "off"),
+        *[item(name, nbytes, note, host_always=host) for name, nbytes, note, host in items],
+        item("optimizer update", max(0, update - freed), f"{format_bytes(update)} workspace"
+             + (" (with the step's fp32 gradients)" if weights.masters else "")
+             + ", counted beyond the chunk's activations"),
     ]
-    if offload:
-        items.append(MemoryItem("offloaded pages", 0, store_host, f"{batch_size} x {pages_per_seq} pages of K, V, "
-                                "dK, dV and mean keys in pinned host memory"))
+    store = _store_bytes(spec, options, shape)
+    if options.offload:
+        pages = -(-shape.seq_len // options.page_size)
+        plan_items.append(MemoryItem("offloaded pages", 0, store.host, f"{shape.batch_size} x {pages} pages of K, V, "
+                                     "dK, dV and mean keys in pinned host memory"))
     if gpu:
-        items.append(MemoryItem("CUDA context", CUDA_CONTEXT_BYTES, 0, "allowance"))
-    items.append(MemoryItem("process", 0, HOST_PROCESS_BYTES, "allowance: interpreter, libraries, data"))
+        plan_items.append(MemoryItem("CUDA context", CUDA_CONTEXT_BYTES, 0, "allowance"))
+    plan_items.append(MemoryItem("process", 0, HOST_PROCESS_BYTES, "allowance: interpreter, libraries, data"))
     settings = {
-        "family": shape.family, "seq_len": seq_len, "batch_size": batch_size, "chunk_size": chunk_size,
-        "page_size": page_size, "dtype": dtype_name(dtype), "grad_dtype": dtype_name(grad_dtype),
-        "page_budget": page_budget,
-        "select_block": select_block, "select_score": select_score, "chunk_pages": chunk_pages, "lora_r": lora_r,
-        "optimizer": optimizer,
-        "master_weights": masters,
-        "layer_checkpointing": layer_checkpointing, "offload": offload,
-        "offload_gpu_bytes": offload_gpu_bytes if offload else 0, "offload_resident_layers": resident,
-        "cache_attention": cache_attention, "recompute": recompute,
-        "device_type": device_type, "tensor_parallel": tensor_parallel, "quantize": quantize,
+        "family": model.family, "seq_len": shape.seq_len, "batch_size": shape.batch_size,
+        "chunk_size": options.chunk_size, "page_size": options.page_size, "dtype": dtype_name(shape.dtype),
+        "grad_dtype": dtype_name(options.grad_dtype or shape.dtype),
+        "page_budget": selection.page_budget if selection is not None else None,
+        "select_block": selection.block if selection is not None else 128,
+        "select_score": selection.score if selection is not None else DEFAULT_SCORE,
+        "chunk_pages": selection.chunk_pages if selection is not None else None, "lora_r": shape.lora_r,
+        "optimizer": shape.optimizer, "master_weights": bool(weights.masters),
+        "layer_checkpointing": shape.layer_checkpointing, "offload": options.offload,
+        "offload_gpu_bytes": options.offload_gpu_bytes if options.offload else 0,
+        "offload_resident_layers": store.resident_layers, "cache_attention": options.cache_attention,
+        "recompute": options.recompute, "device_type": shape.device_type, "tensor_parallel": shape.tensor_parallel,
+        "quantize": shape.quantize,
     }
-    return MemoryPlan(items=items, settings=settings, device_type=device_type,
-                      device_total_bytes=device_total_bytes if gpu else None,
-                      host_total_bytes=host_total_bytes, notes=notes)
+    return MemoryPlan(items=plan_items, settings=settings, device_type=shape.device_type,
+                      device_total_bytes=limits.gpu_bytes if gpu else None, host_total_bytes=limits.host_bytes,
+                      notes=notes)
 
 
-def largest_context(model_config, *, page_size: int = 128, max_seq_len: int = 1 << 40,
-                    choices: Sequence[dict] = ({},), **settings) -> int:
-    """The longest seq_len (a multiple of ``page_size``) whose plan fits with one of ``choices``; 0 if none does.
 
-    Takes plan_memory's keyword arguments (without seq_len). ``choices``: alternatives for some of
-    them (e.g. the values an "auto" setting may take), each a dict laid over ``settings``; the answer
-    is the longest over all of them, whatever their order. Memory grows with seq_len, so a choice's
-    longest is found by bisection over multiples of page_size; a choice that does not fit one page
-    beyond the longest found so far costs one plan.
+@dataclass(frozen=True)
+class _Weights:
+    """Parameters, gradients, optimizer states and master copies of one rank, and what is trained."""
+
+    params: int  # bytes
+    plain: int  # parameters held in the model's dtype
+    four_bit: tuple[int, ...]  # numel of each NF4 weight
+    trainable: tuple[int, ...]  # numel of each trained tensor
+    train_dtype: torch.dtype
+    step_dtype: torch.dtype  # what the optimizer steps
+    grads: int
+    states: int
+    masters: int
+
+
+def _weights(model_config, shape: RunShape) -> _Weights:
+    counts = count_parameters(model_config, shape.lora_r, shape.lora_targets if shape.lora_r > 0 else (),
+                              quantized=shape.quantize != "none")
+    rank_tensors = counts.per_rank(shape.tensor_parallel)  # = counts.tensors in one process
+    four_bit = tuple(n for n, q in zip(rank_tensors, counts.quantized, strict=True) if q) if counts.quantized else ()
+    plain = sum(rank_tensors) - sum(four_bit)
+    params = plain * itemsize(shape.dtype) + sum(nf4_weight_bytes(n) for n in four_bit)
+    if shape.lora_r > 0:  # peft keeps adapters of a bf16/fp16 model in float32 (autocast_adapter_dtype=True)
+        train_dtype = torch.float32 if shape.dtype in (torch.bfloat16, torch.float16) else shape.dtype
+        trainable = counts.lora
+        params += sum(trainable) * itemsize(train_dtype)
+    else:
+        train_dtype, trainable = shape.dtype, rank_tensors
+    masters = shape.master_weights and train_dtype in (torch.bfloat16, torch.float16)
+    step_dtype = torch.float32 if masters else train_dtype
+    return _Weights(params=params, plain=plain, four_bit=four_bit, trainable=trainable, train_dtype=train_dtype,
+                    step_dtype=step_dtype, grads=sum(trainable) * itemsize(train_dtype),
+                    states=optimizer_state_bytes(shape.optimizer, trainable, step_dtype),
+                    masters=4 * sum(trainable) if masters else 0)
+
+
+def _store_bytes(spec: StoreSpec, options: StepOptions, shape: RunShape) -> StoreBytes:
+    """The paged store's bytes, as the store the options choose allocates them."""
+    if not options.offload:
+        return PagedKVStore.bytes_for(spec, shape.batch_size, shape.seq_len)
+    selection = options.selection
+    listed = None
+    if selection is not None:
+        lists = spec.num_kv_heads if selection.per_head else 1
+        listed = selection.pages_per_list(min(options.chunk_size, shape.seq_len)) * lists
+    return OffloadedKVStore.bytes_for(spec, shape.batch_size, shape.seq_len, chunk_size=options.chunk_size,
+                                      listed_pages=listed, gpu_bytes=options.offload_gpu_bytes)
+
+
+def _update_bytes(weights: _Weights, shape: RunShape) -> int:
+    """The optimizer update's workspace: torch AdamW with foreach (CUDA) builds sqrt(exp_avg_sq) of all states at
+    once, its for-loop path (CPU) one tensor at a time; bitsandbytes updates in place. With master weights the
+    step's gradients are fp32 copies, each replacing its 16-bit gradient as it is made."""
+    update = 0
+    if shape.optimizer == "adamw":
+        numel = sum(weights.trainable) if shape.device_type == "cuda" else max(weights.trainable, default=0)
+        update = numel * itemsize(weights.step_dtype)
+    if weights.masters:
+        update += (4 - itemsize(weights.train_dtype)) * sum(weights.trainable)
+    return update
+
+
+def _step_items(model_config, model: ModelShape, spec: StoreSpec, options: StepOptions, shape: RunShape,
+                weights: _Weights) -> tuple[list[tuple[str, int, str, bool]], int]:
+    """The step's items (name, bytes, note, in host memory whatever the device), and the bytes freed before the
+    optimizer runs (the chunk's activations, and the attention cache and kept inputs where on the GPU)."""
+    s = itemsize(shape.dtype)
+    seq_len, batch = shape.seq_len, shape.batch_size
+    chunk = min(options.chunk_size, seq_len)
+    tokens = batch * chunk  # rows of one chunk
+    selection, by_layer = options.selection, options.recompute != "chunk"
+    store = _store_bytes(spec, options, shape)
+    pages = -(-seq_len // options.page_size)
+    page_lists = 0
+    if selection is not None:
+        layer_types = getattr(model_config, "layer_types", None) or ["full_attention"] * model.num_layers
+        page_lists = PageLists.bytes_for(
+            batch_size=batch, seq_len=seq_len, chunk_size=options.chunk_size, page_size=options.page_size,
+            page_budget=selection.page_budget, block=selection.block,
+            lists=spec.num_kv_heads if selection.per_head else 1,
+            layers=sum(t == "full_attention" for t in layer_types))
+    heads = model.heads // shape.tensor_parallel  # one rank's query heads
+    cache = options.cache_attention
+    attention_outputs = 0
+    if cache:  # every stage-1 chunk's out and lse per attention layer until stage 2 (by layer or on the host: all)
+        kept = chunk_lengths_of(seq_len, chunk, but_last=not (by_layer or cache == "host"))
+        attention_outputs = HostAttentionCache.nbytes([(heads, layer.value_dim) for layer in spec.layers], kept,
+                                                      batch, shape.dtype)
+    kept_inputs = LayerInputs.nbytes(model.num_layers, chunk_lengths_of(seq_len, chunk), batch, model.hidden,
+                                     shape.dtype) if by_layer else 0
+
+    lora = LoraShape(shape.lora_r, weights_lora_modules(model_config, shape), weights.train_dtype) \
+        if shape.lora_r > 0 else None
+    per_layer, per_model = saved_bytes_per_token(model, shape.dtype, lora, fused_ops=shape.fused_ops)
+    if by_layer:
+        saved = tokens * (per_layer + per_model)  # the layer being rebuilt, and the model's own (final norm, RoPE)
+        rebuilt = 2 * tokens * model.hidden * s if options.recompute == "layer-host" else 0  # in use, and the next
+        saved_note = f"{per_layer} B/token of the one layer rebuilt + {per_model} B/token, {tokens} tokens"
+    elif shape.layer_checkpointing:
+        ck_layer, ck_model = checkpointed_bytes_per_token(model, shape.dtype, fused_ops=shape.fused_ops)
+        saved = tokens * (model.num_layers * ck_layer + ck_model)
+        rebuilt = tokens * per_layer  # the layer whose backward runs, recomputed with all its tensors
+        saved_note = f"layer inputs of {model.num_layers} layers + one layer rebuilt, {tokens} tokens"
+    else:
+        saved = tokens * (model.num_layers * per_layer + per_model)
+        rebuilt = 0
+        saved_note = f"{per_layer} B/token/layer x {model.num_layers} layers + {per_model} B/token, {tokens} tokens"
+    gpu = shape.device_type == "cuda"
+    liger = options.loss_impl == "liger" or (options.loss_impl == "auto" and gpu)
+    loss_ws = fused_loss_bytes(model, tokens, shape.dtype, liger=liger)
+    layer_ws = rebuilt + tokens * layer_backward_bytes_per_token(model, shape.dtype)
+    if options.backend == "fa4" or (options.backend == "auto" and gpu):
+        layer_ws += _fa4_gathered(model, options, shape)
+    if weights.four_bit:  # bitsandbytes dequantizes a 4-bit weight to the compute dtype for each matmul
+        layer_ws += max(weights.four_bit) * s
+    if cache == "host":  # the next layer's outputs on their way back from the host
+        layer_ws += tokens * heads * (model.head_dim * s + 4)
+    workspace = max(loss_ws, layer_ws)
+    freed = (saved + workspace + (attention_outputs if cache != "host" else 0)
+             + (kept_inputs if options.recompute == "layer" else 0))
+    if options.offload:
+        store_item = ("paged store (device part)", store.device,
+                      f"{store.resident_layers} of {spec.num_layers} layers kept whole, block tables, two layer slots"
+                      if store.resident_layers else
+                      "block tables, two layer slots (pages and mean keys of one layer each)", False)
+    else:
+        store_item = ("paged store", store.device, f"{batch} x {pages} pages x {spec.bytes_per_page():,} B "
+                      "(K, V, dK, dV, mean keys) + page table", False)
+    items = [
+        store_item,
+        ("sparse page lists", page_lists, "dense" if selection is None else
+         f"budget {selection.page_budget}, block {selection.block}"
+         + ("" if selection.chunk_pages is None else f", at most {selection.chunk_pages} pages a chunk"), False),
+        ("attention output cache", attention_outputs, "off" if not cache else
+         "out + lse of every stage-1 chunk and layer (train.cache_attention)"
+         + (" in pinned host memory" if cache == "host" else ""), cache == "host"),
+        ("kept layer inputs", kept_inputs, "off (recompute=chunk)" if not by_layer else
+         f"{model.num_layers + 1} x {model.hidden} values per token, {batch} x {seq_len} tokens"
+         + (" (pinned host memory)" if options.recompute == "layer-host" else ""), options.recompute == "layer-host"),
+        ("saved activations", saved, saved_note, False),
+        ("chunk workspace", workspace, f"larger of fused loss {format_bytes(loss_ws)} and layer "
+         f"backward {format_bytes(layer_ws)}" + (" (with a dequantized weight)" if weights.four_bit else ""), False),
+    ]
+    return items, freed
+
+
+def weights_lora_modules(model_config, shape: RunShape) -> tuple[str, ...]:
+    """The last names of the modules LoRA adapts (peft's choice for ``shape.lora_targets``)."""
+    return count_parameters(model_config, shape.lora_r, shape.lora_targets).lora_modules
+
+
+def _fa4_gathered(model: ModelShape, options: StepOptions, shape: RunShape) -> int:
+    """FlashAttention-4's backward workspace (kernels/flash4.py): the keys one call reads gathered out of the pages.
+    Dense: every key of the sequence, up to KEY_SEGMENT keys of the past and the chunk (a longer past is attended
+    in segments, whose merged output and dQ add two float32 copies of the chunk's queries). Page-sparse: the pages
+    the chunk's lists name and its own keys."""
+    seq_len, chunk = shape.seq_len, min(options.chunk_size, shape.seq_len)
+    heads, kv_heads = model.heads // shape.tensor_parallel, model.kv_heads // shape.tensor_parallel
+    keys = min(seq_len, KEY_SEGMENT + options.chunk_size)
+    merged = shape.batch_size * chunk * heads if seq_len > KEY_SEGMENT + options.chunk_size else 0
+    selection = options.selection
+    if selection is not None:
+        lists = model.kv_heads if selection.per_head else 1
+        keys = min(seq_len, lists * selection.pages_per_list(options.chunk_size) * options.page_size
+                   + options.chunk_size)
+        merged = 0
+    return backward_workspace_bytes(shape.batch_size, keys, kv_heads, model.head_dim, itemsize(shape.dtype), merged)
+
+
+def largest_context(model_config, options: StepOptions, shape: RunShape, limits: MemoryLimits | None = None, *,
+                    choices: Sequence[dict] = ({},), max_seq_len: int = 1 << 40,
+                    offload_gpu_bytes: int | str | None = None) -> int:
+    """The longest seq_len (a multiple of the page size) whose plan fits with one of ``choices``; 0 if none does.
+
+    ``choices``: alternatives for some of the settings (e.g. the values an "auto" setting may take), each a dict
+    of StepOptions and RunShape fields laid over ``options`` and ``shape`` (``with_changes``); the answer is the
+    longest over all of them, whatever their order. Memory grows with seq_len, so a choice's longest is found by
+    bisection over multiples of the page size; a choice that does not fit one page beyond the longest found so far
+    costs one plan.
     """
-    max_pages = max(1, max_seq_len // page_size)
+    page = options.page_size
+    max_pages = max(1, max_seq_len // page)
     best = 0  # pages
     for choice in reversed(choices):  # the least memory is usually listed last: it gives the answer first
-        def fits(pages: int, choice=choice) -> bool:
-            return plan_memory(model_config, seq_len=pages * page_size, page_size=page_size,
-                               **{**settings, **choice}).fits
+        chosen_options, chosen_shape = with_changes(options, shape, choice)
+
+        def fits(pages: int, o=chosen_options, s=chosen_shape) -> bool:
+            return plan_memory(model_config, o, dataclasses.replace(s, seq_len=pages * page), limits,
+                               offload_gpu_bytes=offload_gpu_bytes).fits
 
         if best < max_pages and fits(best + 1):
             best = _last_fitting(fits, best + 1, max_pages)
-    return best * page_size
+    return best * page
 
 
 def _last_fitting(fits, lo: int, hi: int) -> int:
@@ -451,8 +462,9 @@ def _last_fitting(fits, lo: int, hi: int) -> int:
     return lo
 
 
-def plan_first_fitting(model_config, choices: Sequence[dict], *, seq_len: int, **settings) -> tuple[MemoryPlan, int]:
-    """The plan at ``seq_len`` of the first of ``choices`` that fits, and that choice's index.
+def plan_first_fitting(model_config, options: StepOptions, shape: RunShape, limits: MemoryLimits | None = None, *,
+                       choices: Sequence[dict], offload_gpu_bytes: int | str | None = None) -> tuple[MemoryPlan, int]:
+    """The plan of the first of ``choices`` that fits, and that choice's index.
 
     ``choices`` as in largest_context, most preferred first; when none fits, the last one's plan
     (list the least memory last: its plan says how far the run is from fitting).
@@ -460,7 +472,8 @@ def plan_first_fitting(model_config, choices: Sequence[dict], *, seq_len: int, *
     if not choices:
         raise ValueError("choices must hold at least one set of settings (an empty dict: the settings as given)")
     for index, choice in enumerate(choices):
-        plan = plan_memory(model_config, seq_len=seq_len, **{**settings, **choice})
+        plan = plan_memory(model_config, *with_changes(options, shape, choice), limits,
+                           offload_gpu_bytes=offload_gpu_bytes)
         if plan.fits:
             return plan, index
     return plan, len(choices) - 1

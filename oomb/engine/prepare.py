@@ -1,6 +1,6 @@
 """What every chunk-recurrent pass over a sequence sets up first, in one place.
 
-    StepOptions (how the pass runs) + model, input_ids, labels, doc_ids
+    StepOptions (how the pass runs: oomb/engine/options.py) + model, input_ids, labels, doc_ids
         -> prepare_step -> PreparedStep: the transformers model (peft unwrapped), the shifted
            targets and their count per chunk, the chunk bounds, the model's store reserved for
            the batch, and the StepContext every attention layer receives
@@ -17,8 +17,6 @@ store and the model as they were, with a message that says what to change.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import numbers
 import weakref
 from dataclasses import dataclass
 
@@ -29,128 +27,17 @@ from oomb.attention import StepContext, oomb_attention
 from oomb.cache import KVStore, PagedKVStore, StoreSpec
 from oomb.engine import host_stash
 from oomb.engine.host_stash import HostAttentionCache
-from oomb.engine.layer_recompute import RECOMPUTE_MODES
-from oomb.engine.loss import IGNORE_INDEX, LOSS_IMPLS
+from oomb.engine.loss import IGNORE_INDEX
+from oomb.engine.options import StepOptions
 from oomb.engine.rope import length_held
 from oomb.engine.support import ModelSupport, model_support
 from oomb.engine.tensor_parallel import tensor_parallel_group
-from oomb.kernels import BACKEND_NAMES, get_backend
+from oomb.kernels import get_backend
 from oomb.offload import OffloadedKVStore
-from oomb.sparse import PageSelection, store_key_summary
+from oomb.sparse import store_key_summary
 
 # One store per model, reused across steps so the pools are allocated once.
 _STORES: weakref.WeakKeyDictionary[torch.nn.Module, KVStore] = weakref.WeakKeyDictionary()
-
-
-def require_int(name: str, value, *, minimum: int) -> None:
-    """Raise unless ``value`` is an integer (not a bool: True would run as 1) of at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be positive, got {value}" if minimum == 1 else
-                         f"{name} must be >= {minimum}, got {value}")
-
-
-def _require_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    """How a chunk-recurrent pass runs: ``chunked_backward``'s settings in one object, checked when made.
-
-    The same object given to ``chunked_backward``, ``chunked_eval`` and ``locate_nonfinite`` makes
-    them run the same store and the same attention (``cache_attention``, ``recompute`` and ``loss_impl`` apply to
-    training steps only).
-    """
-
-    chunk_size: int = 4096  # tokens per chunk (a multiple of page_size)
-    page_size: int = 128  # tokens per page of the K/V store
-    backend: str = "auto"  # attention kernels: "auto" (fa4 on Hopper/Blackwell with flash-attn-4, else Triton on CUDA,
-    # PyTorch elsewhere), "fa4", "triton", "torch"
-    grad_dtype: torch.dtype | None = None  # dtype of the gradient pages (None: the model's dtype)
-    loss_impl: str = "auto"  # fused linear cross-entropy: "auto", "liger" or "torch"
-    selection: PageSelection | None = None  # page-sparse attention (its page_budget included); None = dense
-    offload: bool = False  # K, V and their gradient pages in host memory (oomb.offload)
-    offload_gpu_bytes: int = 0  # with offload: device bytes for keeping the first layers' pages whole
-    cache_attention: bool | str = False  # stage 2 reuses stage 1's attention outputs: True (device memory) or
-    # "host" (pinned host memory, oomb.engine.host_stash); not with offload
-    recompute: str = "chunk"  # stage 2 rebuilds a chunk's activations: "chunk", "layer" or "layer-host"
-    # (oomb.engine.layer_recompute; not with offload)
-
-    def __post_init__(self) -> None:
-        require_int("chunk_size", self.chunk_size, minimum=1)
-        require_int("page_size", self.page_size, minimum=1)
-        if self.chunk_size % self.page_size:
-            raise ValueError(
-                f"chunk_size={self.chunk_size} is not a multiple of page_size={self.page_size}: chunks must start on "
-                f"a page; try chunk_size={max(self.page_size, self.chunk_size // self.page_size * self.page_size)}"
-            )
-        if self.backend not in BACKEND_NAMES:
-            raise ValueError(f"unknown attention backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
-        if self.grad_dtype is not None and not (isinstance(self.grad_dtype, torch.dtype)
-                                                and self.grad_dtype.is_floating_point):
-            raise TypeError(f"grad_dtype must be a floating-point torch dtype (torch.bfloat16, torch.float16, "
-                            f"torch.float32) or None for the model's dtype, got {self.grad_dtype!r}")
-        if self.loss_impl not in LOSS_IMPLS:
-            raise ValueError(f"unknown cross-entropy implementation loss_impl={self.loss_impl!r}: use "
-                             f"{', '.join(map(repr, LOSS_IMPLS))}")
-        if self.selection is not None:
-            if not isinstance(self.selection, PageSelection):
-                raise TypeError(f"selection must be an oomb.sparse.PageSelection or None (dense), "
-                                f"got {type(self.selection).__name__}")
-            for name in ("page_budget", "block"):
-                require_int(f"selection.{name}", getattr(self.selection, name), minimum=1)
-            for name in ("sink_pages", "local_pages"):
-                require_int(f"selection.{name}", getattr(self.selection, name), minimum=0)
-            _require_bool("selection.per_head", self.selection.per_head)
-            if self.selection.chunk_pages is not None:
-                require_int("selection.chunk_pages", self.selection.chunk_pages, minimum=self.selection.page_budget)
-        _require_bool("offload", self.offload)
-        if not (isinstance(self.cache_attention, bool) or self.cache_attention == "host"):
-            raise TypeError(f"cache_attention must be True, False or 'host', got {self.cache_attention!r}")
-        require_int("offload_gpu_bytes", self.offload_gpu_bytes, minimum=0)
-        if self.offload_gpu_bytes and not self.offload:
-            raise ValueError("offload_gpu_bytes sets how much of an offloaded store stays on the GPU: "
-                             "it needs offload=True")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute={self.recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}")
-        if self.recompute != "chunk" and self.offload:
-            raise ValueError(f"recompute={self.recompute!r} keeps every layer's input for the whole sequence, "
-                             "against offload=True's purpose (the longest contexts): use recompute='chunk'")
-        if self.cache_attention and self.offload:
-            raise ValueError(f"cache_attention={self.cache_attention!r} keeps every chunk's attention outputs for "
-                             "stage 2, against offload=True's purpose (the longest contexts): choose one")
-
-
-_DEFAULTS = StepOptions()
-
-
-def selection_policy(page_budget: int | None, selection: PageSelection | None) -> PageSelection | None:
-    """The page-selection policy of a step: ``page_budget`` overrides the budget of ``selection``."""
-    if page_budget is not None:
-        require_int("page_budget", page_budget, minimum=1)
-        return dataclasses.replace(selection or PageSelection(), page_budget=page_budget)
-    return selection
-
-
-def options_from_keywords(options: StepOptions | None, *, page_budget: int | None = None,
-                          **keywords) -> StepOptions:
-    """``options`` where given, else the StepOptions the keywords describe (``page_budget`` folded into
-    ``selection``). Both at once is refused unless every keyword is at its default: one source of truth."""
-    if options is None:
-        selection = selection_policy(page_budget, keywords.pop("selection", None))
-        return StepOptions(selection=selection, **keywords)
-    if not isinstance(options, StepOptions):
-        raise TypeError(f"options must be an oomb.engine.StepOptions, got {type(options).__name__}")
-    given = [name for name, value in keywords.items() if value != getattr(_DEFAULTS, name)]
-    if page_budget is not None:
-        given.append("page_budget")
-    if given:
-        raise ValueError(f"options= was given together with {', '.join(given)}: set them in the StepOptions "
-                         f"(dataclasses.replace(options, ...)) instead")
-    return options
 
 
 @dataclass

@@ -1,9 +1,8 @@
 """Sizes a training step's memory is made of, apart from activations (oomb/engine/activations.py).
 
     ModelShape.from_config(config)     the decoder's sizes (a supported architecture, or a clear error)
-    store_spec / paged_store_bytes     the paged store: its spec (what the engine allocates) and its
-                                       bytes on the device and, offloaded, in host memory
-    page_list_bytes                    sparse page lists kept from stage 1 to stage 2
+    config_page_shapes / store_spec    the paged store's layers as a config describes them, and its spec
+                                       (its bytes: the stores' own bytes_for)
     count_parameters                   parameters (meta device), the LoRA adapters peft would add and which
                                        weights a 4-bit base quantizes (oomb/engine/quantize.py)
     optimizer_state_bytes              AdamW / bitsandbytes 8-bit states
@@ -139,78 +138,13 @@ def store_spec(config, *, page_size: int, dtype: torch.dtype, grad_dtype: torch.
 
 
 @dataclass(frozen=True)
-class StoreBytes:
-    """Bytes of the paged store of one step: on the device, in host memory, and (offloaded) how many
-    layers stay whole on the device."""
-
-    device: int
-    host: int = 0
-    resident_layers: int = 0
-
-
-def paged_store_bytes(spec: StoreSpec, *, batch_size: int, seq_len: int, chunk_size: int, offload: bool = False,
-                      offload_gpu_bytes: int = 0, page_budget: int | None = None, select_block: int = 128,
-                      per_head_selection: bool = False, chunk_pages: int | None = None) -> StoreBytes:
-    """The paged store's bytes for ``batch_size`` sequences of ``seq_len`` tokens, as the engine allocates it.
-
-    Device-resident: every page's K, V, dK, dV and key summary, and the block table. ``offload``
-    (oomb.offload.OffloadedKVStore): the pages in host memory, and on the device the block tables
-    and two layer slots, plus the first layers that fit in ``offload_gpu_bytes``.
-    """
-    page_size = spec.page_size
-    pages_per_seq = -(-seq_len // page_size)
-    if not offload:
-        return StoreBytes(batch_size * pages_per_seq * spec.bytes_per_page() + batch_size * pages_per_seq * 4)
-    # Host: every page's K, V, dK, dV and mean key (pinned, exactly this size). Device: block
-    # tables and two layer slots, each holding one layer's mean keys and the pages one kernel
-    # call reads (all past pages when dense; the page lists' union when sparse: at most one
-    # budget per selection block and list, or the chunk's cap ``chunk_pages`` per list) plus the chunk's and one
-    # row for the pages a slot does not hold, grown by at most 5/4 over what they held. offload_gpu_bytes keeps
-    # the first layers whole on the device instead.
-    page_layer_bytes = spec.bytes_per_token() * page_size // spec.num_layers
-    layer_pages = batch_size * pages_per_seq * page_layer_bytes  # one layer's K, V, dK, dV
-    layer_means = spec.layer_bytes(batch_size * pages_per_seq) - layer_pages  # and its mean keys
-    # as OffloadedKVStore.reserve
-    resident = min(spec.num_layers, offload_gpu_bytes // spec.layer_bytes(batch_size * pages_per_seq))
-    own_pages = -(-min(chunk_size, seq_len) // page_size)  # the chunk's own
-    slot_pages = pages_per_seq
-    if page_budget is not None:
-        lists = spec.num_kv_heads if per_head_selection else 1
-        per_list = -(-min(chunk_size, seq_len) // select_block) * page_budget
-        chosen = (per_list if chunk_pages is None else min(per_list, chunk_pages)) * lists
-        slot_pages = min(pages_per_seq, chosen + own_pages)
-    offloaded = spec.num_layers - resident
-    # Mean keys: the kept layers' on the device, the others' on the host, one layer's per slot.
-    slots = (2 * (batch_size * slot_pages + 1) * page_layer_bytes * 5 // 4 + 2 * layer_means) if offloaded else 0
-    # + the store's and two slots' tables
-    device = resident * (layer_pages + layer_means) + slots + 3 * batch_size * pages_per_seq * 4
-    return StoreBytes(device, offloaded * (layer_pages + layer_means), resident)
-
-
-def page_list_bytes(config, spec: StoreSpec, *, batch_size: int, seq_len: int, chunk_size: int, page_budget: int,
-                    select_block: int, per_head_selection: bool) -> int:
-    """Bytes of the sparse page lists a step keeps from stage 1 to stage 2.
-
-    int32 [B, H_sel, ceil(C / block), budget] per full-attention layer, for every chunk whose
-    past holds more than ``page_budget`` pages (fewer: attention is dense, no list).
-    """
-    h_sel = spec.num_kv_heads if per_head_selection else 1
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * spec.num_layers
-    full_layers = sum(t == "full_attention" for t in layer_types)
-    chunk = min(chunk_size, seq_len)
-    n_chunks = -(-seq_len // chunk)
-    # Chunk k has k * chunk // page_size past pages: lists exist from k = ceil((budget + 1) * page / chunk).
-    listed = max(0, n_chunks - -(-(page_budget + 1) * spec.page_size // chunk))
-    return 4 * batch_size * h_sel * -(-chunk // select_block) * page_budget * full_layers * listed
-
-
-@dataclass(frozen=True)
 class ParameterCounts:
     """Parameter numbers of a model (counted on the meta device, no memory used)."""
 
     total: int  # every parameter (tied embeddings once)
     tensors: tuple[int, ...]  # numel of each parameter tensor
     lora: tuple[int, ...] = ()  # numel of each LoRA adapter tensor (A and B per targeted linear)
+    lora_modules: tuple[str, ...] = ()  # last names of the adapted modules (q_proj, ..., experts)
     split: tuple[bool, ...] = ()  # per tensor: split over tensor parallel ranks (oomb.engine.tensor_parallel)
     quantized: tuple[bool, ...] = ()  # per tensor: a weight a 4-bit base holds in NF4 (counted when asked)
 
@@ -240,11 +174,11 @@ def _count_parameters(config_json: str, model_type: str, lora_r: int, lora_targe
     tensors = tuple(p.numel() for _, p in named)
     split = tuple(bool(_SPLIT.search(name)) for name, _ in named)
     four_bit = {f"{name}.weight" for name in quantized_linear_names(model)} if quantized else set()
-    lora: tuple[int, ...] = ()
+    lora, adapted = (), ()
     if lora_r > 0:  # peft on the meta copy: the adapters the run adds (fused experts' too), nothing allocated
         targets = ALL_LINEAR if lora_targets == (ALL_LINEAR,) else list(lora_targets)
-        lora = lora_numels(model, lora_r, targets)
-    return ParameterCounts(total=sum(tensors), tensors=tensors, lora=lora, split=split,
+        lora, adapted = lora_numels(model, lora_r, targets)
+    return ParameterCounts(total=sum(tensors), tensors=tensors, lora=lora, lora_modules=adapted, split=split,
                            quantized=tuple(name in four_bit for name, _ in named) if quantized else ())
 
 

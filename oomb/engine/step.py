@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Unpack
 
 import torch
 from transformers import PreTrainedModel
@@ -20,9 +21,9 @@ from oomb.attention import StepContext
 from oomb.engine.host_stash import HostAttentionCache
 from oomb.engine.layer_recompute import LayerInputs, check_layer_recompute, layer_recompute
 from oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy_sum
-from oomb.engine.prepare import StepOptions, options_from_keywords, prepare_step, unwrap_peft
+from oomb.engine.options import StepKeywords, StepOptions, options_from_keywords
+from oomb.engine.prepare import prepare_step, unwrap_peft
 from oomb.engine.support import ArchitectureCheck, config_support
-from oomb.sparse import PageSelection
 
 
 def chunked_backward(
@@ -30,22 +31,12 @@ def chunked_backward(
     input_ids: torch.Tensor,
     labels: torch.Tensor | None = None,
     *,
-    chunk_size: int = 4096,
-    page_size: int = 128,
-    backend: str = "auto",
-    grad_dtype: torch.dtype | None = None,
-    loss_impl: str = "auto",
     doc_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
-    page_budget: int | None = None,
-    selection: PageSelection | None = None,
-    offload: bool = False,
-    offload_gpu_bytes: int = 0,
-    cache_attention: bool | str = False,
-    recompute: str = "chunk",
     loss_divisor: float | None = None,
     before_last_backward: Callable[[], None] | None = None,
     options: StepOptions | None = None,
+    **step_keywords: Unpack[StepKeywords],
 ) -> torch.Tensor:
     """Exact loss and parameter gradients of a long sequence, one chunk of activations at a time.
 
@@ -104,11 +95,7 @@ def chunked_backward(
     A model split by ``oomb.engine.tensor_parallel`` runs on every rank of its group with the
     same inputs; each rank's store holds its own KV heads only.
     """
-    options = options_from_keywords(
-        options, chunk_size=chunk_size, page_size=page_size, backend=backend, grad_dtype=grad_dtype,
-        loss_impl=loss_impl, page_budget=page_budget, selection=selection, offload=offload,
-        offload_gpu_bytes=offload_gpu_bytes, cache_attention=cache_attention, recompute=recompute,
-    )
+    options = options_from_keywords(options, step_keywords, caller="chunked_backward")
     if loss_divisor is not None and not loss_divisor > 0:
         raise ValueError(f"loss_divisor must be positive, got {loss_divisor}")
     check_model_architecture(model)

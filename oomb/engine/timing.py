@@ -4,25 +4,41 @@ A step's time has two parts: the matmuls and elementwise work of the layers and 
 in the context (6 x tokens x matmul parameters FLOPs, counted without recomputation), and causal
 attention, quadratic in it (6 x tokens^2 x layers x heads x head_dim FLOPs, forward and backward).
 Each part runs at its own rate on a given GPU; two measured steps of different lengths give both
-rates. The rates below were fitted on the H200 to the setting `oomb train` picks for Qwen2.5-7B there
-(FlashAttention-4 kernels, chunks of 16384, the attention cache, recompute="layer-host", liger's fused
-ops) — the 64K step of benchmarks/results/core-7b-vs-transformers-64k.json (cache on the GPU) and the
-256K step of core-7b-vs-transformers-256k.json (cache in host memory, which costs no time), without an
-optimizer; tests/engine/test_timing.py refits them from those records. Between them the fit predicts
-31.69 s at 128K, where `oomb train` measured 31.65 s with AdamW (train-7b-auto.json). The prediction is for
-that setting and GPU, or without the attention cache with stage 2's extra attention forward counted
-(ATTENTION_FORWARD_SHARE); other settings (shorter chunks, offload) are slower or faster by amounts measured only
-at some lengths (docs/benchmarks.md). Every layer is counted as attending the whole context (sliding-window layers
-attend less).
+rates. The prediction is for the setting the rates were measured in, or without the attention cache
+with stage 2's extra attention forward counted (ATTENTION_FORWARD_SHARE); other settings (shorter
+chunks, offload) are slower or faster by amounts measured only at some lengths. Every layer is counted
+as attending the whole context (sliding-window layers attend less).
 
-Page-sparse attention (a page budget per block of queries) counts the keys each query attends: its own chunk's up to
-itself, and at most the budget's pages of the past (``attended_keys``). The linear part runs at the dense rate; the
-attention part at a rate of its own (H200_SPARSE), slower than dense FlashAttention's: the pages are gathered and
-attended in blocks. That rate is fitted to one measured step (Qwen2.5-7B, 128K, the H200, FA4's block sparsity,
-chunks of 8192, 64 pages of 128 per block of 128 queries, the attention cache: 17.24 s,
-benchmarks/results/core-7b-sparse-128k-fa4-blocks.json) and checked against another: the 1M step on the same
-machine without the cache and with pages offloaded, 157.7 s measured, 152.5 s predicted (sparse-1m-7b.json;
-tests/engine/test_timing.py).
+The rates below ship as numbers; this is what they were measured on. One NVIDIA H200 (139.8 GiB), the
+Qwen2.5-7B architecture with random init, bf16 parameters and gradients, one sequence per step, no
+optimizer, in the setting `oomb train` picks for that model on that GPU: the FlashAttention-4 kernels
+(the ``fa4`` backend), chunks of 16384 tokens, pages of 128, stage 2 rebuilt one layer at a time from
+inputs kept in host memory (recompute="layer-host"), liger's fused RMSNorm, SwiGLU and RoPE, and the
+attention cache (stage 1's attention outputs kept for stage 2). Each step was timed after a warm-up
+step at its own length, the median of two.
+
+- H200_DENSE solves the two parts from two dense steps: 65,536 tokens in 10.87 s (the attention
+  cache on the GPU) and 262,144 tokens in 103.16 s (the cache in pinned host memory, which costs no
+  time). That is 471 TFLOP/s of the linear FLOPs and 520 TFLOP/s of the attention FLOPs. Between
+  the two it predicts 31.69 s at 131,072 tokens, where `oomb train` in the same setting measured
+  31.65 s per step with its AdamW step included.
+
+Page-sparse attention (a page budget per block of queries) counts the keys each query attends: its own
+chunk's up to itself, and at most the budget's pages of the past (``attended_keys``). The linear part
+runs at the dense rate; the attention part at a rate of its own, slower than dense FlashAttention's:
+the pages are gathered and attended in blocks.
+
+- H200_SPARSE's attention rate comes from one page-sparse step on the same machine: 131,072 tokens
+  in 17.24 s, FA4's block sparsity, 64 pages of 128 tokens per block of 128 queries (pages ranked
+  by the default "bound" score), chunks of 8192, the attention cache on the GPU, recompute="layer-host",
+  fused ops. That is 342 TFLOP/s of the attended keys' FLOPs. Checked against a step it was not
+  fitted to: 1,048,576 tokens on the same machine with the pages offloaded (so without the attention
+  cache), one page list per chunk of 8192 with the same budget, 157.7 s measured, 152.5 s predicted.
+
+The records of these steps, with their commands, are in the repository's benchmarks/results/
+(core-7b-vs-transformers-64k.json, core-7b-vs-transformers-256k.json, train-7b-auto.json,
+core-7b-sparse-128k-fa4-blocks.json, sparse-1m-7b.json; docs/benchmarks.md), and
+tests/engine/test_timing.py refits the rates from them.
 """
 
 from __future__ import annotations
@@ -54,18 +70,17 @@ H200_DENSE = StepRates(
     gpu="NVIDIA H200",
     linear_s_per_flop=2.1226e-15,  # 471 TFLOP/s of 6·N·P (the recompute forward included in the time)
     attention_s_per_flop=1.9227e-15,  # 520 TFLOP/s of 6·N²·L·H·D
-    basis="Qwen2.5-7B steps at 64K and 256K tokens, fa4 kernels, chunk 16384, attention cache, recompute "
-          "layer-host, fused ops (benchmarks/results/core-7b-vs-transformers-64k.json, "
-          "core-7b-vs-transformers-256k.json)",
+    basis="Qwen2.5-7B dense steps on one H200, no optimizer: 65,536 tokens in 10.87 s and 262,144 tokens in "
+          "103.16 s; fa4 kernels, chunk 16384, attention cache, recompute layer-host, fused ops",
 )
 
 H200_SPARSE = StepRates(
     gpu="NVIDIA H200",
     linear_s_per_flop=H200_DENSE.linear_s_per_flop,
     attention_s_per_flop=2.9250e-15,  # 342 TFLOP/s of the attended keys' FLOPs (step_flops with a PageSparsity)
-    basis="the linear rate of H200_DENSE; the attention rate from a Qwen2.5-7B step at 128K tokens, fa4 kernels with "
-          "FA4's block sparsity, 64 pages of 128 per block of 128 queries, chunk 8192, attention cache, recompute "
-          "layer-host, fused ops (benchmarks/results/core-7b-sparse-128k-fa4-blocks.json)",
+    basis="the linear rate of H200_DENSE; the attention rate from a Qwen2.5-7B page-sparse step on one H200, no "
+          "optimizer: 131,072 tokens in 17.24 s; fa4 kernels with FA4's block sparsity, 64 pages of 128 per block "
+          "of 128 queries, chunk 8192, attention cache, recompute layer-host, fused ops",
 )
 
 

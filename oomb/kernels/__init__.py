@@ -6,9 +6,11 @@
   (tile choice) and launch.py (host-side argument helpers). CUDA, or CPU under
   ``TRITON_INTERPRET=1`` (tests only: slow).
 - ``fa4``: FlashAttention-4 (flash4.py; ``pip install 'oomb[fa4]'``, Hopper and Blackwell) over
-  keys gathered out of the pages, the Triton kernels for what it cannot express (sinks, and
-  page-sparse selections unless FA4's block sparsity is asked for: flash4_sparse.py, not yet
-  verified on a GPU).
+  keys gathered out of the pages. Page-sparse selections run on FA4's block sparsity by default
+  where it applies (flash4_sparse.py: Hopper, pages of 128 and selection blocks of a multiple of 128
+  queries, no documents or windows, not in deterministic mode; ``OOMB_FA4_BLOCK_SPARSE=0`` turns it
+  off), tested against the reference on CPU with a stand-in for FA4 and on the GPU. The Triton kernels
+  run what it cannot express: sinks, 32-bit inputs, and page-sparse calls off those conditions.
 - ``auto``: fa4 where it imports and the GPU is Hopper or Blackwell, else triton on CUDA when it
   imports, torch elsewhere.
 
@@ -20,7 +22,7 @@ MiniCPM3: Dk = 192, Dv = 128) has Dk != Dv, and some models have sizes that are 
 - ``torch``: any Dk and Dv.
 - ``triton``: Dk and Dv each 1 .. 256, any pair. A size that is not a power of two >= 16 runs in
   tiles padded to one (96 in 128, 192 in 256) with masked loads and stores (its K/V tiles through
-  pointers, not TMA); powers of two run unmasked, as before. Wider heads are refused (use
+  pointers, not TMA); powers of two run unmasked. Wider heads are refused (use
   ``torch``). Tiles for heads padded past 128 (tiles.py) were chosen by arithmetic, not timed.
 - ``fa4``: what FlashAttention-4 runs (flash4.fa4_supports_head_dims, from its source): on Hopper
   Dk and Dv each a multiple of 8 from 8 to 256, Dk != Dv only with as many KV heads as query

@@ -268,7 +268,7 @@ def key_layout(page_table: torch.Tensor, kv_len: int, q_len: int, page_size: int
 def _words(pool: torch.Tensor) -> torch.Tensor:
     """``pool`` with each head's values viewed as 8-byte words where they divide evenly. PyTorch's indexing
     kernels move one element per thread step: a bf16 head of 128 values moves in 32 steps instead of 128 (the
-    gather and scatter took 0.28 s of a 64K step of Qwen2.5-7B moved as bf16, measured 2026-12-04)."""
+    gather and scatter took 0.28 s of a 64K step of Qwen2.5-7B on an H200 when moved as bf16)."""
     if pool.element_size() >= 8 or pool.shape[-1] * pool.element_size() % 8:
         return pool
     try:
@@ -293,12 +293,22 @@ def _add_at(pool: torch.Tensor, layout: KeyLayout, grad: torch.Tensor) -> None:
     gathering, adding and writing back: each key a query sees is named once (KeyLayout), and the keys that share
     a place (page-sparse padding in a store's row for pages it does not hold) carry zero gradients to a row that
     nothing reads back. An accumulating put would sort every index first (about 0.28 ms a call in a 32K-token
-    step, H100 2026-12-05, dev/LOG.md session 21)."""
+    step on an H100)."""
     words = _words(pool)
     where = (layout.page_ids, slice(None), layout.slots)
     gathered = words[where].view(pool.dtype)
     gathered += grad.reshape(-1, *grad.shape[-2:]).to(pool.dtype)
     words[where] = gathered.view(words.dtype)
+
+
+def backward_workspace_bytes(batch: int, keys: int, kv_heads: int, head_dim: int, itemsize: int,
+                             merged_queries: int = 0) -> int:
+    """What a backward call holds beside the layer's own tensors, for the memory plan: ``keys`` keys (at most
+    KEY_SEGMENT of the past and the chunk; a page-sparse call: the pages its lists name and the chunk) gathered
+    out of the pages, K and V, their dK and dV, and float32 dK/dV accumulators (GQA): 8 copies of
+    [keys, H_kv, D] in 16-bit units; a segmented past adds the merged output and dQ of ``merged_queries``
+    query rows (query heads x tokens) in float32."""
+    return 8 * batch * keys * kv_heads * head_dim * itemsize + 2 * merged_queries * head_dim * 4
 
 
 class Flash4Attention:

@@ -78,11 +78,10 @@ def choose_tiles(head_dim: int, page_size: int, dtype: torch.dtype) -> Tiles:
     # per block, TMA); small or odd pages get 128-key blocks with a page id per key instead.
     fwd_n = min(128, page_size) if page_size >= 64 and page_size & (page_size - 1) == 0 else 128
     # dQ loop over 128-key blocks where a page holds them: bwd 296 vs 278 TFLOP/s with 64 (H200, kv 64K,
-    # page 128, 2026-12-02, dev/LOG.md; the record: git show 8189cbb:results/h200/2026-12-02-tune-attention-64k.json);
-    # 64 elsewhere (not measured).
+    # page 128); 64 elsewhere (not measured).
     dq_n = 128 if page_size % 128 == 0 else 64
-    # d=128, bf16/fp16: what won for a tutorial-style flash attention without pages on the H200 (2026-12,
-    # triton 3.6): forward 128/128, 8 warps, 3 stages; backward 8 warps, 3 stages (4 warps, 5 stages spill
+    # d=128, bf16/fp16: what won for a tutorial-style flash attention without pages on the H200 (triton
+    # 3.6): forward 128/128, 8 warps, 3 stages; backward 8 warps, 3 stages (4 warps, 5 stages spill
     # registers at d=128). d=64 uses the same (4 warps spill).
     # dK/dV: one query head at a time in 64-row tiles: the kernel 22.3 -> 14.9 ms, forward+backward
     # 323 -> 395 TFLOP/s (H200, kv 64K, page 128, 28/4 heads; 32-row head-major tiles 16.9 ms,

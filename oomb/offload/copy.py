@@ -17,10 +17,16 @@ Host pools come from ``pinned_empty``: ``torch.empty`` registered with the drive
 PyTorch's caching host allocator, which rounds every block up to a power of two: 28 GiB
 asked (one pool of 1M tokens of Qwen2.5-7B) would pin 32 GiB, and four such pools would
 not fit a 128 GiB host.
+
+Debugging: ``OOMB_OFFLOAD_SYNC=1`` (read when an offloaded store is built; or set its ``synchronous``)
+synchronises the whole device before and after every copy batch, kernel-facing call and host-side
+access of the pinned pools, so nothing overlaps. A result that changes with it is a stream race; one
+that does not is a logic error.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -161,3 +167,11 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, *, src_index: torch.Tensor 
         HAS_SRC_IDX=src_index is not None, HAS_DST_IDX=dst_index is not None,
         num_warps=num_warps,
     )
+
+
+SYNC_ENV = "OOMB_OFFLOAD_SYNC"
+
+
+def sync_from_env() -> bool:
+    """Whether ``OOMB_OFFLOAD_SYNC`` asks for the fully synchronous (debugging) mode."""
+    return os.environ.get(SYNC_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")

@@ -21,6 +21,12 @@ def kind_dim(spec: StoreSpec, kind: str) -> int:
     return spec.shape.key_dim if kind in ("k", "dk") else spec.shape.value_dim
 
 
+def resident_layers(spec: StoreSpec, batch_size: int, pages: int, gpu_bytes: int) -> int:
+    """The first layers whose pages (K, V, dK, dV, key summaries) fit in ``gpu_bytes`` whole: kept on the device
+    instead of going through slots."""
+    return min(spec.num_layers, gpu_bytes // spec.layer_bytes(batch_size * pages))
+
+
 @dataclass
 class DeviceSlot:
     """One layer's working set on the device."""

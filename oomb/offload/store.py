@@ -1,23 +1,20 @@
 """The paged store with its pages in host memory and a small working set on the GPU.
 
-K, V and their gradient pages are the only memory that grows with the context. Here
-they live in host pools (pinned when CUDA is present), one allocation per kind for all
-layers, in sequence order::
+K, V and their gradient pages are the only memory that grows with the context. Here they live in host
+pools (pinned when CUDA is present), one allocation per kind for all layers, in sequence order::
 
-    host k, v, dk, dv : [num_layers, B, max_pages, H_kv, page_size, D]     (page p of row b
-                                                                          at [layer, b, p]; D = D_k for
-                                                                          k, dk and D_v for v, dv)
+    host k, v, dk, dv : [num_layers, B, max_pages, H_kv, page_size, D]  (page p of row b at [layer, b, p];
+                                                                       D: D_k for k, dk and D_v for v, dv)
     host mean         : [num_layers, B, max_pages, H_kv, summary_dim] (K's dtype) (page selection)
     page_table        : [B, max_pages] int32 = b * max_pages + p          (for mean keys only)
 
-A layer's mean keys (what sparse attention chooses pages by) come to its slot before its
-selection runs (``mean_keys``; prefetched with ``prefetch_mean_keys`` while the previous
-layer computes), so nothing on the device grows with the context but the page tables.
+A layer's mean keys (what sparse attention chooses pages by) come to its slot before its selection runs
+(``mean_keys``; prefetched with ``prefetch_mean_keys`` while the previous layer computes), so nothing on
+the device grows with the context but the page tables.
 
-With a GPU allowance (``gpu_bytes``, 0 by default) the first layers whose pages fit in it
-stay whole on the device (``resident_layers``, laid out as the host pools; no copies at
-all), and only the others go through the slots: PCIe traffic and host memory shrink by
-the share of layers kept.
+With a GPU allowance (``gpu_bytes``, 0 by default) the first layers whose pages fit in it stay whole on
+the device (``resident_layers``, laid out as the host pools; no copies at all), and only the others go
+through the slots: PCIe traffic and host memory shrink by the share of layers kept.
 
 The device holds ``num_slots`` working slots (default 2: the layer being computed and the
 next one). A slot holds, for one layer, the pages one kernel call reads, compacted::
@@ -50,31 +47,20 @@ Without CUDA (tests) every copy is synchronous and the same code runs. Gradients
 bit-identical to the device-resident store: the kernels see the same values in the
 same order, only at other addresses.
 
-Debugging: ``OOMB_OFFLOAD_SYNC=1`` (read when a store is built; or set ``store.synchronous``)
-synchronises the whole device before and after every copy batch, kernel-facing call and
-host-side access of the pinned pools, so nothing overlaps. A result that changes with it is
-a stream race; one that does not is a logic error.
+Debugging: ``OOMB_OFFLOAD_SYNC=1`` runs every copy with nothing overlapping (oomb/offload/copy.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-from oomb.cache import ChunkRecord, LayerPools, PastPages, StoreSpec
+from oomb.cache import ChunkRecord, LayerPools, PastPages, StoreBytes, StoreSpec
 from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
 from oomb.cache.store import ChunkLedger, page_key_summary
-from oomb.offload.copy import copy_pages, pinned_empty
-from oomb.offload.slots import KINDS, DeviceSlot, kind_dim
-
-SYNC_ENV = "OOMB_OFFLOAD_SYNC"
-
-
-def sync_from_env() -> bool:
-    """Whether ``OOMB_OFFLOAD_SYNC`` asks for the fully synchronous (debugging) mode."""
-    return os.environ.get(SYNC_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+from oomb.offload.copy import copy_pages, pinned_empty, sync_from_env
+from oomb.offload.slots import KINDS, DeviceSlot, kind_dim, resident_layers
 
 
 class OffloadedKVStore(ChunkLedger):
@@ -131,6 +117,29 @@ class OffloadedKVStore(ChunkLedger):
         resident = sum(t.numel() * t.element_size() for t in self._dev.values())
         return resident + slots
 
+    @staticmethod
+    def bytes_for(spec: StoreSpec, batch_size: int, num_tokens: int, *, chunk_size: int,
+                  listed_pages: int | None = None, gpu_bytes: int = 0) -> StoreBytes:
+        """What a step of ``batch_size`` sequences of ``num_tokens`` in chunks of ``chunk_size`` holds (the slots at
+        their largest): in host memory every page's K, V, dK, dV and key summary of the layers not kept whole
+        (pinned, exactly this size); on the device the first layers that fit in ``gpu_bytes`` whole, the block
+        tables (the store's and the two slots'), and two slots, each one layer's key summaries and the pages one
+        kernel call reads (every past page when dense; ``listed_pages`` past pages per sequence when sparse: the
+        page lists' union, PageSelection.pages_per_list times the lists) plus the chunk's own and the spare row,
+        grown by at most 5/4 over what they held (DeviceSlot.ensure_capacity)."""
+        page_size = spec.page_size
+        pages = -(-num_tokens // page_size)
+        page_bytes = spec.bytes_per_token() * page_size // spec.num_layers  # one page of one layer: K, V, dK, dV
+        layer = spec.layer_bytes(batch_size * pages)  # one layer's pages and key summaries
+        summaries = layer - batch_size * pages * page_bytes
+        resident = resident_layers(spec, batch_size, pages, gpu_bytes)
+        offloaded = spec.num_layers - resident
+        chunk_pages = -(-min(chunk_size, num_tokens) // page_size)
+        slot_pages = pages if listed_pages is None else min(pages, listed_pages + chunk_pages)
+        slots = 2 * ((batch_size * slot_pages + 1) * page_bytes * 5 // 4 + summaries) if offloaded else 0
+        device = resident * layer + slots + 3 * batch_size * pages * 4
+        return StoreBytes(device=device, host=offloaded * layer, resident_layers=resident)
+
     def layer_nbytes(self, batch_size: int, num_tokens: int) -> int:
         """Bytes of one layer's K, V, dK, dV pages and mean keys for ``batch_size`` sequences of ``num_tokens``."""
         return self.spec.layer_bytes(batch_size * -(-num_tokens // self.spec.page_size))
@@ -147,7 +156,7 @@ class OffloadedKVStore(ChunkLedger):
         self._check_reserve(batch_size, num_tokens)
         s = self.spec
         max_pages = -(-num_tokens // s.page_size)
-        resident = min(s.num_layers, self.gpu_bytes // self.layer_nbytes(batch_size, max_pages * s.page_size))
+        resident = resident_layers(s, batch_size, max_pages, self.gpu_bytes)
         if (not self._host and not self._dev or batch_size != self.batch_size or max_pages > self._max_pages
                 or resident != self.resident_layers):
             self._synchronize()

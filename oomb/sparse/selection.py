@@ -36,8 +36,8 @@ import torch.distributed
 
 SCORES = ("mean", "bound")
 # The default page score. "bound" rather than the paper's "mean": in the retrieval study (docs/sparse.md,
-# H200 2026-12-03) sparse training at 64 pages learned like dense training with it (100% at 32K, +0.0
-# points) and 87.5% with "mean" (-12.5), and a step of Qwen2.5-7B at 128K took the same time with either.
+# on an H200) sparse training at 64 pages learned like dense training with it (100% at 32K, +0.0 points)
+# and 87.5% with "mean" (-12.5), and a step of Qwen2.5-7B at 128K took the same time with either.
 DEFAULT_SCORE = "bound"
 
 

@@ -21,7 +21,8 @@ A checkpoint is written into ``step-N.tmp``, each file fsynced, the folder renam
 the previous checkpoint and ``latest`` as they were. A write that fails (disk full, no
 permission) removes its ``step-N.tmp``; a kill mid-write leaves it, and the next save
 removes it. ``manifest.json`` lets a resume detect a truncated or altered checkpoint
-before loading it. ``rotate_checkpoints`` keeps the newest N.
+before loading it. ``rotate_checkpoints`` keeps the newest N. A link or a special file where
+a checkpoint's folder or file belongs is refused, never followed (oomb.train.runfiles).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from safetensors.torch import load_file, save_file
 from oomb.train.hub import split_revision
 from oomb.train.optim import MASTER_WEIGHTS_KEY, MasterWeights
 from oomb.train.quantize import is_quantized, merged_export_model
+from oomb.train.runfiles import RunPathError, check, check_below, fsync_dir, make_folder, read_text, write_text_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -62,14 +64,6 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sha256_of(path: Path) -> str:
@@ -109,25 +103,26 @@ def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().to("cpu").contiguous() for name, p in _trainable_parameters(model).items()}
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` through a fsynced temporary file and a rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        fsync_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+def start_folder_write(tmp: Path) -> Path:
+    """The empty folder ``tmp`` (``step-N.tmp``, ``export.tmp``) to write into; its parent is made if missing.
+
+    Debris of an earlier crash there is removed; a link there, or where the folder will be published, is
+    refused (RunPathError), never followed or deleted through.
+    """
+    make_folder(tmp.parent)
+    check(tmp.with_name(tmp.name.removesuffix(".tmp")), "folder")
+    if check(tmp, "folder"):  # debris of an earlier crash while writing this very folder
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
 
 
 def publish_dir(tmp: Path, final: Path) -> None:
     """Move a fully written folder into place (replacing an older one of the same name)."""
     fsync_dir(tmp)
     old = final.with_name(final.name + ".replaced.tmp")
-    if final.exists():  # set aside by one rename; deleted once the new folder is in place
-        if old.exists():
+    if check(final, "folder"):  # set aside by one rename; deleted once the new folder is in place
+        if check(old, "folder"):
             shutil.rmtree(old)
         os.replace(final, old)
     os.replace(tmp, final)
@@ -150,8 +145,7 @@ def save_checkpoint(
     """
     final = checkpoint_dir(out_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    if tmp.exists():  # debris of an earlier crash while writing this very step
-        shutil.rmtree(tmp)
+    make_folder(out_dir / CHECKPOINTS)  # before anything is computed: a link there is refused at once
     weights = trainable_state_dict(model)
     optimizer_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
     bad = nonfinite_names(weights) + [f"optimizer state {n}" for n in nonfinite_names(_tensors(optimizer_state))]
@@ -159,7 +153,7 @@ def save_checkpoint(
         raise NonFiniteCheckpointError(f"refusing to write checkpoint step {step}: non-finite values (NaN or inf) in "
                                        f"{bad[:3]}")
     try:
-        tmp.mkdir(parents=True)
+        start_folder_write(tmp)
         save_file(weights, tmp / "model.safetensors")
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(rng_state(), tmp / "rng.pt")
@@ -172,8 +166,9 @@ def save_checkpoint(
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         for name in (*_FILES, "manifest.json"):
             fsync_file(tmp / name)
-    except BaseException:  # disk full, no permission, ...: leave no half-written folder behind
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:  # disk full, no permission, ...: leave no half-written folder behind
+        if not isinstance(e, RunPathError):  # a link refused at tmp is not ours to remove
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     publish_dir(tmp, final)  # the same step saved again (after a resume) is replaced whole
     write_text_atomic(out_dir / CHECKPOINTS / LATEST, final.name)
@@ -186,15 +181,22 @@ def find_checkpoint(path: Path) -> Path:
     ``latest`` must name a ``step-N`` folder inside the run's ``checkpoints/``: it is data in a
     folder that may come from elsewhere, never a path to follow. A run whose ``latest`` was never
     written (killed during its very first write) resumes from its newest ``step-N`` folder,
-    which exists only once complete (it is renamed into place).
+    which exists only once complete (it is renamed into place). A link or a special file on the way is
+    refused (CheckpointError), never followed.
     """
-    path = Path(path)
-    if (path / "manifest.json").is_file():
+    try:
+        return _find_checkpoint(Path(path))
+    except RunPathError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _find_checkpoint(path: Path) -> Path:
+    if check(path / "manifest.json"):
         return path
     folder = path / CHECKPOINTS
     latest = folder / LATEST
-    if latest.is_file():
-        name = latest.read_text().strip()
+    if check_below(path, latest):
+        name = read_text(latest).strip()
         ckpt = folder / name
         if not _STEP_DIR.fullmatch(name) or ckpt.is_symlink() or not ckpt.is_dir():
             raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint folder (step-N) of this run; "
@@ -221,7 +223,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     """The run's checkpoint folders (complete or not), oldest step first; ``*.tmp`` debris excluded."""
     folder = Path(run_dir) / CHECKPOINTS
     found = [p for p in folder.iterdir() if p.is_dir() and not p.is_symlink() and _STEP_DIR.fullmatch(p.name)] \
-        if folder.is_dir() else []
+        if check(folder, "folder") else []
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
@@ -248,11 +250,14 @@ def rotate_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
     """
     folder = Path(run_dir) / CHECKPOINTS
     latest_file = folder / LATEST
-    if not latest_file.is_file():
+    if not check_below(run_dir, latest_file):
         return []
-    latest = folder / latest_file.read_text().strip()
+    name = read_text(latest_file).strip()
+    if not _STEP_DIR.fullmatch(name):
+        return []  # not a name oomb wrote: resume says so; nothing is deleted on its word
+    latest = folder / name
     for debris in folder.glob("*.tmp"):
-        if debris.is_dir():
+        if check(debris, "folder"):  # a link among them is refused, never deleted through
             shutil.rmtree(debris, ignore_errors=True)
     if keep_last <= 0:
         return []
@@ -277,7 +282,7 @@ def verify_checkpoint(ckpt: Path) -> None:
     """
     ckpt = Path(ckpt)
     manifest = _read_manifest(ckpt)
-    present = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file() or p.is_symlink()}
+    present = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if not p.is_dir() or p.is_symlink()}
     unlisted = sorted(present - set(manifest) - {"manifest.json"})
     if unlisted:
         raise CheckpointError(f"checkpoint {ckpt} holds files its manifest.json does not list: {unlisted[:5]}")
@@ -287,8 +292,11 @@ def verify_checkpoint(ckpt: Path) -> None:
         raise CheckpointError(f"checkpoint {ckpt}: its manifest.json does not list {missing}")
     for name, rec in manifest.items():
         f = ckpt / name
-        if f.is_symlink() or not f.is_file():
-            raise CheckpointError(f"checkpoint {ckpt} is missing {name}")
+        try:
+            if not check_below(ckpt, f):
+                raise CheckpointError(f"checkpoint {ckpt} is missing {name}")
+        except RunPathError as e:
+            raise CheckpointError(f"checkpoint {ckpt}: {e}") from None
         if f.stat().st_size != rec["bytes"]:
             raise CheckpointError(f"checkpoint {ckpt}: {name} has {f.stat().st_size} bytes, expected {rec['bytes']}")
         if sha256_of(f) != rec["sha256"]:
@@ -309,7 +317,7 @@ def verify_checkpoint(ckpt: Path) -> None:
 def _read_manifest(ckpt: Path) -> dict[str, dict]:
     """manifest.json as {relative path: {"bytes": int, "sha256": str}}, its shape checked."""
     try:
-        manifest = json.loads((ckpt / "manifest.json").read_text())
+        manifest = json.loads(read_text(ckpt / "manifest.json"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {ckpt} has no readable manifest.json: {e}") from e
     def well_formed(name, rec) -> bool:
@@ -393,7 +401,7 @@ def load_plain(path: Path):
 
 def checkpoint_state(ckpt: Path) -> dict:
     """state.json of a checkpoint: ``step`` and, when the run had one, ``data`` (the data position)."""
-    return json.loads((Path(ckpt) / "state.json").read_text())
+    return json.loads(read_text(Path(ckpt) / "state.json"))
 
 
 def export_model(model, out_dir: Path, *, merge_lora: bool = True, tokenizer=None, base_model: str | None = None
@@ -432,9 +440,7 @@ def write_export(out_dir: Path, model, tokenizer=None, **save_kwargs) -> Path:
     A failed write (a full disk) removes ``export.tmp``; a kill leaves it, and the next export
     removes it. ``save_kwargs`` go to ``save_pretrained`` (a gathered ``state_dict``).
     """
-    final, tmp = out_dir / "export", out_dir / "export.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    final, tmp = out_dir / "export", start_folder_write(out_dir / "export.tmp")
     try:
         model.save_pretrained(tmp, safe_serialization=True, **save_kwargs)
         if tokenizer is not None:

@@ -20,7 +20,8 @@ import yaml
 
 from oomb.engine import StepOptions
 from oomb.sparse import DEFAULT_SCORE, PageSelection
-from oomb.train.config_yaml import ConfigLoader, yaml_escaped
+from oomb.train.bounded import MAX_CONFIG_BYTES, MAX_JSON_BYTES, TooDeep, loads_json, one_line, quoted, read_capped
+from oomb.train.config_yaml import ConfigLoader, Refused, yaml_escaped, yaml_problem
 from oomb.train.rope import RopeConfig
 
 
@@ -229,10 +230,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     cfg = Config()
     if path is not None:
         _apply(cfg, read_config_file(Path(path)), prefix="", source=str(path))
+    given: dict[str, str] = {}  # key -> the override that set it: a key set twice is refused, never "the last wins"
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like key=value (e.g. train.steps=100)")
+            raise ConfigError(f"override {quoted(item)} must look like key=value (e.g. train.steps=100)")
+        other = next((k for k in given if k == key or key.startswith(f"{k}.") or k.startswith(f"{key}.")), None)
+        if other is not None:
+            raise ConfigError(f"the command line sets {one_line(max(other, key, key=len))} twice "
+                              f"({quoted(given[other])}, then {quoted(item)}): give each key once")
+        given[key] = item
         nested: dict = {}
         node = nested
         parts = key.split(".")
@@ -241,7 +248,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         try:
             node[parts[-1]] = parse_value(raw)
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: the value is not plain YAML: {str(e).splitlines()[0]}") from e
+            raise ConfigError(f"override {quoted(item)}: the value is not plain YAML: {yaml_problem(e)}") from e
         _apply(cfg, nested, prefix="", source="command line", raw_text=raw)
     from oomb.train.demo import settle_shape  # the auto sizes: the built-in demo's or any other run's
 
@@ -250,27 +257,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def read_config_file(path: Path) -> dict:
-    """The mapping a config file holds: YAML (safe, YAML 1.2 numbers, no duplicate keys) or JSON (config.json)."""
+    """The mapping a config file holds: YAML (safe, YAML 1.2 numbers, no duplicate keys, no aliases) or JSON
+    (config.json), within the bounds of oomb.train.bounded (size, nesting)."""
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        text = path.read_bytes().decode("utf-8")
+        with open(path, "rb") as f:
+            text = read_capped(f, MAX_JSON_BYTES if path.suffix == ".json" else MAX_CONFIG_BYTES).decode()
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}): "
                           "save it as UTF-8") from e
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: larger than oomb reads (oomb.train.bounded.TooLarge)
         raise ConfigError(f"config file {path} cannot be read: {e}") from e
     if path.suffix == ".json":  # what oomb writes (config.json): read back as written, never through YAML 1.1
         try:
-            data = json.loads(text, object_pairs_hook=_unique_json_keys(path))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+            data = loads_json(text, object_pairs_hook=_unique_json_keys(path))
+        except (json.JSONDecodeError, TooDeep) as e:
+            raise ConfigError(f"{path} is {'refused' if isinstance(e, TooDeep) else 'not valid JSON'}: {e}") from e
         _upgrade_run_config(data)
     else:
         try:
             data = yaml.load(text, Loader=ConfigLoader) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from e
+            raise ConfigError(f"{path} is {'refused' if isinstance(e, Refused) else 'not valid YAML'}: "
+                              f"{yaml_problem(e)}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, train:), not {type(data).__name__}")
     return data
@@ -315,7 +325,7 @@ def _unique_json_keys(path: Path):
         keys = [k for k, _ in items]
         if len(keys) != len(set(keys)):
             dup = next(k for k in keys if keys.count(k) > 1)
-            raise ConfigError(f"{path} gives the key {dup!r} twice")
+            raise ConfigError(f"{path} gives the key {quoted(dup)} twice")
         return dict(items)
 
     return pairs
@@ -332,11 +342,11 @@ def _apply(obj, data: dict, prefix: str, source: str, raw_text: str | None = Non
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known keys: {', '.join(fields)}"
-            raise ConfigError(f"unknown config key {name!r} ({source}){hint}")
+            raise ConfigError(f"unknown config key {quoted(name)} ({source}){hint}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise ConfigError(f"{name} ({source}) must be a section (a mapping), got {value!r}")
+                raise ConfigError(f"{name} ({source}) must be a section (a mapping), got {quoted(value)}")
             _apply(current, value, prefix=f"{name}.", source=source, raw_text=raw_text)
         else:
             setattr(obj, key, _coerce(value, hints[key], name, source, raw_text))
@@ -370,7 +380,7 @@ def _coerce(value, hint, name: str, source: str, raw_text: str | None = None):
             return value
     expected = " or ".join(f"a list of {typing.get_args(t)[0].__name__}" if typing.get_origin(t) else t.__name__
                            for t in allowed)
-    raise ConfigError(f"{name} ({source}) must be {expected}, got {value!r} ({type(value).__name__})")
+    raise ConfigError(f"{name} ({source}) must be {expected}, got {quoted(value)} ({type(value).__name__})")
 
 
 def _fits(value, t) -> bool:
@@ -404,9 +414,9 @@ def page_selection(cfg: Config) -> PageSelection | None:
 
 
 def settled_chunk_pages(cfg: Config) -> int | None:
-    """train.chunk_pages as the selection runs it: auto is train.page_budget (since 2026-12-05 with and without
-    offload: as free blocks learn at the retrieval study's ceiling, and a 128K step of Qwen2.5-7B is 3-4% faster
-    than with free blocks, docs/sparse.md); None for dense attention."""
+    """train.chunk_pages as the selection runs it: auto is train.page_budget, with and without offload (sparse
+    training with the cap learns the retrieval study's task as free blocks do, and a 128K step of Qwen2.5-7B is
+    3-4% faster than with free blocks, docs/sparse.md); None for dense attention."""
     t = cfg.train
     if t.page_budget is None:
         return None
@@ -460,8 +470,8 @@ def offload_gpu_allowance(cfg: Config) -> int:
     return value if cfg.train.offload and value != "auto" else 0
 
 
-# train.chunk_size=auto where no memory plan settles it (train.memory_check=false): the default before
-# the plan chose chunks, small enough for any GPU that holds the model.
+# train.chunk_size=auto where no memory plan settles it (train.memory_check=false): small enough for any
+# GPU that holds the model.
 UNPLANNED_CHUNK_SIZE = 1024
 
 

@@ -1,4 +1,4 @@
-"""The config keys described: (key, default, meaning) for `oomb train --help-keys`, docs/config.md and its test.
+"""The config keys described: (key, default, meaning) for `oomb train --list-keys`, docs/config.md and its test.
 
 The meaning of a key is the docstring under its dataclass field in oomb/train/config.py (attribute
 docstrings, read from the source), so a key is documented where it is declared.

@@ -12,10 +12,10 @@ Its auto values differ from any other run's::
 Giving data.seq_len (or another model or task) makes a plain run with the right-hand values; the
 other keys of the demo can be changed one by one (``oomb train train.steps=300``).
 
-Why (CPU, 2026-12-04, dev/LOG.md): the earlier default, 60 steps of one 4096-token sequence with loss on
-every token, lowered the loss on the filler text only and retrieved 0 of 20 passkeys at 4096 tokens. On a
-CPU a 4096-token sequence costs about 100 times a 256-token one, so the demo trains on many short sequences,
-with loss on the answer only: the loss it prints is the retrieval it learns. The tiny model learns to copy
+Why (on a CPU): 60 steps of one 4096-token sequence with loss on every token lowered the loss on the
+filler text only and retrieved 0 of 20 passkeys at 4096 tokens. On a CPU a 4096-token sequence costs
+about 100 times a 256-token one, so the demo trains on many short sequences, with loss on the answer
+only: the loss it prints is the retrieval it learns. The tiny model learns to copy
 one digit in 70-120 such steps; which digits it tells apart first depends on the seed, and a run can stay on
 a plateau where a few digits all come out as one (held-out: 100/100 for seeds 0, 2 and 4, 49 and 75 for
 seeds 1 and 3; 200 steps, or 32 sequences a step, moved seeds 0, 1 and 3 both ways). A 5-digit passkey

@@ -62,6 +62,7 @@ from oomb.train.checkpoint import (
     rng_state,
     set_rng_state,
     sha256_of,
+    start_folder_write,
     write_export,
     write_text_atomic,
 )
@@ -415,10 +416,8 @@ def save_checkpoint(ctx: DistributedContext, out_dir: Path, step: int, model, op
 
     final = checkpoint_dir(out_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    if ctx.is_main:
-        if tmp.exists():  # debris of an earlier crash while writing this very step
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+    if ctx.is_main:  # debris of an earlier crash removed; a link refused, never followed (oomb.train.runfiles)
+        start_folder_write(tmp)
     barrier(ctx)
     try:
         model_state, optim_state = get_state_dict(model, optimizer)

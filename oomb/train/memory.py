@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 
@@ -20,9 +21,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from oomb.engine.adapters import UnknownLoraTargets
 from oomb.engine.fused_ops import run_mode as fused_ops_run_mode
 from oomb.engine.fused_ops import will_fuse
 from oomb.engine.layer_recompute import layers_rebuildable
+from oomb.engine.options import MemoryLimits, RunShape, StepOptions, with_changes
 from oomb.engine.plan import MemoryPlan, largest_context, plan_first_fitting, plan_memory
 from oomb.engine.plan import format_bytes as _gib
 from oomb.engine.timing import H200_DENSE, PageSparsity, predict_step_seconds
@@ -32,8 +35,8 @@ from oomb.train.config import (
     offload_gpu_bytes,
     offload_selection_note,
     parse_bytes,
-    settled_chunk_pages,
     settled_chunk_size,
+    step_options,
 )
 from oomb.train.inputs import model_config, position_notes, positions_warning
 from oomb.train.model import lora_target_names
@@ -54,25 +57,20 @@ def _under_torchrun(cfg: Config) -> bool:
     return cfg.train.tensor_parallel > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def _settings(cfg: Config, device_type: str, dtype: torch.dtype) -> dict:
+def planned_step(cfg: Config, device_type: str, dtype: torch.dtype) -> tuple[StepOptions, RunShape, int | str]:
+    """The run's step as planned: the StepOptions its steps run with (step_options), its RunShape, and the offload
+    GPU allowance ("auto": each plan settles it). Offload is planned on a GPU only (on a CPU both are host memory).
+    The attention backend auto plans FlashAttention-4's gathered keys on a GPU, whether or not it is installed."""
     t = cfg.train
-    torchrun = _under_torchrun(cfg)
-    return dict(
-        batch_size=t.batch_size, chunk_size=settled_chunk_size(cfg), page_size=t.page_size, dtype=dtype,
-        lora_r=cfg.lora.r, lora_targets=lora_target_names(cfg),  # the targets "lora.r=16" is suggested with too
-        optimizer=t.optimizer, master_weights=wants_master_weights(t.master_weights, torchrun=torchrun),
-        layer_checkpointing=t.layer_checkpointing, device_type=device_type,
-        page_budget=t.page_budget, select_block=t.select_block, per_head_selection=t.select_per_head,
-        select_score=t.select_score, chunk_pages=settled_chunk_pages(cfg),
-        offload=t.offload and device_type == "cuda",
-        cache_attention=t.cache_attention if t.cache_attention in (True, "host") else False,
-        recompute="chunk" if t.recompute == "auto" else t.recompute,
-        offload_gpu_bytes=offload_gpu_bytes(t.offload_gpu_memory),
-        tensor_parallel=t.tensor_parallel,
-        # auto on a GPU plans for FlashAttention-4's gathered keys whether or not it is installed (a margin otherwise)
-        attention="fa4" if t.attention == "fa4" or (t.attention == "auto" and device_type == "cuda") else t.attention,
-        fused_ops=plans_fused_ops(cfg, device_type), quantize=cfg.model.quantize,
-    )
+    gpu = device_type == "cuda"
+    options = dataclasses.replace(step_options(cfg), offload=t.offload and gpu, offload_gpu_bytes=0)
+    shape = RunShape(seq_len=cfg.data.seq_len, batch_size=t.batch_size, dtype=dtype, device_type=device_type,
+                     lora_r=cfg.lora.r, lora_targets=lora_target_names(cfg),  # the targets "lora.r=16" is offered with
+                     quantize=cfg.model.quantize, optimizer=t.optimizer,
+                     master_weights=wants_master_weights(t.master_weights, torchrun=_under_torchrun(cfg)),
+                     tensor_parallel=t.tensor_parallel, layer_checkpointing=t.layer_checkpointing,
+                     fused_ops=plans_fused_ops(cfg, device_type))
+    return options, shape, offload_gpu_bytes(t.offload_gpu_memory) if options.offload else 0
 
 
 def plans_fused_ops(cfg: Config, device_type: str) -> bool:
@@ -87,10 +85,10 @@ def plan_for_config(cfg: Config, device_type: str, dtype: torch.dtype, *, gpu_by
     return resolve_auto_settings(copy.deepcopy(cfg), device_type, dtype, gpu_bytes=gpu_bytes, host_bytes=host_bytes)
 
 
-def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dict) -> list[str]:
+def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: MemoryLimits) -> list[str]:
     """Single setting changes that make the plan fit, cheapest in speed or quality first."""
     config = model_config(cfg)
-    base = _settings(cfg, device_type, dtype)
+    options, shape, allowance = planned_step(cfg, device_type, dtype)
     t = cfg.train
     candidates: list[tuple[str, dict]] = []
     if t.cache_attention is True:  # costs only speed
@@ -105,7 +103,7 @@ def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dic
         chunk //= 2
     if t.optimizer == "adamw":
         candidates.append(("train.optimizer=adamw8bit", {"optimizer": "adamw8bit"}))
-    if base["master_weights"]:  # a no-op for fp32 parameters: then it does not fit either and is not offered
+    if shape.master_weights:  # a no-op for fp32 parameters: then it does not fit either and is not offered
         candidates.append(("train.master_weights=false", {"master_weights": False}))
     if cfg.lora.r == 0:
         candidates.append(("lora.r=16", {"lora_r": 16}))
@@ -118,7 +116,7 @@ def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: dic
     for text, change in candidates:
         if "chunk_size" in change and chunk_found:
             continue
-        plan = plan_memory(config, seq_len=cfg.data.seq_len, **{**base, **change}, **limits)
+        plan = plan_memory(config, *with_changes(options, shape, change), limits, offload_gpu_bytes=allowance)
         if plan.fits:
             found.append(f"{text} ({_gib(plan.gpu_bytes if device_type == 'cuda' else plan.host_bytes)})")
             chunk_found = chunk_found or "chunk_size" in change
@@ -173,8 +171,8 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
     ``seq_len``: the chunks for that length (None: every chunk auto may take, for the longest context).
     """
     t = cfg.train
-    settings = _settings(cfg, device_type, torch.float32)  # the fixed values (master weights auto: on in one process)
-    wanted = settings["master_weights"]
+    options, shape, _ = planned_step(cfg, device_type, torch.float32)  # the fixed values (master weights auto: on)
+    wanted = shape.master_weights
     masters = [True, False] if t.master_weights == "auto" and wanted else [wanted]
 
     def speed(by_layer: bool) -> list[tuple[int, bool | str]]:
@@ -183,7 +181,7 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
         else:
             chunks = chunk_choices(cfg, device_type, seq_len, LAYER_AUTO_CHUNK_START if by_layer else None)
         if t.cache_attention != "auto" or t.offload:  # (the engine refuses the cache with offload, also on CPU)
-            return [(c, settings["cache_attention"]) for c in chunks]
+            return [(c, options.cache_attention) for c in chunks]
         floor = min(CACHE_MIN_CHUNK, chunks[0])
         if not by_layer:
             return [(c, True) for c in chunks if c >= floor] + [(c, False) for c in chunks]
@@ -221,16 +219,19 @@ def resolve_auto_settings(cfg: Config, device_type: str, dtype: torch.dtype, *, 
     the longest data.seq_len.
     """
     config = model_config(cfg)
-    settings = _settings(cfg, device_type, dtype)
-    limits = dict(device_total_bytes=gpu_bytes, host_total_bytes=host_bytes)
+    options, shape, allowance = planned_step(cfg, device_type, dtype)
+    limits = MemoryLimits(gpu_bytes=gpu_bytes, host_bytes=host_bytes)
     choices = auto_choices(cfg, device_type, cfg.data.seq_len)
     try:
-        plan, index = plan_first_fitting(config, choices, seq_len=cfg.data.seq_len, **settings, **limits)
-        longest = largest_context(config, choices=auto_choices(cfg, device_type), **settings, **limits)
+        plan, index = plan_first_fitting(config, options, shape, limits, choices=choices, offload_gpu_bytes=allowance)
+        longest = largest_context(config, options, shape, limits, choices=auto_choices(cfg, device_type),
+                                  offload_gpu_bytes=allowance)
+    except UnknownLoraTargets as e:
+        raise ConfigError(str(e)) from None
     except ValueError as e:
         raise ConfigError(f"memory plan: {e}; train.memory_check=false skips the plan") from e
     t = cfg.train
-    if t.master_weights == "auto" and settings["master_weights"] and not choices[index]["master_weights"]:
+    if t.master_weights == "auto" and shape.master_weights and not choices[index]["master_weights"]:
         t.master_weights = False
     if t.cache_attention == "auto":
         t.cache_attention = plan.settings["cache_attention"]
@@ -315,8 +316,7 @@ def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, *, torch
         where.append(f"{_gib(plan.host_bytes)} of host memory but {_gib(host)} is available")
     biggest = sorted(plan.items, key=lambda i: -(i.gpu_bytes if device.type == "cuda" else i.host_bytes))[:4]
     parts = ", ".join(f"{i.name} {_gib(i.gpu_bytes if device.type == 'cuda' else i.host_bytes)}" for i in biggest)
-    limits = dict(device_total_bytes=gpu, host_total_bytes=host)
-    fixes = _alternatives(cfg, device.type, dtype, limits)
+    fixes = _alternatives(cfg, device.type, dtype, MemoryLimits(gpu_bytes=gpu, host_bytes=host))
     message = (
         f"this run needs {' and '.join(where)} (largest items: {parts}). "
         + (f"The longest data.seq_len that fits with these settings is {longest:,}. " if longest
@@ -374,9 +374,9 @@ def plan_with_any_host(cfg: Config, device_type: str, dtype: torch.dtype, config
         c.train.cache_attention = False
     if c.train.recompute in ("layer", "layer-host"):
         c.train.recompute = "chunk"
-    settings = _settings(c, device_type, dtype)
-    plan, _ = plan_first_fitting(config, auto_choices(c, device_type, c.data.seq_len), seq_len=c.data.seq_len,
-                                 **settings, device_total_bytes=gpu_bytes, host_total_bytes=None)
+    options, shape, allowance = planned_step(c, device_type, dtype)
+    plan, _ = plan_first_fitting(config, options, shape, MemoryLimits(gpu_bytes=gpu_bytes),
+                                 choices=auto_choices(c, device_type, c.data.seq_len), offload_gpu_bytes=allowance)
     return plan
 
 
@@ -401,8 +401,8 @@ def needs_and_time(cfg: Config, plan: MemoryPlan, device_type: str, dtype: torch
     if not plan.fits:
         offloaded = plan_with_any_host(cfg, device_type, dtype, config, plan.device_total_bytes)
         same = {k: offloaded.settings[k] for k in ("chunk_size", "master_weights", "recompute", "cache_attention")}
-        on_gpu = plan_memory(config, seq_len=n, **{**_settings(cfg, device_type, dtype), **same, "offload": False,
-                                                   "offload_gpu_bytes": 0})
+        options, shape, _ = planned_step(cfg, device_type, dtype)
+        on_gpu = plan_memory(config, *with_changes(options, shape, {**same, "offload": False}))
         cached, chunk = False, offloaded.settings["chunk_size"]
         result["needs"] = {"gpu_bytes_pages_on_gpu": on_gpu.gpu_bytes, "gpu_bytes_pages_on_host": offloaded.gpu_bytes,
                            "host_bytes_pages_on_host": offloaded.host_bytes,

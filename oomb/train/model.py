@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from oomb.engine.adapters import ALL_LINEAR, lora_config
+from oomb.engine.adapters import ALL_LINEAR, UnknownLoraTargets, lora_config
 from oomb.engine.fused_ops import run_mode as fused_ops_run_mode
 from oomb.engine.fused_ops import use_fused_ops
 from oomb.engine.grad_accumulation import fused_grad_accumulation_applies, use_fused_grad_accumulation
@@ -87,14 +87,11 @@ def add_lora(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
         import peft
     except ImportError as e:
         raise ConfigError("lora.r > 0 needs the peft package: pip install peft") from e
-    targets = lora_targets(cfg)
-    if targets != ALL_LINEAR:
-        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-        unknown = [t for t in targets if t not in names]
-        if not targets or unknown:
-            raise ConfigError(f"lora.targets names no layer of this model: {unknown or targets}; "
-                              f"e.g. q_proj,k_proj,v_proj,o_proj, or {ALL_LINEAR}")
-    return peft.get_peft_model(model, lora_config(model, cfg.lora.r, cfg.lora.alpha, targets))
+    try:
+        config = lora_config(model, cfg.lora.r, cfg.lora.alpha, lora_targets(cfg))
+    except UnknownLoraTargets as e:
+        raise ConfigError(str(e)) from None
+    return peft.get_peft_model(model, config)
 
 
 def prepare_for_training(model: torch.nn.Module, cfg: Config, ctx, console) -> torch.nn.Module:

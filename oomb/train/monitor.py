@@ -19,6 +19,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from oomb.train.runfiles import WANDB_DIR, check, make_folder, open_file, read_text
+
 GIB = 2**30
 PLOT = "training.png"
 TENSORBOARD = "tensorboard"
@@ -48,7 +50,7 @@ class TensorBoardLog:
             raise RuntimeError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from e
         # A resumed run drops the events of steps after its checkpoint, as metrics.jsonl does.
         purge = resumed_after + 1 if resumed_after is not None else None
-        self.writer = SummaryWriter(log_dir=str(out_dir / TENSORBOARD), purge_step=purge)
+        self.writer = SummaryWriter(log_dir=str(make_folder(out_dir / TENSORBOARD)), purge_step=purge)
 
     def log(self, record: dict) -> None:
         for name in _SCALARS:
@@ -75,8 +77,9 @@ class WandbLog:
         from oomb.train.checkpoint import write_text_atomic
 
         path = out_dir / WANDB_RUN
-        if path.is_file():
-            ident = json.loads(path.read_text())
+        make_folder(out_dir / WANDB_DIR)  # W&B writes into it: a link there is refused, not followed
+        if check(path):
+            ident = json.loads(read_text(path))
         else:  # written before the W&B run starts, so a run killed at any point later resumes it
             run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's form
             ident = {"id": run_id, "project": os.environ.get("WANDB_PROJECT") or "oomb"}
@@ -95,12 +98,12 @@ class WandbLog:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in read_text(path).splitlines() if line.strip()]
 
 
 def plot_run(out_dir: Path) -> Path | None:
     """Draw loss and memory against the step from metrics.jsonl into ``training.png`` (atomically)."""
-    records = read_metrics(out_dir / "metrics.jsonl") if (out_dir / "metrics.jsonl").is_file() else []
+    records = read_metrics(out_dir / "metrics.jsonl") if check(out_dir / "metrics.jsonl") else []
     if not records:
         return None
     import matplotlib
@@ -132,10 +135,13 @@ def plot_run(out_dir: Path) -> Path | None:
     final = out_dir / PLOT
     tmp = final.with_name(final.name + ".tmp.png")
     try:
-        fig.savefig(tmp, dpi=120)
+        check(final)  # the rename below would replace a link silently
+        with os.fdopen(open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:  # never through a link
+            fig.savefig(f, dpi=120, format="png")
         os.replace(tmp, final)
     except BaseException:  # a full disk: no half-drawn file is left
-        tmp.unlink(missing_ok=True)
+        if os.path.isfile(tmp) and not os.path.islink(tmp):
+            tmp.unlink()
         raise
     finally:
         plt.close(fig)

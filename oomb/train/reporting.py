@@ -18,6 +18,7 @@ from rich.console import Console
 
 from oomb.train import monitor
 from oomb.train.config import Config, ConfigError, config_to_dict
+from oomb.train.runfiles import RunPathError
 
 REPORTERS = ("jsonl", "tensorboard", "wandb")
 _NAMES = {"tensorboard": "TensorBoard events", "wandb": "the W&B run"}
@@ -56,6 +57,8 @@ class Reports:
             return
         try:
             self.views["wandb"] = monitor.WandbLog(self.out, config_to_dict(self.cfg))
+        except RunPathError as e:  # a link in the run folder (oomb.train.runfiles), not a W&B failure
+            raise ConfigError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - wandb raises its own errors (not logged in, no network, bad entity)
             raise ConfigError(
                 f"train.report_to lists wandb, but the W&B run could not start: {first_line(e)}.\nLog in (`wandb "

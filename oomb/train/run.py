@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import gc
-import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,14 +43,18 @@ from oomb.train.faults import (
     resume_command,
 )
 from oomb.train.model import base_model_name
+from oomb.train.runfiles import RunPathError
 
 
 def write_failure(error: BaseException, folder: Path) -> str:
     """The error of a failed write and what to do about it (a full disk, permissions, or the error itself).
 
     A full disk surfaces as OSError(ENOSPC) from Python, as SafetensorError from safetensors and
-    as a RuntimeError without an errno from torch.save: the free space decides.
+    as a RuntimeError without an errno from torch.save: the free space decides. A link or a special file
+    in the run folder (RunPathError) is no write failure: its message says which and what to do.
     """
+    if isinstance(error, RunPathError):
+        return str(error).removesuffix(", then run the command again")
     text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     try:
         free = shutil.disk_usage(folder).free
@@ -92,20 +95,9 @@ class Run:
     def newest_checkpoint(self) -> str:
         try:
             ckpt = find_checkpoint(self.out)
-        except CheckpointError:
-            return "the run has no checkpoint yet"
+        except CheckpointError:  # resume= then starts the run again from step 1 with its config.json
+            return "the run has no checkpoint yet (resuming starts it again from step 1)"
         return f"the newest checkpoint, {ckpt}, is intact"
-
-    def continue_command(self, *overrides: str) -> str:
-        """How to go on with ``overrides``: resume from the newest checkpoint, or, where the run has none (a
-        resume would be refused), start its config (config.json) again in a new folder."""
-        try:
-            find_checkpoint(self.out)
-        except CheckpointError:
-            config, fresh = self.out / "config.json", self.out.with_name(self.out.name + "-2")
-            return " ".join(["oomb", "train", shlex.quote(str(config)), shlex.quote(f"out_dir={fresh}"),
-                             *map(shlex.quote, overrides)])
-        return resume_command(self.out, *overrides)
 
     def save(self, step: int, data_state: dict | None = None) -> Path:
         """Write checkpoint ``step`` and rotate; a failed write stops the run (nothing on disk damaged).
@@ -258,7 +250,7 @@ class Run:
                     f"started from (model.path={self.cfg.model.path}) holds non-finite values; repair or replace it")
         lr = f"train.lr={self.cfg.train.lr / 2:g}"
         return (f"Lower train.lr{', or set train.on_nonfinite=skip,' if skip else ''} and continue, e.g.:\n"
-                f"  {self.continue_command(lr)}")
+                f"  {resume_command(self.out, lr)}")
 
     def check_update(self, step: int) -> None:
         """Stop if the optimizer step made a weight or its state non-finite (its gradients were finite).

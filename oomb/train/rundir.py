@@ -7,8 +7,12 @@
       checkpoints/ export/   oomb.train.checkpoint
 
 Nothing in a run folder is trusted as code or as a path: a resumed run takes
-``model.trust_remote_code`` from the command line only, and ``latest`` must name one of the
-run's own checkpoints (oomb.train.checkpoint.find_checkpoint).
+``model.trust_remote_code`` from the command line only, ``latest`` must name one of the
+run's own checkpoints (oomb.train.checkpoint.find_checkpoint), and a link or a special file
+anywhere in the folder is refused before anything in it is read (oomb.train.runfiles).
+
+A run that stopped before its first checkpoint (killed, crashed, a full disk) holds its config.json
+and no checkpoint: ``resume=<run>`` starts it again from step 1 with that config (``resume_target``).
 """
 
 from __future__ import annotations
@@ -24,20 +28,28 @@ import sys
 from pathlib import Path
 
 from oomb.train.checkpoint import (
+    CHECKPOINTS,
+    LATEST,
     CheckpointError,
     checkpoint_state,
     find_checkpoint,
+    list_checkpoints,
     newest_good_checkpoint,
     verify_checkpoint,
     write_text_atomic,
 )
 from oomb.train.config import Config, ConfigError, config_json, config_to_dict, load_config
-from oomb.train.faults import resume_command
+from oomb.train.faults import EXIT_SIGINT, EXIT_WRITE, RunStopped, resume_command
+from oomb.train.monitor import TENSORBOARD, WANDB_RUN
+from oomb.train.run import write_failure
+from oomb.train.runfiles import WANDB_DIR, RunPathError, check, check_tree, open_file, read_text
 
 LOCK = ".lock"
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 ROLLED_BACK = "metrics.rolled-back.jsonl"
+# What a run killed before it wrote its config.json leaves: a folder holding only these takes a new run.
+UNSTARTED = (LOCK, CONFIG + ".tmp")
 
 
 def run_dir_of(ckpt: Path) -> Path:
@@ -52,7 +64,7 @@ def load_run_config(config_path: str | None, overrides: list[str]) -> Config:
     """
     cfg = load_config(config_path, overrides)
     if cfg.resume is not None and config_path is None:
-        run_dir = run_dir_of(resume_checkpoint(cfg))
+        run_dir, _ = resume_target(cfg)
         cfg = load_config(run_dir / CONFIG, overrides)
         given = {item.partition("=")[0] for item in overrides}
         if "model.trust_remote_code" not in given:
@@ -69,7 +81,7 @@ def _keep_started_schedule(cfg: Config) -> None:
     if not auto:
         return
     try:
-        started = load_config(run_dir_of(resume_checkpoint(cfg)) / CONFIG).train
+        started = load_config(resume_target(cfg)[0] / CONFIG).train
     except ConfigError:
         return  # no such run or a damaged config.json: check_paths says so before any work
     for key in auto:
@@ -77,28 +89,51 @@ def _keep_started_schedule(cfg: Config) -> None:
             setattr(cfg.train, key, getattr(started, key))
 
 
-def resume_checkpoint(cfg: Config) -> Path:
-    """The checkpoint ``resume=`` names: a run folder's newest, or one checkpoint folder of a run."""
-    if not Path(cfg.resume).exists():
-        raise ConfigError(f"resume={cfg.resume!r} does not exist: give a run folder or one of its checkpoints")
+def resume_target(cfg: Config) -> tuple[Path, Path | None]:
+    """The run folder ``resume=`` names and its checkpoint to continue from: the run's newest, or the one named.
+
+    None for a run that stopped before its first checkpoint: a run folder with its config.json and no
+    checkpoint starts again from step 1 with that config. The folder is checked whole (check_tree) before
+    anything in it but ``latest`` is read: a link or a special file anywhere in it is refused.
+    """
+    given = Path(cfg.resume)
+    if not given.is_dir():
+        raise ConfigError(f"resume={cfg.resume!r} {'is a file' if given.exists() else 'does not exist'}: give a run "
+                          "folder or one of its checkpoints")
     try:
-        ckpt = find_checkpoint(Path(cfg.resume))
+        ckpt = find_checkpoint(given)
     except CheckpointError as e:
-        raise ConfigError(f"resume={cfg.resume!r}: {e}") from e
-    run = run_dir_of(ckpt)
-    if ckpt.parent.name != "checkpoints" or not (run / CONFIG).is_file() \
-            or ckpt.resolve().parent != (run / "checkpoints").resolve():
+        if not _stopped_before_first_checkpoint(given):
+            raise ConfigError(f"resume={cfg.resume!r}: {e}") from e
+        ckpt = None
+    run = given if ckpt is None else run_dir_of(ckpt)
+    if ckpt is not None and (ckpt.parent.name != CHECKPOINTS or not os.path.lexists(run / CONFIG)
+                             or ckpt.resolve().parent != (run / CHECKPOINTS).resolve()):
         raise ConfigError(f"resume={cfg.resume!r}: {ckpt} is not inside an oomb run folder "
                           "(<run>/checkpoints/step-N beside <run>/config.json)")
-    return ckpt
+    try:
+        check_tree(run)
+    except RunPathError as e:
+        raise ConfigError(f"resume={cfg.resume!r}: {e}") from None
+    return run, ckpt
+
+
+def _stopped_before_first_checkpoint(run: Path) -> bool:
+    """A run folder with its config.json, and neither a checkpoint nor a ``latest`` naming one."""
+    try:
+        return check(run / CONFIG) and not os.path.lexists(run / CHECKPOINTS / LATEST) and not list_checkpoints(run)
+    except RunPathError:
+        return False  # find_checkpoint's refusal names the link
 
 
 def check_paths(cfg: Config) -> Path | None:
-    """The run folder, before any work; returns the verified checkpoint to resume from."""
+    """The run folder, before any work; returns the verified checkpoint to resume from (None: a new run, or a
+    resumed one that stopped before its first checkpoint)."""
     if cfg.resume is not None:
-        ckpt = resume_checkpoint(cfg)
-        run = run_dir_of(ckpt)
+        run, ckpt = resume_target(cfg)
         _check_writable(run, f"resume={cfg.resume!r}: the run folder {run}")
+        if ckpt is None:
+            return None
         try:
             verify_checkpoint(ckpt)
         except CheckpointError as e:
@@ -113,10 +148,13 @@ def check_paths(cfg: Config) -> Path | None:
                               f"train.steps={done + max(cfg.train.steps, 1)})")
         return ckpt
     out = Path(cfg.out_dir) if cfg.out_dir is not None else Path("runs")
+    if out.is_symlink() and not out.exists():
+        raise ConfigError(f"out_dir={str(out)!r} is a link to {os.readlink(out)}, which does not exist: make that "
+                          "folder first, or give another out_dir")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out_dir={str(out)!r} is a file, not a folder")
-    if cfg.out_dir is not None and out.is_dir() and any(out.iterdir()):
-        raise _holds_files(out)
+    if cfg.out_dir is not None and out.is_dir():
+        _check_new_run_folder(out)
     parent = out.absolute()
     while not parent.exists():
         parent = parent.parent
@@ -124,11 +162,32 @@ def check_paths(cfg: Config) -> Path | None:
     return None
 
 
+def _check_new_run_folder(out: Path) -> None:
+    """A new run's out_dir that exists: empty, or holding only what a run killed before its config.json leaves
+    (UNSTARTED, checked as files: a link there is refused)."""
+    if any(entry.name not in UNSTARTED for entry in out.iterdir()):
+        raise _holds_files(out)
+    try:
+        for name in UNSTARTED:
+            check(out / name)
+    except RunPathError as e:
+        raise ConfigError(f"out_dir={str(out)!r}: {e}") from None
+
+
 def _holds_files(out: Path) -> ConfigError:
     """The refusal of a new run into a folder that holds files (a run's: it says how to continue that run)."""
-    advice = f", or continue that run with resume={str(out)!r}" if (out / "config.json").exists() else ""
-    return ConfigError(f"out_dir {out} already holds files; oomb never overwrites a run. Choose another "
-                       f"out_dir=...{advice}")
+    if not os.path.lexists(out / CONFIG):
+        return ConfigError(f"out_dir {out} already holds files; oomb never overwrites a run. Choose another "
+                           "out_dir=...")
+    try:
+        unsaved = _stopped_before_first_checkpoint(out)
+    except OSError:
+        unsaved = False
+    what = ("of a run that stopped before its first checkpoint; oomb never overwrites a run. Start it again from "
+            "step 1 with its config.json (key=value settings after it change that config) with" if unsaved else
+            "of a run; oomb never overwrites a run. Continue it with")
+    return ConfigError(f"out_dir {out} already holds files {what}:\n  {resume_command(out)}\nor choose another "
+                       "out_dir=...")
 
 
 def _check_writable(folder: Path, what: str) -> None:
@@ -136,8 +195,8 @@ def _check_writable(folder: Path, what: str) -> None:
     if not folder.is_dir():
         raise ConfigError(f"{what} is not a writable folder (it is a file), so the run cannot be written")
     probe = folder / f".oomb-write-test-{os.getpid()}"
-    try:
-        probe.write_bytes(b"")
+    try:  # a new file, never one put there (O_EXCL: not through a link either)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"{what} is not a writable folder ({e.strerror}), so the run cannot be written") from None
@@ -146,29 +205,38 @@ def _check_writable(folder: Path, what: str) -> None:
 def prepare_out_dir(cfg: Config) -> tuple[Path, bool]:
     """The run folder, created for a new run; returns it and whether this call created it."""
     if cfg.resume is not None:
-        return run_dir_of(resume_checkpoint(cfg)), False
+        return resume_target(cfg)[0], False
     if cfg.out_dir is None:
         out = Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     else:
         out = Path(cfg.out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise _holds_files(out)
+    if out.is_dir():
+        _check_new_run_folder(out)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     return out, created
 
 
 def remove_unstarted_run(out: Path, created: bool) -> str:
-    """Remove what a run that never finished a step wrote (the folder too if it made it); says what is left.
+    """Remove what a new run that never finished a step wrote (the folder too if it made it); says what is left.
 
     Best effort: on a read-only or failing disk some of it may stay; an empty folder does not
-    stop the same command from running again.
+    stop the same command from running again. Nothing is followed (unlink and rmtree remove a link
+    itself), and a folder that holds a logged step or a checkpoint is kept whole.
     """
-    for name in (CONFIG, METRICS, LOCK):
+    try:
+        if check(out / METRICS) and os.stat(out / METRICS).st_size or list_checkpoints(out):
+            return f"{out} is kept: it holds a trained step"
+    except OSError:
+        return f"{out} is kept"
+    for name in (CONFIG, CONFIG + ".tmp", METRICS, LOCK, WANDB_RUN):
         try:
             (out / name).unlink(missing_ok=True)
         except OSError:
             pass
+    for name in (WANDB_DIR, TENSORBOARD, CHECKPOINTS):  # W&B's files; what a first save left (step-N.tmp)
+        if os.path.isdir(out / name) and not os.path.islink(out / name):
+            shutil.rmtree(out / name, ignore_errors=True)
     if created:
         shutil.rmtree(out, ignore_errors=True)
     if not out.exists():
@@ -190,7 +258,7 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_file(self.path, os.O_RDWR | os.O_CREAT)  # never a link: truncating it would truncate what it names
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -240,18 +308,18 @@ def record_resumed_config(out: Path, cfg: Config, step: int) -> Path | None:
     path = out / CONFIG
     new = config_to_dict(cfg)
     try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
+        old = json.loads(read_text(path))
+    except (OSError, ValueError):  # a link is refused by the write below
         old = None
     if old is not None and {k: v for k, v in old.items() if k != "resume"} == {
             k: v for k, v in new.items() if k != "resume"}:
         return None
     kept = out / f"config.before-step-{step:08d}.json"
     n = 1
-    while kept.exists():  # resumed at this step before: keep every earlier config
+    while os.path.lexists(kept):  # resumed at this step before: keep every earlier config
         kept, n = out / f"config.before-step-{step:08d}.{n}.json", n + 1
     if old is not None:
-        write_text_atomic(kept, path.read_text())  # a copy first: config.json is never missing, even after a crash
+        write_text_atomic(kept, read_text(path))  # a copy first: config.json is never missing, even after a crash
     write_text_atomic(path, config_json(cfg))
     return kept if old is not None else None
 
@@ -259,10 +327,10 @@ def record_resumed_config(out: Path, cfg: Config, step: int) -> Path | None:
 def roll_back_metrics(out: Path, step: int) -> None:
     """Keep the metrics of steps <= ``step``; lines of steps that will run again move to a side file."""
     path = out / METRICS
-    if not path.is_file():
+    if not check(path):
         return
     keep, redo = [], []
-    for line in path.read_text().splitlines():
+    for line in read_text(path).splitlines():
         try:
             done = json.loads(line)["step"] <= step
         except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill: kept aside
@@ -281,18 +349,23 @@ def roll_back_metrics(out: Path, step: int) -> None:
 
 
 class MetricsLog:
-    """metrics.jsonl, one whole line per step or none: a write the disk cannot take is undone."""
+    """metrics.jsonl, one whole line per step or none: a write the disk cannot take is undone.
+
+    The file is opened (never through a link) at the first line: a run stopped before its first step leaves none.
+    """
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path is not None else None
+        self._fd: int | None = None
 
     def append(self, record: dict) -> None:
         self.append_line(json.dumps(record))
 
     def append_line(self, text: str) -> None:
-        if self._fd is None:
+        if self.path is None:
             return
+        if self._fd is None:
+            self._fd = open_file(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         line = (text + "\n").encode()
         size = os.fstat(self._fd).st_size
         try:
@@ -309,3 +382,56 @@ class MetricsLog:
             self._fd = None
             if remove_if_empty and empty:
                 self.path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------- stops before the loop
+
+
+def open_run_folder(cfg: Config, out: Path, created: bool, main_rank: bool) -> RunLock | None:
+    """Lock the run folder and, for a new run, write its config.json (before the model is built)."""
+    if not main_rank:
+        return None
+    lock = None
+    try:
+        lock = RunLock(out).acquire()
+        if cfg.resume is None:
+            write_config(out, cfg)
+    except OSError as e:
+        if lock is not None:
+            lock.release()
+        left = "" if cfg.resume is not None else f" and {remove_unstarted_run(out, created)}"
+        raise RunStopped(f"could not write to the run folder {out}: {write_failure(e, out.parent)}.\nNothing was "
+                         f"trained{left}; then run the same command again", EXIT_WRITE) from None
+    return lock
+
+
+def nothing_trained(cfg: Config, out: Path, created: bool, main_rank: bool) -> str:
+    """The end of a refusal that came once the run folder was open (W&B, the model): a new run's files are
+    removed, so the same command runs once the cause is fixed; a resumed run's folder is as it was."""
+    if cfg.resume is not None or not main_rank:
+        return ""
+    return f"\nNothing was trained; {remove_unstarted_run(out, created)}"
+
+
+def interrupted(cfg: Config, out: Path, created: bool, main_rank: bool, run) -> RunStopped:
+    """Ctrl-C outside the loop, which catches signals itself: while the model, the optimizer or the resume are
+    built (nothing trained: a new run leaves nothing), or after the last step (the plot, the export).
+    ``run``: the oomb.train.run.Run, once built."""
+    if run is not None and run.saved_step is not None and run.saved_step > run.start:
+        return RunStopped(f"interrupted after step {run.saved_step} of {cfg.train.steps}, before the run's last "
+                          f"files were written: {run.newest_checkpoint()}. Continue with (it writes them):\n  "
+                          f"{resume_command(out)}", EXIT_SIGINT)
+    left = remove_unstarted_run(out, created) if cfg.resume is None and main_rank else "the run folder is as it was"
+    return RunStopped(f"interrupted before the first step: nothing was trained; {left}. Run the same command again "
+                      f"to {'start' if cfg.resume is None else 'continue'}", EXIT_SIGINT)
+
+
+def crash_note(out: Path) -> str:
+    """Printed under the traceback of an error oomb did not expect (a bug): the run folder is kept, and says how
+    to go on once the cause is fixed."""
+    try:
+        saved = f"its newest checkpoint is {find_checkpoint(out)}"
+    except CheckpointError:
+        saved = "it has no checkpoint yet (resume= starts it again from step 1 with its config.json)"
+    return (f"oomb: the run stopped on the error above; the run folder {out} is kept and {saved}. Once the cause "
+            f"is fixed, continue with:\n  {resume_command(out)}")

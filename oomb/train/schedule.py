@@ -30,7 +30,7 @@ FULL_FINE_TUNE_LR = 1e-5
 LORA_LR = 2e-4
 # - Random init: 3e-4, the peak rate Llama 2 and Llama 3 were pretrained with at 7B/8B. The tiny preset's
 #   3e-3 made the random-init Qwen2.5-7B preset diverge on the H200 (loss 12.66 -> 7.05 -> 19.63 in three
-#   steps, issue 22), so the toy rate stays with the toy model.
+#   steps), so the toy rate stays with the toy model.
 RANDOM_INIT_LR = 3e-4
 # Warmup: 3% of the steps, the warmup_ratio of Alpaca's and QLoRA's recipes (the context-extension papers warm
 # up 20 of 400-1000 steps, 2-5%); at least one step.

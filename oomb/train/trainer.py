@@ -30,8 +30,6 @@ from oomb.train.checkpoint import CheckpointError, checkpoint_state, load_checkp
 from oomb.train.checks import check_config, check_model, resolve_device, resolve_dtype
 from oomb.train.config import Config, ConfigError, offload_selection_note, step_options
 from oomb.train.faults import (
-    EXIT_SIGINT,
-    EXIT_WRITE,
     RunStopped,
     StepAbandoned,
     StopRequest,
@@ -46,17 +44,18 @@ from oomb.train.optim import MasterWeights, build_optimizer, check_optimizer, wa
 from oomb.train.quantize import check_quantize_runs
 from oomb.train.reporting import Reports
 from oomb.train.retrieval_report import final_retrieval
-from oomb.train.run import Run, write_failure
+from oomb.train.run import Run
 from oomb.train.rundir import (
     METRICS,
     MetricsLog,
-    RunLock,
     check_paths,
+    crash_note,
+    interrupted,
+    nothing_trained,
+    open_run_folder,
     prepare_out_dir,
     record_resumed_config,
-    remove_unstarted_run,
     roll_back_metrics,
-    write_config,
 )
 from oomb.train.schedule import resolve_schedule
 from oomb.train.validation import build_validation, validate_if_due
@@ -93,11 +92,11 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
     out, created = prepare_out_dir(cfg) if ctx is None else distributed.prepare_out_dir(ctx, cfg, prepare_out_dir)
     if cfg.resume is None:
         cfg.out_dir = str(out)
-    lock = _open_run_folder(cfg, out, created, main_rank)
+    lock = open_run_folder(cfg, out, created, main_rank)
     reports = Reports(cfg, out, console, enabled=main_rank)
-    failed = True
+    failed, run = True, None
     try:
-        _start_wandb(reports, cfg, out, created, ctx)
+        _start_wandb(reports, ctx)
         run = _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, f"{schedule}, {step_choice}")
         run.validation = validation
         for note in (*inputs.notes, *(validation.notes if validation else ())):  # e.g. chat samples kept, dropped
@@ -110,11 +109,14 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
         _train_steps(run, console, main_rank, reports)
         _finish(run, console, main_rank, started)
         failed = False
-    except KeyboardInterrupt:  # Ctrl-C before the loop caught signals itself (model build, data, resume)
-        left = (f"; {remove_unstarted_run(out, created)}" if cfg.resume is None and main_rank else
-                "; the run folder is as it was")
-        raise RunStopped(f"interrupted before the first step: nothing was trained{left}. Run the same command again "
-                         "to start", EXIT_SIGINT) from None
+    except KeyboardInterrupt:  # Ctrl-C outside the loop, which catches signals itself (model build, resume, export)
+        raise interrupted(cfg, out, created, main_rank, run) from None
+    except ConfigError as e:  # refused once the folder was open (W&B, the model): a new run leaves nothing behind
+        raise ConfigError(f"{e}{nothing_trained(cfg, out, created, main_rank)}") from None
+    except Exception as e:  # an error oomb did not expect: its traceback, then what is on disk and how to go on
+        if not isinstance(e, RunStopped) and main_rank:
+            e.add_note(crash_note(out))
+        raise
     finally:
         reports.close(failed)
         if lock is not None:
@@ -122,9 +124,9 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
     return out
 
 
-def _start_wandb(reports: Reports, cfg: Config, out: Path, created: bool, ctx) -> None:
+def _start_wandb(reports: Reports, ctx) -> None:
     """The W&B run starts before the model is built; where it cannot, nothing was trained and a new run leaves
-    nothing behind. Under torchrun the first rank starts it and every rank stops with it."""
+    nothing behind (_train). Under torchrun the first rank starts it and every rank stops with it."""
     error = None
     try:
         reports.start_wandb()
@@ -133,26 +135,7 @@ def _start_wandb(reports: Reports, cfg: Config, out: Path, created: bool, ctx) -
     if ctx is not None and distributed.any_rank(error is not None) and error is None:
         raise ConfigError("the W&B run could not start on the first rank (it says why)")
     if error is not None:
-        left = f"\nNothing was trained; {remove_unstarted_run(out, created)}" if cfg.resume is None else ""
-        raise ConfigError(f"{error}{left}") from None
-
-
-def _open_run_folder(cfg: Config, out: Path, created: bool, main_rank: bool) -> RunLock | None:
-    """Lock the run folder and, for a new run, write its config.json (before the model is built)."""
-    if not main_rank:
-        return None
-    lock = None
-    try:
-        lock = RunLock(out).acquire()
-        if cfg.resume is None:
-            write_config(out, cfg)
-    except OSError as e:
-        if lock is not None:
-            lock.release()
-        left = "" if cfg.resume is not None else f" and {remove_unstarted_run(out, created)}"
-        raise RunStopped(f"could not write to the run folder {out}: {write_failure(e, out.parent)}.\nNothing was "
-                         f"trained{left}; then run the same command again", EXIT_WRITE) from None
-    return lock
+        raise error
 
 
 def _check_before_work(cfg: Config, ctx) -> Path | None:
@@ -215,7 +198,7 @@ def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, choic
                                 master_weights=wants_master_weights(cfg.train.master_weights, torchrun=ctx is not None))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     run = Run(cfg, out, model, optimizer, scheduler, inputs, device, saved_step=None, ctx=ctx)
-    if resume_from is not None:
+    if cfg.resume is not None:
         _resume(run, resume_from, dtype, console)
     masters = isinstance(optimizer, MasterWeights)
     ranks = 1 if ctx is None else ctx.data_parallel  # each step trains every data parallel rank's sequences
@@ -230,18 +213,22 @@ def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, choic
     return run
 
 
-def _resume(run: Run, ckpt: Path, dtype: torch.dtype, console: Console) -> None:
-    """Load the checkpoint into the run; the run folder's metrics and config follow it."""
+def _resume(run: Run, ckpt: Path | None, dtype: torch.dtype, console: Console) -> None:
+    """Load the checkpoint into the run; the run folder's metrics and config follow it. Without a checkpoint (the
+    run stopped before its first one) nothing is loaded: the run starts again from step 1."""
     cfg, out, main_rank = run.cfg, run.out, run.ctx is None or run.ctx.is_main
     try:
-        if run.ctx is None:  # verified by check_paths
+        if ckpt is None:
+            start = 0
+        elif run.ctx is None:  # verified by check_paths
             start = load_checkpoint(ckpt, run.model, run.optimizer, run.scheduler, verify=False)
         else:
             start = distributed.load_checkpoint(run.ctx, ckpt, run.model, run.optimizer, run.scheduler)
-        run.inputs.load_state_dict(checkpoint_state(ckpt).get("data", {}))
+        if ckpt is not None:
+            run.inputs.load_state_dict(checkpoint_state(ckpt).get("data", {}))
     except CheckpointError as e:
         raise ConfigError(f"cannot resume from {ckpt}: {e}") from e
-    run.saved_step = run.start = start
+    run.start, run.saved_step = start, (start if ckpt is not None else None)
     if main_rank:
         try:
             roll_back_metrics(out, start)
@@ -251,6 +238,9 @@ def _resume(run: Run, ckpt: Path, dtype: torch.dtype, console: Console) -> None:
         if kept is not None:
             console.print(f"note: the resumed run's settings differ from {out / 'config.json'}: it now holds "
                           f"them (the previous one is kept as {kept.name}), so a later resume continues them")
+    if ckpt is None:
+        console.print(f"resuming {out}, which stopped before its first checkpoint: it starts again from step 1")
+        return
     console.print(f"resuming {out} after step {start} from {ckpt}")
     saved_lr = _apply_config_lr(run.scheduler, cfg.train.lr)
     if saved_lr is not None:

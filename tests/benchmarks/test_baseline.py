@@ -114,22 +114,26 @@ def test_the_sparse_floor_is_the_stacks_time_outside_attention_plus_the_rows_own
 
 
 FAKE_SMI = """
-import sys, time
+import pathlib, sys, time
 lines = ["1980, 120.5, 35, 700.00", "[N/A], 121.0, 35, 700.00", "1755, 690.1, 61, 700.00", "1590, 699.8, 66, 700.00"]
 for line in lines:
     print(line, flush=True)
 print("1600, 70", flush=True)  # a line with fewer fields (as one cut off mid-write): not a sample
-time.sleep(float(sys.argv[1]))  # until the sampler stops it
+pathlib.Path(sys.argv[1]).touch()  # every line is in the pipe
+time.sleep(600)  # until the sampler stops it
 """
 
 
 def test_gpu_clocks_are_sampled_beside_the_timed_steps(tmp_path):
     from benchmarks.common import GpuClocks
 
-    smi = tmp_path / "smi.py"
+    smi, printed = tmp_path / "smi.py", tmp_path / "printed"
     smi.write_text(FAKE_SMI)
-    with GpuClocks(command=[sys.executable, str(smi), "30"]) as clocks:
-        time.sleep(1.0)  # the timed steps
+    with GpuClocks(command=[sys.executable, str(smi), str(printed)]) as clocks:
+        deadline = time.monotonic() + 600  # the timed steps: until the sampler has printed (600 s ends a hang only)
+        while not printed.exists():
+            assert time.monotonic() < deadline, "the fake nvidia-smi printed nothing in 600 s"
+            time.sleep(0.01)
     got = clocks.summary()
     assert got == {"sm_mhz": 1755.0, "sm_mhz_min": 1590.0, "power_w": 690.1, "power_limit_w": 700.0,
                    "temp_c_max": 66.0, "samples": 3}

@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
+from planning import plan_of, split
 
 import oomb
 from benchmarks import offload as ob
-from oomb.engine.plan import plan_memory
 from oomb.train.presets import preset_config
 
 GIB = 2**30
@@ -107,7 +107,7 @@ def test_plan_prediction_leaves_out_the_optimizer():
     cfg = preset_config("qwen2.5-7b")
     kw = dict(seq_len=262144, chunk_size=512, page_size=128, page_budget=64, select_block=128, offload=True,
               optimizer="adamw", master_weights=False, host_total_bytes=125 * GIB)
-    full = plan_memory(cfg, **kw)
+    full = plan_of(cfg, **kw)
     items = {i.name: i for i in full.items}
     # Both optimizer items hold bytes here (7B, chunk 512: AdamW's foreach update outgrows a chunk's activations).
     assert items["optimizer states"].gpu_bytes > 0 and items["optimizer update"].gpu_bytes > 0
@@ -122,9 +122,9 @@ def test_plan_prediction_leaves_out_the_optimizer():
     assert set(pred["excluded"]) == set(ob.EXCLUDED_PLAN_ITEMS) and not set(pred["items"]) & set(pred["excluded"])
     # A GPU that holds the step without an optimizer but not with one: the row fits.
     between = (pred["predicted_gpu_total_bytes"] + full.gpu_bytes) // 2
-    tight = plan_memory(cfg, **kw, device_total_bytes=between)
+    tight = plan_of(cfg, **kw, device_total_bytes=between)
     assert not tight.fits and ob.plan_prediction(tight)["fits"]
-    small = ob.plan_prediction(plan_memory(cfg, **{**kw, "host_total_bytes": GIB}, device_total_bytes=between))
+    small = ob.plan_prediction(plan_of(cfg, **{**kw, "host_total_bytes": GIB}, device_total_bytes=between))
     assert not small["fits"] and small["reason"].startswith("planner: host")
 
 
@@ -135,8 +135,12 @@ def test_auto_allowance_gives_the_store_what_the_plan_leaves_free():
     kw = dict(seq_len=1_800_000 // 4096 * 4096, batch_size=1, chunk_size=4096, page_size=128, dtype=torch.bfloat16,
               page_budget=64, select_block=4096, offload=True, device_type="cuda",
               device_total_bytes=int(139.8 * GIB), host_total_bytes=int(125.8 * GIB))
-    none = ob.plan_without_optimizer(cfg, **kw)
-    auto = ob.plan_without_optimizer(cfg, offload_gpu_memory="auto", **kw)
+    def plan(offload_gpu_memory=0, **change):
+        options, shape, limits, _ = split(**{**kw, **change})
+        return ob.plan_without_optimizer(cfg, options, shape, limits, offload_gpu_memory=offload_gpu_memory)
+
+    none = plan()
+    auto = plan("auto")
     assert none["offload_gpu_bytes"] == 0 and none["offload_resident_layers"] == 0 and not none["host_fits"]
     assert auto["offload_gpu_bytes"] == kw["device_total_bytes"] - none["predicted_gpu_total_bytes"] \
         - ob.AUTO_GPU_MARGIN_BYTES
@@ -145,14 +149,12 @@ def test_auto_allowance_gives_the_store_what_the_plan_leaves_free():
     # The resident layers' pages leave the host: the host side shrinks by what the GPU side grew.
     moved = auto["predicted_gpu_total_bytes"] - none["predicted_gpu_total_bytes"]
     assert none["predicted_host_bytes"] - auto["predicted_host_bytes"] == pytest.approx(moved, rel=0.02)
-    fixed = ob.plan_without_optimizer(cfg, offload_gpu_memory=40 * GIB, **kw)
+    fixed = plan(40 * GIB)
     assert fixed["offload_gpu_bytes"] == 40 * GIB and 0 < fixed["offload_resident_layers"] < 28
-    dense = ob.plan_without_optimizer(cfg, offload_gpu_memory="auto", **{**kw, "offload": False,
-                                                                         "seq_len": 65536})
+    dense = plan("auto", offload=False, seq_len=65536)
     assert dense["offload_gpu_bytes"] == 0
     # Without a GPU size (a CPU run) auto has nothing to fill.
-    assert ob.plan_without_optimizer(cfg, offload_gpu_memory="auto",
-                                     **{**kw, "device_total_bytes": None})["offload_gpu_bytes"] == 0
+    assert plan("auto", device_total_bytes=None)["offload_gpu_bytes"] == 0
 
 
 def test_planned_longest_and_its_candidates():

@@ -19,11 +19,11 @@ from launch import (
     assert_same_losses,
     torchrun,
 )
+from planning import plan_of
 from safetensors.torch import load_file
 from tp_gradients import CASES
 
 from oomb.cli import main
-from oomb.engine import plan_memory
 
 HERE = Path(__file__).resolve().parent
 
@@ -122,7 +122,7 @@ def test_a_degree_that_does_not_divide_the_kv_heads_is_refused():
     with pytest.raises(TensorParallelError, match=r"does not divide the model's 3 KV heads.*one of \[1, 3\]"):
         check_tensor_parallel(config, 2)
     with pytest.raises(ValueError, match="does not divide the 3 KV heads"):
-        plan_memory(config, seq_len=1024, tensor_parallel=2)
+        plan_of(config, seq_len=1024, tensor_parallel=2)
 
 
 def test_tensor_parallel_without_torchrun_or_with_other_settings_is_refused(monkeypatch, capsys):
@@ -159,8 +159,8 @@ def test_plan_divides_the_page_memory_and_the_split_weights_by_the_tensor_parall
     from oomb.train.inputs import model_config
 
     config = model_config(load_config(None, ["model.preset=qwen2.5-7b"]))
-    one = {i.name: i.gpu_bytes for i in plan_memory(config, seq_len=1 << 17).items}
-    two = {i.name: i.gpu_bytes for i in plan_memory(config, seq_len=1 << 17, tensor_parallel=2).items}
+    one = {i.name: i.gpu_bytes for i in plan_of(config, seq_len=1 << 17).items}
+    two = {i.name: i.gpu_bytes for i in plan_of(config, seq_len=1 << 17, tensor_parallel=2).items}
     assert one["paged store"] > 10 * 2**30
     assert abs(two["paged store"] * 2 - one["paged store"]) <= one["paged store"] * 1e-3  # page table not split
     assert one["parameters"] / 2 < two["parameters"] < one["parameters"] * 0.7  # embeddings and head replicated

@@ -12,11 +12,11 @@ allocator holds after building, and a short `oomb train` run with every GPU defa
 
 import pytest
 import torch
+from planning import plan_of
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import oomb
 from oomb.engine.fused_ops import liger_available, use_fused_ops
-from oomb.engine.plan import plan_memory
 from oomb.train.config import load_config
 from oomb.train.inputs import model_config
 from oomb.train.model import build, lora_target_names
@@ -99,7 +99,7 @@ def test_planned_parameter_bytes_are_what_the_gpu_holds():
     before = torch.cuda.memory_allocated()
     model = build(cfg, torch.device("cuda"), torch.bfloat16)
     held = torch.cuda.memory_allocated() - before
-    plan = plan_memory(model_config(cfg), seq_len=4096, chunk_size=1024, dtype=torch.bfloat16, lora_r=16,
+    plan = plan_of(model_config(cfg), seq_len=4096, chunk_size=1024, dtype=torch.bfloat16, lora_r=16,
                        lora_targets=lora_target_names(cfg), quantize="nf4")
     planned = {i.name: i.gpu_bytes for i in plan.items}["parameters"]
     assert abs(held - planned) <= 0.005 * planned, (held, planned)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oomb.engine import host_stash
-from oomb.engine.host_stash import HostAttentionCache, HostStash, region_bytes
+from oomb.engine.host_stash import HostAttentionCache, HostStash, chunk_lengths, chunk_lengths_of, region_bytes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32]
 
@@ -62,7 +62,7 @@ def test_the_attention_cache_mapping_pops_once_and_forgets_a_chunk():
     owner = torch.nn.Linear(1, 1)
     out, lse = torch.randn(1, 8, 2, 4).transpose(1, 2), torch.randn(1, 2, 8)  # [B, H, C, D] of [B, C, H, D]
     chunks = [(0, 8), (8, 16)]
-    size = HostAttentionCache.nbytes([(2, 4)] * 2, chunks, 1, torch.float32)
+    size = HostAttentionCache.nbytes([(2, 4)] * 2, chunk_lengths(chunks), 1, torch.float32)
     assert size == 2 * 2 * (region_bytes((1, 2, 8, 4), torch.float32) + region_bytes((1, 2, 8), torch.float32))
     cache = HostAttentionCache(HostStash.for_model(owner, "attention outputs", size, torch.device("cpu")), step=-1)
     for layer in (0, 1):
@@ -99,3 +99,14 @@ def test_host_memory_that_cannot_be_pinned_is_refused_with_the_setting_that_avoi
         else:
             HostAttentionCache.on_host(model, [(2, 4)] * 2, [(0, 64)], 1, torch.float32, torch.device("cuda"))
     assert purpose not in host_stash._BUFFERS.get(model, {})  # nothing half-made is kept for the next step
+
+
+@given(seq_len=st.integers(0, 5000), chunk_size=st.integers(1, 700), but_last=st.booleans())
+def test_chunk_lengths_of_counts_the_chunks_a_step_makes_without_listing_them(seq_len, chunk_size, but_last):
+    chunks = [(start, min(start + chunk_size, seq_len)) for start in range(0, seq_len, chunk_size)]
+    kept = chunks[:-1] if but_last else chunks
+    assert chunk_lengths_of(seq_len, chunk_size, but_last=but_last) == chunk_lengths(kept)
+
+
+def test_chunk_lengths_of_a_sequence_of_a_trillion_tokens_is_two_numbers():
+    assert chunk_lengths_of(1 << 40, 3000) == {3000: (1 << 40) // 3000, (1 << 40) % 3000: 1}

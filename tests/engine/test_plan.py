@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 import torch
+from planning import first_fitting, longest_of, plan_of
 from tiny_models import FAMILIES, tiny_model
 
 import oomb
@@ -15,11 +16,8 @@ from oomb.engine.plan import (
     ModelShape,
     checkpointed_bytes_per_token,
     count_parameters,
-    largest_context,
     measure_saved_activations,
     optimizer_state_bytes,
-    plan_first_fitting,
-    plan_memory,
     saved_bytes_per_token,
     store_spec,
 )
@@ -36,7 +34,7 @@ def _items(plan, where="host_bytes"):
 def test_breakdown_equals_hand_computed_bytes_for_the_tiny_preset():
     # tiny: llama, vocab 64, hidden 128, intermediate 256, 2 layers, 4 heads / 2 KV heads (d=32), tied head.
     cfg = preset_config("tiny")
-    plan = plan_memory(cfg, seq_len=4096, batch_size=1, chunk_size=1024, page_size=128, dtype=torch.float32,
+    plan = plan_of(cfg, seq_len=4096, batch_size=1, chunk_size=1024, page_size=128, dtype=torch.float32,
                        optimizer="adamw", device_type="cpu")
     got = _items(plan)
     layer_params = 128 * 128 + 2 * (128 * 64) + 128 * 128 + 3 * (128 * 256) + 2 * 128
@@ -65,10 +63,10 @@ def test_breakdown_equals_hand_computed_bytes_for_the_tiny_preset():
 def test_sparse_page_lists_and_lora_and_8bit_states():
     cfg = preset_config("tiny")
     common = dict(seq_len=8192, chunk_size=1024, page_size=128, dtype=torch.bfloat16, device_type="cuda")
-    sparse = _items(plan_memory(cfg, **common, page_budget=4, select_block=256), "gpu_bytes")
+    sparse = _items(plan_of(cfg, **common, page_budget=4, select_block=256), "gpu_bytes")
     # Chunk k has 8k past pages: lists for k = 1..7 (8 > 4), [1, 1, 1024/256, 4] int32 x 2 layers each.
     assert sparse["sparse page lists"] == 7 * 2 * 4 * (1024 // 256) * 4
-    lora = plan_memory(cfg, **common, lora_r=8, optimizer="adamw8bit")
+    lora = plan_of(cfg, **common, lora_r=8, optimizer="adamw8bit")
     got = _items(lora, "gpu_bytes")
     # Adapters on q, k, v, o of 2 layers: A [8, 128] and B [out, 8] each; peft keeps them in fp32.
     adapters = 2 * sum(8 * 128 + out * 8 for out in (128, 64, 64, 128))
@@ -124,13 +122,13 @@ def test_largest_context_fits_at_the_boundary_and_grows_with_memory():
     previous = 0
     for gib in (8, 16, 40, 80):
         limit = gib * 2**30
-        n = largest_context(cfg, device_total_bytes=limit, **settings)
+        n = longest_of(cfg, device_total_bytes=limit, **settings)
         assert n % 128 == 0 and n >= previous
-        assert plan_memory(cfg, seq_len=n, device_total_bytes=limit, **settings).fits
-        assert not plan_memory(cfg, seq_len=n + 128, device_total_bytes=limit, **settings).fits
+        assert plan_of(cfg, seq_len=n, device_total_bytes=limit, **settings).fits
+        assert not plan_of(cfg, seq_len=n + 128, device_total_bytes=limit, **settings).fits
         previous = n
     assert previous > 0
-    assert largest_context(cfg, device_total_bytes=2**30, **settings) == 0  # the parameters alone do not fit
+    assert longest_of(cfg, device_total_bytes=2**30, **settings) == 0  # the parameters alone do not fit
 
 
 def test_largest_context_over_choices_is_the_longest_of_any_whatever_their_order():
@@ -140,34 +138,34 @@ def test_largest_context_over_choices_is_the_longest_of_any_whatever_their_order
     settings = dict(page_size=128, dtype=torch.bfloat16, offload=True, offload_gpu_bytes="auto",
                     device_total_bytes=141 * 2**30, host_total_bytes=int(125.8 * 2**30))
     choices = [dict(master_weights=m, chunk_size=c) for m in (True, False) for c in (8192, 1024)]
-    each = [largest_context(cfg, choices=[c], **settings) for c in choices]
+    each = [longest_of(cfg, choices=[c], **settings) for c in choices]
     assert each[0] == each[1] == 0 and 0 < each[2] < each[3]  # masters never fit; a smaller chunk leaves more
     want = max(each)
     for order in itertools.permutations(choices):
-        assert largest_context(cfg, choices=list(order), **settings) == want
-    assert largest_context(cfg, **settings, **choices[3]) == want  # no choices: the settings as given
+        assert longest_of(cfg, choices=list(order), **settings) == want
+    assert longest_of(cfg, **settings, **choices[3]) == want  # no choices: the settings as given
     # The choice at a length is the first that fits there, in the order given; else the last one's plan.
-    plan, index = plan_first_fitting(cfg, choices, seq_len=want, **settings)
+    plan, index = first_fitting(cfg, choices, seq_len=want, **settings)
     assert index == 3 and plan.fits and plan.settings["chunk_size"] == 1024
-    plan, index = plan_first_fitting(cfg, choices, seq_len=65536, **settings)
+    plan, index = first_fitting(cfg, choices, seq_len=65536, **settings)
     assert index == 2 and plan.fits and plan.settings["chunk_size"] == 8192
-    plan, index = plan_first_fitting(cfg, choices, seq_len=want + 128, **settings)
+    plan, index = first_fitting(cfg, choices, seq_len=want + 128, **settings)
     assert index == 3 and not plan.fits
     with pytest.raises(ValueError, match="at least one"):
-        plan_first_fitting(cfg, [], seq_len=4096, **settings)
+        first_fitting(cfg, [], seq_len=4096, **settings)
 
 
 def test_bad_settings_raise():
     cfg = preset_config("tiny")
     with pytest.raises(ValueError, match="seq_len must be positive"):
-        plan_memory(cfg, seq_len=0)
-    with pytest.raises(ValueError, match="unknown optimizer 'sgd'"):
-        plan_memory(cfg, seq_len=128, optimizer="sgd")
+        plan_of(cfg, seq_len=0)
+    with pytest.raises(ValueError, match="optimizer must be one of adamw, adamw8bit, paged_adamw8bit, got 'sgd'"):
+        plan_of(cfg, seq_len=128, optimizer="sgd")
     # bools are ints in Python: chunk_size=True would plan chunks of one token
     for name, value in (("chunk_size", True), ("seq_len", 4096.0), ("page_budget", True), ("tensor_parallel", True),
                         ("offload_gpu_bytes", True)):
         with pytest.raises((TypeError, ValueError), match=f"{name} must be an? (integer|byte count)"):
-            plan_memory(cfg, **{"seq_len": 4096, name: value, "offload": name == "offload_gpu_bytes"})
+            plan_of(cfg, **{"seq_len": 4096, name: value, "offload": name == "offload_gpu_bytes"})
 
 
 @pytest.mark.parametrize("targets", [("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -216,8 +214,8 @@ def test_master_weights_bytes_and_their_no_op():
     cfg = preset_config("tiny")
     n = count_parameters(cfg).total
     common = dict(seq_len=4096, chunk_size=1024, page_size=128, dtype=torch.bfloat16, device_type="cuda")
-    plain = _items(plan_memory(cfg, **common), "gpu_bytes")
-    on = plan_memory(cfg, **common, master_weights=True)
+    plain = _items(plan_of(cfg, **common), "gpu_bytes")
+    on = plan_of(cfg, **common, master_weights=True)
     got = _items(on, "gpu_bytes")
     assert on.settings["master_weights"] is True and plain["master weights"] == 0
     assert got["master weights"] == 4 * n and got["gradients"] == plain["gradients"] == 2 * n
@@ -225,13 +223,13 @@ def test_master_weights_bytes_and_their_no_op():
     # CUDA AdamW (foreach): sqrt(exp_avg_sq) of every master at once + the step's fp32 gradients (2 B more each).
     assert got["optimizer update"] == max(0, 4 * n + 2 * n - got["saved activations"] - got["chunk workspace"])
     # 8-bit states do not depend on the stepped dtype; fp32 parameters and LoRA adapters (fp32) need no masters.
-    bnb = [_items(plan_memory(cfg, **common, optimizer="adamw8bit", master_weights=m), "gpu_bytes")
+    bnb = [_items(plan_of(cfg, **common, optimizer="adamw8bit", master_weights=m), "gpu_bytes")
            for m in (False, True)]
     assert bnb[0]["optimizer states"] == bnb[1]["optimizer states"]
     for change in ({"dtype": torch.float32}, {"lora_r": 8}):
-        with_masters = plan_memory(cfg, **{**common, **change}, master_weights=True)
+        with_masters = plan_of(cfg, **{**common, **change}, master_weights=True)
         assert with_masters.settings["master_weights"] is False
-        assert with_masters.items == plan_memory(cfg, **{**common, **change}).items
+        assert with_masters.items == plan_of(cfg, **{**common, **change}).items
 
 
 def test_planned_master_weights_are_what_the_optimizer_holds():
@@ -252,7 +250,7 @@ def test_planned_master_weights_are_what_the_optimizer_holds():
         for p in params:
             p.grad = torch.ones_like(p)
         opt.step()
-        plan = _items(plan_memory(model.config, seq_len=128, chunk_size=64, page_size=16, dtype=torch.bfloat16,
+        plan = _items(plan_of(model.config, seq_len=128, chunk_size=64, page_size=16, dtype=torch.bfloat16,
                                   optimizer=kind, master_weights=True, device_type="cpu"))
         held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for state in opt.state.values() for t in state.values() if torch.is_tensor(t) and t.numel() > 1}
@@ -265,7 +263,7 @@ def test_planned_store_is_the_store_the_engine_allocates():
     ids = torch.randint(0, model.config.vocab_size, (2, 300))  # 19 pages of 16 per sequence, the last ragged
     oomb.chunked_backward(model, ids, chunk_size=64, page_size=16)
     store = store_for_model(model)
-    plan = plan_memory(model.config, seq_len=300, batch_size=2, chunk_size=64, page_size=16, dtype=torch.float32,
+    plan = plan_of(model.config, seq_len=300, batch_size=2, chunk_size=64, page_size=16, dtype=torch.float32,
                        device_type="cpu")
     assert store.spec == store_spec(model.config, page_size=16, dtype=torch.float32, grad_dtype=None, device="cpu")
     page_table = 2 * 19 * 4
@@ -278,7 +276,7 @@ def test_planned_store_is_the_store_the_engine_allocates():
     oomb.chunked_backward(model, ids, chunk_size=64, page_size=16,
                           selection=PageSelection(page_budget=2, block=16, score="bound"))
     bounds = store_for_model(model)
-    planned = plan_memory(model.config, seq_len=300, batch_size=2, chunk_size=64, page_size=16, dtype=torch.float32,
+    planned = plan_of(model.config, seq_len=300, batch_size=2, chunk_size=64, page_size=16, dtype=torch.float32,
                           device_type="cpu", page_budget=2, select_block=16, select_score="bound")
     assert bounds.spec.key_summary == "bounds" and _items(planned)["paged store"] == bounds.nbytes() + page_table
     spec = bounds.spec
@@ -292,8 +290,8 @@ def test_offload_moves_the_pages_to_the_host():
     cfg = Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20)
     kw = dict(seq_len=65536, chunk_size=4096, page_size=128, dtype=torch.bfloat16)
-    on_gpu = plan_memory(cfg, **kw)
-    dense = plan_memory(cfg, **kw, offload=True)
+    on_gpu = plan_of(cfg, **kw)
+    dense = plan_of(cfg, **kw, offload=True)
     pages = 65536 // 128
     page_bytes = 4 * 2 * 64 * 128 * 2 * 4  # layers x KV heads x head_dim x page x 2 B x (K, V, dK, dV)
     mean_bytes = 4 * 2 * 64 * 2  # layers x KV heads x head_dim x 2 B: a page's mean keys
@@ -303,11 +301,11 @@ def test_offload_moves_the_pages_to_the_host():
     assert gpu["paged store (device part)"] < {i.name: i.gpu_bytes for i in on_gpu.items}["paged store"] / 1.5
     # Sparse slots hold at most (query blocks x budget + chunk) pages: below every page past ~260K here.
     long = {**kw, "seq_len": 1 << 20}
-    sparse_long = plan_memory(cfg, **long, offload=True, page_budget=64)
-    assert sparse_long.gpu_bytes < plan_memory(cfg, **long, offload=True).gpu_bytes / 2
+    sparse_long = plan_of(cfg, **long, offload=True, page_budget=64)
+    assert sparse_long.gpu_bytes < plan_of(cfg, **long, offload=True).gpu_bytes / 2
     # Sparse + offload: past that, the device part grows only by the tables, page lists and the slots'
     # one-layer mean keys.
-    longer = plan_memory(cfg, **{**kw, "seq_len": 1 << 21}, offload=True, page_budget=64)
+    longer = plan_of(cfg, **{**kw, "seq_len": 1 << 21}, offload=True, page_budget=64)
     grows = (longer.gpu_bytes - sparse_long.gpu_bytes) / (1 << 20) * 1e4
     assert grows < 0.05 * page_bytes / 128 * 1e4
 
@@ -321,28 +319,28 @@ def test_offload_gpu_allowance_keeps_whole_layers_on_the_gpu():
               select_score="mean")
     # One layer's K, V, dK, dV (tokens x KV heads x head_dim x 2 B x 4) and mean keys (a row per page).
     layer = (1 << 20) * 2 * 64 * 2 * 4 + (1 << 20) // 128 * 2 * 64 * 2
-    none = plan_memory(cfg, **kw)
-    two = plan_memory(cfg, **kw, offload_gpu_bytes=2 * layer + layer // 2)  # room for 2.5 layers: 2 kept
+    none = plan_of(cfg, **kw)
+    two = plan_of(cfg, **kw, offload_gpu_bytes=2 * layer + layer // 2)  # room for 2.5 layers: 2 kept
     assert two.settings["offload_resident_layers"] == 2
     host = {i.name: i.host_bytes for i in two.items}
     assert host["offloaded pages"] == 2 * layer
     assert two.host_bytes == none.host_bytes - 2 * layer
     assert 2 * layer <= two.gpu_bytes - none.gpu_bytes <= 2 * layer + layer // 100
-    everything = plan_memory(cfg, **kw, offload_gpu_bytes=10 * layer)  # every layer: no working slots either
+    everything = plan_of(cfg, **kw, offload_gpu_bytes=10 * layer)  # every layer: no working slots either
     assert everything.settings["offload_resident_layers"] == 4
     assert {i.name: i.host_bytes for i in everything.items}["offloaded pages"] == 0
     # auto: what the GPU has left after everything else, less the margin.
     total = none.gpu_bytes + 3 * layer + AUTO_GPU_MARGIN_BYTES + 1
-    auto = plan_memory(cfg, **kw, offload_gpu_bytes="auto", device_total_bytes=total)
+    auto = plan_of(cfg, **kw, offload_gpu_bytes="auto", device_total_bytes=total)
     assert auto.settings["offload_resident_layers"] == 3 and auto.fits
     assert auto.settings["offload_gpu_bytes"] == 3 * layer + 1
     # Host-bound contexts get longer with the allowance: pages spill from the host to the GPU.
     host_total = none.host_bytes
     longest = dict(chunk_size=4096, dtype=torch.bfloat16, offload=True, page_budget=64, select_score="mean",
                    host_total_bytes=host_total, device_total_bytes=total)
-    assert largest_context(cfg, **longest, offload_gpu_bytes="auto") > largest_context(cfg, **longest) >= 1 << 20
+    assert longest_of(cfg, **longest, offload_gpu_bytes="auto") > longest_of(cfg, **longest) >= 1 << 20
     with pytest.raises(ValueError, match="offload_gpu_bytes"):
-        plan_memory(cfg, **kw, offload_gpu_bytes=-1)
+        plan_of(cfg, **kw, offload_gpu_bytes=-1)
 
 
 def test_planned_attention_cache_is_what_the_engine_keeps(monkeypatch):
@@ -360,13 +358,13 @@ def test_planned_attention_cache_is_what_the_engine_keeps(monkeypatch):
 
     monkeypatch.setattr(StepContext, "drop_page_lists", record)
     oomb.chunked_backward(model, ids, chunk_size=64, page_size=16, cache_attention=True)
-    plan = plan_memory(model.config, seq_len=300, batch_size=2, chunk_size=64, page_size=16, dtype=torch.float32,
+    plan = plan_of(model.config, seq_len=300, batch_size=2, chunk_size=64, page_size=16, dtype=torch.float32,
                        device_type="cpu", cache_attention=True)
     c = model.config
     heads, head_dim = c.num_attention_heads, c.hidden_size // c.num_attention_heads
     assert held[0] == 2 * 256 * c.num_hidden_layers * heads * (head_dim * 4 + 4)  # out fp32 + lse fp32
     assert _items(plan)["attention output cache"] == held[0]
-    off = plan_memory(model.config, seq_len=300, batch_size=2, chunk_size=64, page_size=16, dtype=torch.float32,
+    off = plan_of(model.config, seq_len=300, batch_size=2, chunk_size=64, page_size=16, dtype=torch.float32,
                       device_type="cpu")
     assert _items(off)["attention output cache"] == 0
     oomb.release_memory(model)
@@ -414,7 +412,7 @@ def test_the_plan_predicts_the_measured_h200_peaks(record, row, optimizer, atten
         settings = dict(chunk_size=r["chunk_size"], cache_attention=r["cache_attention"],
                         recompute=r.get("recompute", "chunk"))
         measured = max(s["peak_gpu_gib"] for s in r["steps"])
-    plan = plan_memory(preset_config("qwen2.5-7b"), seq_len=r["seq_len"], optimizer=optimizer or "adamw",
+    plan = plan_of(preset_config("qwen2.5-7b"), seq_len=r["seq_len"], optimizer=optimizer or "adamw",
                        master_weights=False, device_type="cuda", attention=attention, fused_ops=True, **settings)
     items = _items(plan, "gpu_bytes")
     dropped = ("CUDA context",) + (("optimizer states", "optimizer update") if optimizer is None else ())
@@ -432,7 +430,7 @@ def test_fa4_workspace_is_bounded_by_key_segments_dense_and_by_page_lists_sparse
               optimizer="adamw", master_weights=False, attention="fa4")
 
     def workspace(**more) -> int:
-        return _items(plan_memory(cfg, **{**kw, **more}), "gpu_bytes")["chunk workspace"]
+        return _items(plan_of(cfg, **{**kw, **more}), "gpu_bytes")["chunk workspace"]
 
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     per_key = 8 * cfg.num_key_value_heads * head_dim * 2

@@ -10,7 +10,8 @@ from tiny_models import VOCAB, tiny_model
 import oomb
 from oomb.cache import PagedKVStore
 from oomb.engine import StepOptions, chunked_eval, store_for_model
-from oomb.engine.prepare import options_from_keywords, prepare_step
+from oomb.engine.options import options_from_keywords
+from oomb.engine.prepare import prepare_step
 from oomb.sparse import PageSelection
 
 
@@ -28,12 +29,23 @@ def test_options_give_the_same_step_as_the_keywords():
     model.zero_grad(set_to_none=True)
     options = StepOptions(chunk_size=32, page_size=16,
                           selection=PageSelection(page_budget=2, block=16, sink_pages=1))  # page_budget folded in
-    assert options_from_keywords(None, page_budget=2, **kw) == options
+    assert options_from_keywords(None, dict(page_budget=2, **kw), caller="chunked_backward") == options
     assert torch.equal(oomb.chunked_backward(model, ids, doc_ids=doc_ids, options=options), loss)
     by_options = _grads(model)
     assert by_options.keys() == by_keywords.keys()
     for name, grad in by_keywords.items():
         assert torch.equal(by_options[name], grad), name
+
+
+def test_a_keyword_that_is_no_step_setting_is_refused_naming_the_settings():
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 64))
+    with pytest.raises(TypeError, match="chunked_backward.. got unexpected keyword argument.s. chunk_sise; its step "
+                                        "settings are backend, cache_attention, chunk_size"):
+        oomb.chunked_backward(model, ids, chunk_sise=32)
+    with pytest.raises(TypeError, match="chunked_eval.. got unexpected keyword argument.s. recompute"):
+        chunked_eval(model, ids, recompute="layer")  # a backward's setting
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is None
 
 
 def test_options_and_changed_keywords_together_are_refused():

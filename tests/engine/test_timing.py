@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from oomb.engine import timing
 from oomb.engine.timing import (
     H200_DENSE,
     H200_SPARSE,
@@ -96,3 +97,26 @@ def test_a_sparse_query_attends_its_chunk_up_to_itself_and_the_budget_of_the_pas
     a1, a2 = step_flops(config, 1 << 20, sparsity=sparsity)[1], step_flops(config, 1 << 21, sparsity=sparsity)[1]
     assert a2 / a1 == pytest.approx(2, rel=0.01)
     assert step_flops(config, 1 << 20, sparsity=sparsity)[1] < step_flops(config, 1 << 20)[1] / 40
+
+
+def test_the_module_docstring_states_what_the_rates_were_measured_on():
+    """The installed package has no records: its docstring says in words what each rate came from, with the
+    seconds the records hold and the predictions the rates make."""
+    doc = " ".join(timing.__doc__.split())
+    config = preset_config("qwen2.5-7b")
+    (n64, s64), (n256, s256) = (_auto_step("core-7b-vs-transformers-64k.json", "oomb-auto"),
+                                _auto_step("core-7b-vs-transformers-256k.json", "oomb-auto"))
+    assert f"{n64:,} tokens in {s64:.2f} s" in doc and f"{n256:,} tokens in {s256:.2f} s" in doc
+    trained = json.loads((RESULTS / "train-7b-auto.json").read_text())["results"][1]
+    assert f"predicts {predict_step_seconds(config, trained['seq_len']):.2f} s at {trained['seq_len']:,} tokens" in doc
+    assert f"measured {trained['warm_step_s']:.2f} s per step" in doc
+    assert f"{1 / H200_DENSE.linear_s_per_flop / 1e12:.0f} TFLOP/s of the linear FLOPs" in doc
+    assert f"{1 / H200_DENSE.attention_s_per_flop / 1e12:.0f} TFLOP/s of the attention FLOPs" in doc
+    _, row = _sparse_step("core-7b-sparse-128k-fa4-blocks.json")
+    assert f"{row['seq_len']:,} tokens in {row['step_s']:.2f} s" in doc
+    assert f"{1 / H200_SPARSE.attention_s_per_flop / 1e12:.0f} TFLOP/s of the attended keys' FLOPs" in doc
+    report, row = _sparse_step("sparse-1m-7b.json")
+    sparsity = PageSparsity(report["budget_pages"], report["page_size"], report["chunk_size"])
+    predicted = predict_step_seconds(config, row["seq_len"], cache_attention=False, sparsity=sparsity)
+    assert f"{row['step_s']:.1f} s measured, {predicted:.1f} s predicted" in doc
+    assert "NVIDIA H200" in doc and all("H200" in r.gpu for r in (H200_DENSE, H200_SPARSE))

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from planning import plan_of
 from tiny_models import VOCAB, tiny_config, tiny_model
 from transformers import LlamaForCausalLM
 
@@ -190,21 +191,19 @@ def _opt():
 @pytest.mark.parametrize("build,mlp", [(_gpt2, 4 * 64), (_opt, 96)])
 def test_configs_that_name_their_sizes_otherwise_train_and_are_planned(build, mlp):
     # GPT-2 names its MLP width n_inner (None: 4 x hidden), OPT ffn_dim; the store is shaped by the calls.
-    from oomb.engine import plan_memory
     from oomb.engine.sizes import ModelShape
 
     model = build()
     loss = oomb.chunked_backward(model, torch.randint(0, VOCAB, (1, 64)), chunk_size=32, page_size=16)
     assert torch.isfinite(loss)
     assert ModelShape.from_config(model.config).intermediate == mlp
-    assert plan_memory(model.config, seq_len=1024, device_type="cpu").host_bytes > 0
+    assert plan_of(model.config, seq_len=1024, device_type="cpu").host_bytes > 0
 
 
 def test_a_config_without_the_sizes_the_planner_reads_is_refused_by_it():
     from transformers import MambaConfig
 
-    from oomb.engine import plan_memory
 
     with pytest.raises(ValueError, match=r"cannot plan the memory of 'mamba' models.*has no num_attention_heads.*"
                                          r"train.memory_check=false"):
-        plan_memory(MambaConfig(), seq_len=1024)
+        plan_of(MambaConfig(), seq_len=1024)

@@ -23,6 +23,9 @@ HERE = Path(__file__).resolve().parent
 STEPS = 6
 RUN = ["data.seq_len=512", "train.chunk_size=256", "train.page_size=64", "train.lr=0.01",
        "train.warmup_steps=2", "train.device=cpu", f"train.steps={STEPS}", "train.export=false"]
+# How long a test waits for a process to reach a point or to end. The tests wait on events (a marker file, the
+# process's exit), never on a time: this bound only ends a hang, so a slow or loaded machine does not reach it.
+HANG_S = 600.0
 
 
 def losses(run: Path) -> dict[int, float | None]:
@@ -53,18 +56,14 @@ def command(fault: str | None, *args: str) -> list[str]:
 
 def run_process(fault: str | None, *args: str, fault_step: int | None = None,
                 fault_batch: int | None = None, disk: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(command(fault, *args), capture_output=True, text=True, timeout=300,
+    return subprocess.run(command(fault, *args), capture_output=True, text=True, timeout=HANG_S,
                           env=_env(fault_step, None, fault_batch, disk))
 
 
 def start_process(fault: str | None, *args: str, fault_step: int | None = None,
-                  marker: Path | None = None, fault_batch: int | None = None, sleep: float | None = None
-                  ) -> subprocess.Popen:
-    env = _env(fault_step, marker, fault_batch)
-    if sleep is not None:
-        env["FAULT_SLEEP"] = str(sleep)
+                  marker: Path | None = None, fault_batch: int | None = None) -> subprocess.Popen:
     return subprocess.Popen(command(fault, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+                            env=_env(fault_step, marker, fault_batch))
 
 
 def leftovers(run: Path) -> list[str]:
@@ -81,14 +80,35 @@ def leftovers(run: Path) -> list[str]:
     return found
 
 
-def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = HANG_S) -> None:
+    """Until ``condition()`` holds; fails at once if the process ends first (``timeout`` only ends a hang)."""
+    deadline = time.monotonic() + timeout
     while not condition():
         if proc.poll() is not None:
             out, err = proc.communicate()
             raise AssertionError(f"the run ended before {what}: rc {proc.returncode}\n{out[-2000:]}\n{err[-2000:]}")
-        assert time.time() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.communicate()
+            raise AssertionError(f"no {what} after {timeout:.0f} s: the run hangs (killed)")
         time.sleep(0.02)
+
+
+def finish(proc: subprocess.Popen, timeout: float = HANG_S) -> tuple[str, str]:
+    """The process's (stdout, stderr) once it has ended; one that has not ended after ``timeout`` (a hang, not a
+    slow machine) is killed and the test fails."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"the run did not end within {timeout:.0f} s (killed)\n{out[-2000:]}\n{err[-2000:]}"
+                             ) from None
+
+
+def signalled(marker: Path) -> Path:
+    """The file inject.py touches once oomb's signal handler has taken a run's first SIGINT/SIGTERM."""
+    return marker.with_name(marker.name + ".signalled")
 
 
 def send(proc: subprocess.Popen, signum: int) -> None:

@@ -4,16 +4,22 @@
 
 FAULT_STEP (1-based) is the step the fault hits; FAULT_BATCH (1-based, default 1) which of
 its train.grad_accum batches the slow-chunk and out-of-memory faults hit; FAULT_MARKER, a
-file created when the fault point is reached (so a test knows when to send its signal).
+file created when the fault point is reached (so a test knows when to send its signal), and
+FAULT_MARKER.signalled once oomb's handler has taken the run's first SIGINT/SIGTERM. The faults that
+wait for a test's signal wait for it, not for a time: PAUSE only ends a process whose test is gone.
 
-    slow-chunk      chunk 1 of step FAULT_STEP sleeps FAULT_SLEEP s (1.5) in layer 0 (a signal lands mid-step)
-    slow-save       the save of checkpoint FAULT_STEP sleeps 1.5 s after its first file
+    slow-chunk      chunk 1 of step FAULT_STEP waits in layer 0 until oomb's handler took a signal (a signal
+                    lands mid-step)
+    slow-save       the save of checkpoint FAULT_STEP pauses after its first file (a second signal kills it there)
     oom-cuda        layer 0 raises torch.OutOfMemoryError in the backward stage of step FAULT_STEP
     oom-host        layer 0 asks the CPU allocator for 32 TiB (a real failed allocation)
     memoryerror     layer 0 asks Python for 32 TiB (a real MemoryError)
     oom-optimizer   AdamW.step raises torch.OutOfMemoryError in step FAULT_STEP
     poison-update   AdamW.step of step FAULT_STEP leaves an inf in the first weight (finite gradients)
-    slow-build      building the model sleeps 60 s after touching FAULT_MARKER (Ctrl-C before the first step)
+    slow-build      building the model pauses after touching FAULT_MARKER (Ctrl-C before the first step)
+    slow-data       reading the data pauses after touching FAULT_MARKER (Ctrl-C before the run folder is made)
+    crash           layer 0 raises a RuntimeError (an error oomb does not expect) in the backward stage of step
+                    FAULT_STEP
     nan             layer 0's output gets an inf in chunk 1 of step FAULT_STEP (forward and diagnosis)
     full:WHAT       just before WHAT is written, fill the (small, test-mounted) file system FAULT_DISK holding
                     the run: the write then fails for real (ENOSPC from the kernel). WHAT: lock, config,
@@ -24,7 +30,7 @@ file created when the fault point is reached (so a test knows when to send its s
     readonly:WHAT   the same point, but the file system is remounted read-only (EROFS)
     pause:WHAT      in checkpoint FAULT_STEP's write, just before WHAT is written (model.safetensors, optimizer.pt,
                     rng.pt, state.json, manifest.json), just after the folder is renamed into place (publish),
-                    or once latest.tmp is written but not renamed (latest): touch FAULT_MARKER and sleep, for
+                    or once latest.tmp is written but not renamed (latest): touch FAULT_MARKER and pause, for
                     a kill -9
 """
 
@@ -42,10 +48,12 @@ import torch
 
 import oomb
 import oomb.train.checkpoint as checkpoint
+import oomb.train.faults as faults
 import oomb.train.inputs as inputs
 import oomb.train.monitor as monitor
 import oomb.train.run as run_module
 import oomb.train.rundir as rundir
+import oomb.train.runfiles as runfiles
 import oomb.train.trainer as trainer
 from oomb.cli import main
 
@@ -56,7 +64,8 @@ FAULT, ARGS = sys.argv[1], sys.argv[2:]
 STEP = int(os.environ.get("FAULT_STEP", "0"))
 BATCH = int(os.environ.get("FAULT_BATCH", "1"))
 MARKER = Path(os.environ.get("FAULT_MARKER", os.devnull))
-SLEEP = float(os.environ.get("FAULT_SLEEP", "1.5"))  # seconds slow-chunk sleeps
+SIGNALLED = MARKER.with_name(MARKER.name + ".signalled") if "FAULT_MARKER" in os.environ else None
+PAUSE = 600.0  # seconds a fault waits for the test's signal at most: only a process whose test is gone sees it end
 CHUNK1_START = 256  # the tests run seq_len 512 in chunks of 256
 current_step = [0]  # 1-based step whose batches the trainer asked for last
 current_batch = [0]  # 1-based: which of that step's batches chunked_backward runs
@@ -72,6 +81,28 @@ def _tracking(batches):
 
 for _kind in (inputs.SyntheticInputs, inputs.TextInputs):
     _kind.batches = _tracking(_kind.batches)
+
+_handle = faults.StopRequest._handle
+signal_taken = [False]
+
+
+def _handle_and_tell(self, signum, frame):
+    first = self.signum is None
+    _handle(self, signum, frame)  # a second signal ends the process in here
+    if first:
+        signal_taken[0] = True
+        if SIGNALLED is not None:
+            SIGNALLED.touch()
+
+
+faults.StopRequest._handle = _handle_and_tell
+
+
+def wait_for_signal() -> None:
+    """Until oomb's handler has taken a signal (the handler runs in this thread, between the short sleeps)."""
+    end = time.monotonic() + PAUSE
+    while not signal_taken[0] and time.monotonic() < end:
+        time.sleep(0.01)
 
 _chunked_backward = oomb.chunked_backward
 
@@ -93,7 +124,7 @@ def layer0_fault(module, args, kwargs, output):
         return None
     if FAULT == "slow-chunk":
         MARKER.touch()
-        time.sleep(SLEEP)
+        wait_for_signal()
     elif FAULT == "nan":
         hidden = output[0] if isinstance(output, tuple) else output
         hidden = hidden.clone()
@@ -108,6 +139,8 @@ def layer0_fault(module, args, kwargs, output):
             torch.empty(2**45, dtype=torch.uint8)
         if FAULT == "memoryerror":
             bytearray(2**45)
+        if FAULT == "crash":
+            raise RuntimeError("injected: an error oomb does not expect")
     return None
 
 
@@ -116,7 +149,7 @@ _build = trainer.build
 
 def build(cfg, device, dtype):
     model = _build(cfg, device, dtype)
-    if FAULT in ("slow-chunk", "nan", "oom-cuda", "oom-host", "memoryerror"):
+    if FAULT in ("slow-chunk", "nan", "oom-cuda", "oom-host", "memoryerror", "crash"):
         model.model.layers[0].register_forward_hook(layer0_fault, with_kwargs=True)
     return model
 
@@ -140,10 +173,20 @@ if FAULT == "slow-build":
 
     def slow_build(cfg, device, dtype):
         MARKER.touch()
-        time.sleep(60)
+        time.sleep(PAUSE)  # Ctrl-C raises KeyboardInterrupt out of it
         return _slow_build(cfg, device, dtype)
 
     trainer.build = slow_build
+
+if FAULT == "slow-data":
+    _slow_inputs = trainer.build_inputs
+
+    def slow_inputs(cfg, config):
+        MARKER.touch()
+        time.sleep(PAUSE)  # Ctrl-C raises KeyboardInterrupt out of it
+        return _slow_inputs(cfg, config)
+
+    trainer.build_inputs = slow_inputs
 
 if FAULT == "oom-optimizer":
     _adamw_step = torch.optim.AdamW.step
@@ -166,7 +209,7 @@ if FAULT == "slow-save":
     def slow_fsync(path):
         if _in_checkpoint(path) and not MARKER.exists():
             MARKER.touch()
-            time.sleep(1.5)
+            time.sleep(PAUSE)  # the test's first signal is taken here, its second ends the process here
         return _fsync(path)
 
     checkpoint.fsync_file = slow_fsync
@@ -192,7 +235,7 @@ def at(point: str) -> None:
         break_disk()
     elif KIND == "pause":
         MARKER.touch()
-        time.sleep(120)
+        time.sleep(PAUSE)  # for the test's kill -9
 
 
 if KIND in ("full", "readonly", "pause"):
@@ -217,13 +260,19 @@ if KIND in ("full", "readonly", "pause"):
     def write_text(self, data, *a, **k):
         if in_step_checkpoint(self):
             at(self.name)
-        latest = self.name == "latest.tmp" and saving[0] == STEP
+        return _write_text(self, data, *a, **k)
+
+    _write_new = runfiles.write_new
+
+    def write_new(path, data):  # write_text_atomic's temporary file
+        latest = Path(path).name == "latest.tmp" and saving[0] == STEP
         if latest and KIND != "pause":
             at("latest")
-        result = _write_text(self, data, *a, **k)
+        _write_new(path, data)
         if latest and KIND == "pause":  # latest.tmp is written, the rename that publishes it has not run
             at("latest")
-        return result
+
+    runfiles.write_new = write_new
 
     def publish_dir(tmp, final):
         _publish(tmp, final)
@@ -250,7 +299,7 @@ if KIND in ("full", "readonly", "pause"):
         setattr(owner, name, wrapped)
 
     before(rundir.RunLock, "acquire", "lock")
-    before(trainer, "write_config", "config")
+    before(rundir, "write_config", "config")
     before(trainer, "roll_back_metrics", "rollback")  # a resumed run moving the lines of steps it will redo
     before(rundir.MetricsLog, "append", "metrics", when=lambda self, record: record["step"] == STEP)
     before(run_module, "export_model", "export")

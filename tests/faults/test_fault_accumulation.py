@@ -6,7 +6,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from faultrun import RUN, assert_resumes_exactly, losses, run_process, start_process, step_of, wait_for
+from faultrun import RUN, assert_resumes_exactly, finish, losses, run_process, start_process, step_of, wait_for
 from tiny_models import tiny_model
 
 from oomb.cli import main
@@ -40,7 +40,7 @@ def test_sigint_in_the_second_accumulated_batch_drops_the_step_and_rewinds_the_d
     proc = start_process("slow-chunk", f"out_dir={run}", *text_run, fault_step=3, fault_batch=2, marker=marker)
     wait_for(marker.exists, proc, "batch 2 of step 3")
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    out, err = finish(proc)
     assert proc.returncode == EXIT_INTERRUPTED, (out, err)
     assert "interrupted by SIGINT after step 2 of 6 (step 3 was in progress and is dropped" in out
     ckpt = find_checkpoint(run)

@@ -21,6 +21,7 @@ from faultrun import (
     STEPS,
     assert_resumes_exactly,
     fill_disk,
+    finish,
     leftovers,
     losses,
     run_process,
@@ -160,7 +161,7 @@ def test_kill_9_at_each_point_of_a_checkpoint_write_resumes_exactly(tmp_path, st
                          marker=marker)
     wait_for(marker.exists, proc, f"checkpoint 4's write at {point}")
     proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=30)
+    finish(proc)
     assert proc.returncode == -signal.SIGKILL
     assert find_checkpoint(run).name == "step-00000002"  # latest still names the previous checkpoint
     verify_checkpoint(find_checkpoint(run))
@@ -173,7 +174,7 @@ def test_kill_9_during_the_very_first_latest_write_resumes_from_that_checkpoint(
     proc = start_process("pause:latest", f"out_dir={run}", "train.save_every=2", *RUN, fault_step=2, marker=marker)
     wait_for(marker.exists, proc, "the first write of latest")
     proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=30)
+    finish(proc)
     assert not (run / "checkpoints" / LATEST).exists() and (run / "checkpoints" / "step-00000002").is_dir()
     assert find_checkpoint(run).name == "step-00000002"  # found without latest
     assert_resumes_exactly(run, straight)

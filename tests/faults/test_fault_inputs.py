@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from faultrun import RUN, leftovers, losses, run_process, start_process, wait_for
+from faultrun import RUN, finish, leftovers, losses, run_process, start_process, wait_for
+from helpers import overridden
 
 import oomb.train.trainer as trainer
 from oomb.cli import main
@@ -56,7 +57,7 @@ def refused(capsys, *args) -> str:
     ("train.grad_clip=-1", "train.grad_clip must be >= 0"),
 ])
 def test_out_of_range_numbers_are_refused_before_any_work(tmp_path, capsys, no_build, override, message):
-    out = refused(capsys, f"out_dir={tmp_path / 'run'}", *RUN, override)
+    out = refused(capsys, f"out_dir={tmp_path / 'run'}", *overridden(RUN, override))
     assert message in out, out
     assert not (tmp_path / "run").exists()
 
@@ -104,8 +105,8 @@ def test_ctrl_c_before_the_first_step_leaves_nothing_and_prints_no_traceback(tmp
     run, marker = tmp_path / "run", tmp_path / "building"
     proc = start_process("slow-build", f"out_dir={run}", *RUN, marker=marker)
     wait_for(marker.exists, proc, "the model build")
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    proc.send_signal(signal.SIGINT)  # the build waits for it: nothing here depends on how fast the machine is
+    out, err = finish(proc)
     assert proc.returncode == EXIT_SIGINT, (out, err)
     assert "interrupted before the first step: nothing was trained; nothing was left behind" in " ".join(out.split())
     assert "Traceback" not in err and not run.exists()
@@ -226,7 +227,7 @@ def test_data_that_goes_missing_during_the_run_stops_it_after_a_checkpoint_and_i
     data.mkdir()
     for i in range(40):  # a file per document: each step opens files it has not read yet
         (data / f"doc{i:02d}.txt").write_text(f"document {i}: " + "the quick brown fox. " * (3 + i % 5))
-    args = [f"model.path={model}", "data.task=text", f"data.paths=[{data}]", "train.steps=4", *RUN]
+    args = [f"model.path={model}", "data.task=text", f"data.paths=[{data}]", *overridden(RUN, "train.steps=4")]
     assert main(["train", f"out_dir={tmp_path / 'straight'}", *args]) == 0
     saved = tmp_path / "saved"
     shutil.copytree(data, saved)

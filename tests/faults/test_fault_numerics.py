@@ -86,17 +86,16 @@ def test_diagnosis_finds_the_first_layer_or_reports_a_finite_forward():
 
 
 def test_a_stop_before_any_checkpoint_offers_a_command_that_runs(tmp_path, capsys):
-    # Non-finite in step 1, no checkpoint yet: `resume=` would be refused, so the advice starts the run's own
-    # config again in a new folder, which runs.
+    # Non-finite in step 1, no checkpoint yet: `resume=` starts the run again from step 1 with its config and
+    # the lower learning rate the advice names, in the same folder.
     run = tmp_path / "run"
     proc = run_process("nan", f"out_dir={run}", *RUN, fault_step=1)
     assert proc.returncode == EXIT_NONFINITE, (proc.stdout, proc.stderr)
     out = " ".join(proc.stdout.split())
-    assert "the run has no checkpoint yet" in out and "resume=" not in out
-    advice = f"oomb train {run / 'config.json'} out_dir={run}-2 train.lr=0.005"
-    assert advice in out
-    assert main([*advice.split()[1:], "train.steps=1"]) == 0
-    assert sorted(losses(tmp_path / "run-2")) == [1]
+    advice = f"oomb train resume={run} train.lr=0.005"
+    assert advice in out, out
+    assert main([*advice.split()[1:]]) == 0
+    assert sorted(losses(run)) == list(range(1, STEPS + 1))
 
 
 def test_a_model_that_starts_non_finite_is_named_not_blamed_on_the_learning_rate(tmp_path, capsys):

@@ -2,9 +2,8 @@
 a second signal kills it at once, even in the middle of a checkpoint write, and nothing is damaged."""
 
 import signal
-import time
 
-from faultrun import RUN, assert_resumes_exactly, losses, start_process, step_of, wait_for
+from faultrun import RUN, assert_resumes_exactly, finish, losses, signalled, start_process, step_of, wait_for
 
 from oomb.train.checkpoint import find_checkpoint, list_checkpoints, verify_checkpoint
 from oomb.train.faults import EXIT_INTERRUPTED
@@ -16,7 +15,7 @@ def test_sigterm_between_or_during_steps_checkpoints_and_resumes(tmp_path, strai
     wait_for(lambda: (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2,
              proc, "two steps")
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = finish(proc)
     assert proc.returncode == EXIT_INTERRUPTED, (out, err)
     ckpt = find_checkpoint(run)
     done = step_of(ckpt)
@@ -31,7 +30,7 @@ def test_sigint_mid_step_drops_the_step_and_resumes(tmp_path, straight):
     proc = start_process("slow-chunk", f"out_dir={run}", *RUN, fault_step=3, marker=marker)
     wait_for(marker.exists, proc, "step 3's second chunk")
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    out, err = finish(proc)
     assert proc.returncode == EXIT_INTERRUPTED, (out, err)
     assert "SIGINT received: dropping the step in progress" in err
     assert "interrupted by SIGINT after step 2 of 6 (step 3 was in progress and is dropped" in out
@@ -45,9 +44,9 @@ def test_second_signal_during_a_checkpoint_write_kills_at_once_and_damages_nothi
     proc = start_process("slow-save", f"out_dir={run}", "train.save_every=2", *RUN, fault_step=4, marker=marker)
     wait_for(marker.exists, proc, "the write of checkpoint 4")
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)  # the first signal is handled (the save sleeps 1.5 s): the second must not wait for it
+    wait_for(signalled(marker).exists, proc, "the first SIGINT's handling")  # the save pauses until killed
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    out, err = finish(proc)
     assert proc.returncode == -signal.SIGINT, (proc.returncode, out, err)  # killed by the signal's default action
     assert "Send it again to stop at once" in err
     assert [c.name for c in list_checkpoints(run)] == ["step-00000002"]  # no half-written step-00000004

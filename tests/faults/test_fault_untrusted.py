@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from faultrun import HERE, RUN, losses, run_process, start_process, wait_for
+from faultrun import HANG_S, HERE, RUN, finish, losses, run_process, start_process, wait_for
+from helpers import overridden
 
 import oomb.train.trainer as trainer
 from oomb.cli import main
@@ -101,7 +102,7 @@ def test_remote_code_runs_only_when_trusted(tmp_path, capsys):
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "oomb.cli", "train", f"model.path={folder}",
                            "model.trust_remote_code=true", f"out_dir={tmp_path / 'run2'}", *RUN],
-                          capture_output=True, text=True, env=env, timeout=300)
+                          capture_output=True, text=True, env=env, timeout=HANG_S)
     assert marker.exists(), (proc.stdout, proc.stderr)
 
 
@@ -136,7 +137,7 @@ def test_every_path_is_checked_before_any_work(tmp_path, monkeypatch, case, matc
         "resume-not-a-run": [f"resume={tmp_path / 'empty'}"],
         "resume-no-config": [f"resume={fake_run}"],
     }[case]
-    cfg = load_config(None, [*RUN, f"out_dir={tmp_path / 'out'}", *args])
+    cfg = load_config(None, overridden([*RUN, f"out_dir={tmp_path / 'out'}"], *args))
     with pytest.raises(ConfigError, match=match):
         trainer.train(cfg)
     assert not (tmp_path / "out").exists()
@@ -221,11 +222,11 @@ def test_two_processes_resuming_one_run_train_once(tmp_path, straight):
     """A real second process: the first holds the lock while it trains; the second is refused at once."""
     run, marker = tmp_path / "run", tmp_path / "slow"
     shutil.copytree(straight, run)
-    first = start_process("slow-chunk", f"resume={run}", "train.steps=8", fault_step=7, marker=marker, sleep=60)
+    first = start_process("slow-chunk", f"resume={run}", "train.steps=8", fault_step=7, marker=marker)
     wait_for(marker.exists, first, "the first process's step 7")
     second = run_process(None, f"resume={run}", "train.steps=8")
     assert second.returncode == 2 and f"process {first.pid}" in " ".join(second.stdout.split()), second.stdout
-    first.send_signal(signal.SIGINT)  # no need to wait out the sleep: stop it the documented way
-    out, err = first.communicate(timeout=120)
+    first.send_signal(signal.SIGINT)  # step 7 waits for it: stop it the documented way
+    out, err = finish(first)
     assert first.returncode == EXIT_INTERRUPTED, (out, err)
     assert sorted(losses(run)) == list(range(1, 7))  # the second process wrote nothing

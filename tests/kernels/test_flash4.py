@@ -11,7 +11,8 @@ from flash_standin import FallbackSpy, TorchFlash
 from helpers import assert_close_rel
 from paged_inputs import make_problem, random_doc_start, random_page_select
 
-from oomb.kernels import AttentionBackend, flash4_unavailable, get_backend, reference
+import oomb.kernels as kernels_package
+from oomb.kernels import AttentionBackend, flash4, flash4_unavailable, get_backend, reference
 from oomb.kernels.flash4 import Flash4Attention, key_layout, key_segments
 
 REFERENCE = AttentionBackend("torch", reference.paged_attention_forward, reference.paged_attention_backward)
@@ -296,6 +297,14 @@ def test_the_fa4_wrapper_hands_each_direction_its_own_block_lists(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
 
     assert FlashAttention4(block_sparse=False).block_sparse_blocks(128) is None
+    # The default (kernels/__init__.py says so): offered unless the environment variable is "0".
+    monkeypatch.delenv(flash4.BLOCK_SPARSE_ENV, raising=False)
+    assert FlashAttention4().block_sparse_blocks(128) == (128, 128)
+    monkeypatch.setenv(flash4.BLOCK_SPARSE_ENV, "0")
+    assert FlashAttention4().block_sparse_blocks(128) is None
+    doc = " ".join(kernels_package.__doc__.split())
+    assert "Page-sparse selections run on FA4's block sparsity by default" in doc
+    assert f"``{flash4.BLOCK_SPARSE_ENV}=0`` turns it off" in doc
     fa4 = FlashAttention4(block_sparse=True)
     assert fa4.block_sparse_blocks(128) == (128, 128)
     assert fa4.block_sparse_blocks(256) is None

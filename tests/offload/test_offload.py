@@ -100,7 +100,7 @@ def test_offload_store_refuses_misuse():
 
 def test_synchronous_debug_mode_is_read_from_the_environment(monkeypatch):
     """OOMB_OFFLOAD_SYNC=1 (the race-vs-logic switch of docs/offload.md): same gradients, flag set."""
-    from oomb.offload.store import SYNC_ENV
+    from oomb.offload.copy import SYNC_ENV
 
     model = tiny_model("llama")
     ids = torch.randint(0, VOCAB, (1, 70))

@@ -103,7 +103,9 @@ def test_train_refuses_a_used_out_dir(tmp_path, capsys):
     assert (out / "metrics.jsonl").read_text() == "precious\n"
     (out / "config.json").write_text("{}")  # a run's folder: the message says how to continue it
     assert main(["train", f"out_dir={out}", "train.steps=1"]) == 2
-    assert f"or continue that run with resume='{out}'" in capsys.readouterr().out.replace("\n", "")
+    said = capsys.readouterr().out
+    assert "of a run that stopped before its first checkpoint; oomb never overwrites a run" in said
+    assert f"oomb train resume={out}\n" in said  # a command that works as printed
 
 
 def test_train_refuses_bad_settings_before_work(tmp_path, capsys):

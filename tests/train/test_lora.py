@@ -28,9 +28,10 @@ def test_all_linear_adapts_every_linear_but_the_head_and_the_plan_counts_them():
     model = build(cfg, torch.device("cpu"), torch.float32)
     adapted = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
     assert adapted == LINEARS  # not lm_head
-    assert set(lora_target_names(cfg)) == LINEARS
+    counted = count_parameters(model_config(cfg), 4, lora_target_names(cfg))
+    assert set(counted.lora_modules) == LINEARS  # the plan adapts what the run adapts
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert sum(count_parameters(model_config(cfg), 4, lora_target_names(cfg)).lora) == trainable
+    assert sum(counted.lora) == trainable
     default = load_config(None, ["lora.r=4"])
     assert lora_target_names(default) == ("q_proj", "k_proj", "v_proj", "o_proj")  # the default, unchanged
 

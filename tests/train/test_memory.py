@@ -4,10 +4,11 @@ import json
 
 import pytest
 import torch
+from planning import longest_of, plan_of, plan_run
 
 import oomb.train.memory as memory
 from oomb.cli import main
-from oomb.engine.plan import HOST_PROCESS_BYTES, largest_context, plan_memory
+from oomb.engine.plan import HOST_PROCESS_BYTES
 from oomb.engine.timing import PageSparsity, predict_step_seconds
 from oomb.train.config import ConfigError, offload_gpu_allowance
 from oomb.train.presets import preset_config
@@ -26,7 +27,7 @@ def _limit_host(monkeypatch, host_bytes):
 def test_train_refuses_a_run_that_does_not_fit_and_writes_nothing(tmp_path, capsys, monkeypatch):
     host = HOST_PROCESS_BYTES + 96 * 2**20
     _limit_host(monkeypatch, host)
-    longest = largest_context(preset_config("tiny"), host_total_bytes=host, **TINY)
+    longest = longest_of(preset_config("tiny"), host_total_bytes=host, **TINY)
     assert 256 <= longest < 65536
     out = tmp_path / "out"
     assert main(["train", f"out_dir={out}", "data.seq_len=65536", *FAST]) == 2
@@ -51,7 +52,7 @@ def test_refusal_names_the_settings_that_would_fit(monkeypatch):
     cfg = load_run_config(None, ["model.preset=qwen2.5-0.5b", "data.seq_len=65536", "train.chunk_size=8192",
                                         "train.device=cpu", "model.dtype=bfloat16", "train.master_weights=true"])
     settings = dict(TINY, chunk_size=8192, page_size=128, dtype=torch.bfloat16, master_weights=True)
-    need = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings).host_bytes
+    need = plan_of(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings).host_bytes
     _limit_host(monkeypatch, need - 2**30)
     with pytest.raises(ConfigError) as err:
         memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16)
@@ -62,7 +63,7 @@ def test_refusal_names_the_settings_that_would_fit(monkeypatch):
                "train.optimizer=adamw8bit": {"optimizer": "adamw8bit"},
                "train.master_weights=false": {"master_weights": False}, "lora.r=16": {"lora_r": 16}}
     for fix, change in changes.items():
-        fits = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=65536, **{**settings, **change},
+        fits = plan_of(preset_config("qwen2.5-0.5b"), seq_len=65536, **{**settings, **change},
                            host_total_bytes=need - 2**30).fits
         assert (fix in msg) == fits, fix
 
@@ -76,11 +77,11 @@ def test_plan_cli_prints_the_tiny_preset(capsys):
     assert main(["plan", "--json", "--host-memory", "64GiB", "data.seq_len=4096", "train.device=cpu"]) == 0
     got = json.loads(capsys.readouterr().out)
     # train.chunk_size=auto and train.cache_attention=auto: on CPU chunks of 1024 (at most), cached where it fits
-    want = plan_memory(preset_config("tiny"), seq_len=4096, chunk_size=1024, page_size=128, dtype=torch.float32,
+    want = plan_of(preset_config("tiny"), seq_len=4096, chunk_size=1024, page_size=128, dtype=torch.float32,
                        device_type="cpu", host_total_bytes=64 * 2**30, cache_attention=True)
     assert got["items"] == want.to_dict()["items"] and got["host_bytes"] == want.host_bytes
     # The longest context is the longest over what auto may pick (here: the smallest chunk, no cache).
-    longest = {(chunk, cache): largest_context(preset_config("tiny"), chunk_size=chunk, page_size=128,
+    longest = {(chunk, cache): longest_of(preset_config("tiny"), chunk_size=chunk, page_size=128,
                                                dtype=torch.float32, device_type="cpu", host_total_bytes=64 * 2**30,
                                                cache_attention=cache)
                for chunk in (1024, 512, 256, 128) for cache in (True, False)}
@@ -129,8 +130,8 @@ def test_auto_master_weights_are_dropped_when_only_the_run_without_them_fits(mon
     overrides = ["model.preset=qwen2.5-0.5b", "data.seq_len=65536", "train.chunk_size=8192", "train.device=cpu",
                  "model.dtype=bfloat16"]
     settings = dict(TINY, chunk_size=8192, page_size=128, dtype=torch.bfloat16)
-    with_masters = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings, master_weights=True)
-    without = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings, master_weights=False)
+    with_masters = plan_of(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings, master_weights=True)
+    without = plan_of(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings, master_weights=False)
     assert without.host_bytes < with_masters.host_bytes
     _limit_host(monkeypatch, (without.host_bytes + with_masters.host_bytes) // 2)
     cfg = load_run_config(None, overrides)
@@ -151,8 +152,8 @@ def test_auto_attention_cache_is_on_only_where_it_fits(monkeypatch):
     overrides = ["model.preset=qwen2.5-0.5b", "data.seq_len=65536", "train.chunk_size=8192", "train.device=cpu",
                  "model.dtype=bfloat16", "train.master_weights=false"]
     settings = dict(TINY, chunk_size=8192, page_size=128, dtype=torch.bfloat16)
-    cached = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings, cache_attention=True)
-    plain = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings)
+    cached = plan_of(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings, cache_attention=True)
+    plain = plan_of(preset_config("qwen2.5-0.5b"), seq_len=65536, **settings)
     assert plain.host_bytes < cached.host_bytes
     _limit_host(monkeypatch, cached.host_bytes + 2**30)
     cfg = load_run_config(None, overrides)
@@ -188,10 +189,9 @@ def test_offload_gpu_memory_is_checked_and_settled_by_the_plan(monkeypatch):
     assert offload_gpu_allowance(cfg) == 0
     memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16)
     assert cfg.train.offload_gpu_memory == "0"
-    settings = memory._settings(load_run_config(None, [*base, "train.offload_gpu_memory=auto"]), "cuda",
-                                torch.bfloat16)
-    plan = plan_memory(preset_config("qwen2.5-0.5b"), seq_len=131072, **settings,
-                       device_total_bytes=80 * 2**30, host_total_bytes=64 * 2**30)
+    planned = memory.planned_step(load_run_config(None, [*base, "train.offload_gpu_memory=auto"]), "cuda",
+                                  torch.bfloat16)
+    plan = plan_run(preset_config("qwen2.5-0.5b"), planned, 80 * 2**30, 64 * 2**30, seq_len=131072)
     assert plan.settings["offload_resident_layers"] == 24  # 3 GiB of pages fit the GPU's headroom whole
     assert {i.name: i.host_bytes for i in plan.items}["offloaded pages"] == 0
 
@@ -225,9 +225,9 @@ def test_a_cap_on_a_chunks_pages_shrinks_the_offload_slots_in_the_plan():
             "train.chunk_size=8192", "data.seq_len=1048576"]
     device = {}
     for cap in ("auto", "null"):
-        settings = memory._settings(load_run_config(None, [*base, f"train.chunk_pages={cap}"]), "cuda",
-                                    torch.bfloat16)
-        plan = plan_memory(preset_config("qwen2.5-7b"), seq_len=1048576, **settings)
+        planned = memory.planned_step(load_run_config(None, [*base, f"train.chunk_pages={cap}"]), "cuda",
+                                      torch.bfloat16)
+        plan = plan_run(preset_config("qwen2.5-7b"), planned, seq_len=1048576)
         device[cap] = {i.name: i.gpu_bytes for i in plan.items}["paged store (device part)"]
         assert plan.settings["chunk_pages"] == (64 if cap == "auto" else None)
     # Two slots of (64 blocks x 64 pages, or 64 pages) + the chunk's 64, each of 28 KiB per token x 128 tokens

@@ -5,11 +5,11 @@ import json
 
 import pytest
 import torch
+from planning import longest_run, plan_of, plan_run
 
 import oomb.train.memory as memory
 from oomb.cli import main
 from oomb.engine import fused_ops
-from oomb.engine.plan import largest_context, plan_memory
 from oomb.train.checks import check_config
 from oomb.train.config import ConfigError, config_json, load_config, settled_chunk_size
 from oomb.train.presets import preset_config
@@ -66,11 +66,10 @@ def test_auto_is_at_least_every_fixed_choice_and_the_order_of_choices_does_not_m
     # The same answer whichever setting is settled first: every order of the choices auto may take.
     cfg = load_config(None, [*OFFLOAD_7B, "data.seq_len=65536"])
     choices = memory.auto_choices(cfg, "cuda")
-    settings = memory._settings(cfg, "cuda", torch.bfloat16)
-    limits = dict(device_total_bytes=H200["gpu_bytes"], host_total_bytes=H200["host_bytes"])
+    planned = memory.planned_step(cfg, "cuda", torch.bfloat16)
     config = preset_config("qwen2.5-7b")
     for order in (choices, choices[::-1], sorted(choices, key=lambda c: (c["chunk_size"], c["master_weights"]))):
-        assert largest_context(config, choices=order, **settings, **limits) == auto_longest
+        assert longest_run(config, planned, order, H200["gpu_bytes"], H200["host_bytes"]) == auto_longest
 
 
 def test_a_long_seq_len_reports_the_longest_that_fits_never_zero():
@@ -99,10 +98,10 @@ def test_the_chunk_and_cache_for_7b_on_an_h200(monkeypatch, seq_len, chunk, cach
     choices = memory.auto_choices(cfg := load_config(None, ["model.preset=qwen2.5-7b", f"data.seq_len={seq_len}"]),
                                   "cuda", seq_len)
     chosen = choices.index(dict(master_weights=False, chunk_size=chunk, cache_attention=cache, recompute="layer-host"))
-    settings = memory._settings(cfg, "cuda", torch.bfloat16)
+    planned = memory.planned_step(cfg, "cuda", torch.bfloat16)
     for choice in choices[:chosen]:
-        assert not plan_memory(preset_config("qwen2.5-7b"), seq_len=seq_len, **{**settings, **choice},
-                               device_total_bytes=H200["gpu_bytes"], host_total_bytes=H200["host_bytes"]).fits
+        assert not plan_run(preset_config("qwen2.5-7b"), planned, H200["gpu_bytes"], H200["host_bytes"],
+                            seq_len=seq_len, **choice).fits
 
 
 def test_auto_chunk_order_smaller_gpus_and_short_sequences(monkeypatch):
@@ -238,7 +237,7 @@ def test_train_states_the_choice_and_a_resume_keeps_the_recorded_chunk(tmp_path,
     run = tmp_path / "run"
     base = ["data.seq_len=1024", "train.page_size=64", "train.device=cpu", "train.export=false", "train.lr=0.01"]
     settings = dict(seq_len=1024, page_size=64, dtype=torch.float32, device_type="cpu")
-    need = {c: plan_memory(preset_config("tiny"), chunk_size=c, **settings).host_bytes for c in (512, 256)}
+    need = {c: plan_of(preset_config("tiny"), chunk_size=c, **settings).host_bytes for c in (512, 256)}
     assert need[256] < need[512]
     monkeypatch.setattr(memory, "available_memory", lambda device: (None, need[256]))  # room for chunks of 256
     assert main(["train", f"out_dir={run}", "train.steps=1", *base]) == 0

@@ -8,11 +8,12 @@ import shutil
 import pytest
 import torch
 from helpers import rel_err
+from planning import plan_of
 from tiny_models import FAMILIES, tiny_model
 
 import oomb
 from oomb.cli import main
-from oomb.engine.plan import LoraShape, ModelShape, measure_saved_activations, plan_memory, saved_bytes_per_token
+from oomb.engine.plan import LoraShape, ModelShape, measure_saved_activations, saved_bytes_per_token
 from oomb.engine.quantize import nf4_weight_bytes, quantized_linear_names
 from oomb.train.checkpoint import find_checkpoint, load_weights
 from oomb.train.config import ConfigError, load_config
@@ -83,11 +84,11 @@ def test_planned_parameter_bytes_are_what_the_quantized_model_holds(tmp_path, so
     where = f"model.path={tmp_path / 'm'}" if source == "folder" else "model.preset=tiny"
     cfg = load_config(None, [where, *QLORA, "train.device=cpu"])
     model = build(cfg, torch.device("cpu"), torch.float32)
-    plan = plan_memory(model_config(cfg), seq_len=256, chunk_size=128, page_size=64, dtype=torch.float32,
+    plan = plan_of(model_config(cfg), seq_len=256, chunk_size=128, page_size=64, dtype=torch.float32,
                        device_type="cpu", lora_r=8, lora_targets=lora_target_names(cfg), quantize="nf4")
     params = {i.name: i.host_bytes for i in plan.items}["parameters"]
     assert params == _storage_bytes(model)
-    full = plan_memory(model_config(cfg), seq_len=256, chunk_size=128, page_size=64, dtype=torch.float32,
+    full = plan_of(model_config(cfg), seq_len=256, chunk_size=128, page_size=64, dtype=torch.float32,
                        device_type="cpu", lora_r=8, lora_targets=lora_target_names(cfg))
     assert params < {i.name: i.host_bytes for i in full.items}["parameters"]
     assert nf4_weight_bytes(64 * 64) == 2048 + 64 + 4 + 16 * 4 + 256 * 4 + 4  # codes, absmax, nested, tables

@@ -147,10 +147,10 @@ def test_a_held_out_fraction_that_holds_nothing_is_refused(tmp_path):
     (tmp_path / "one.txt").write_text("a single document: a text file is held out whole, or not at all")
     config = preset_config("tiny")
     config.vocab_size = 300
-    args = [*FAST, "data.task=text", f"data.paths=[{tmp_path / 'one.txt'}]", "data.val_fraction=0.01"]
-    inputs = build_inputs(load_config(None, args), config)  # the file is not held out: nothing to validate on
+    args = [*FAST, "data.task=text", f"data.paths=[{tmp_path / 'one.txt'}]"]
+    inputs = build_inputs(load_config(None, [*args, "data.val_fraction=0.01"]), config)  # the file is not held out: nothing to validate on
     with pytest.raises(ConfigError, match="data.val_fraction: no row to read: .*held-out split.*held out whole"):
-        build_validation(load_config(None, args), inputs)
+        build_validation(load_config(None, [*args, "data.val_fraction=0.01"]), inputs)
     with pytest.raises(ConfigError, match="data.paths: no row to read: .*held-out split"):
         build_inputs(load_config(None, [*args, "data.val_fraction=0.999"]), config)  # held out: nothing to train
 
