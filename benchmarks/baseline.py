@@ -50,7 +50,7 @@ def build_stack(preset: str, stack: str):
     """The model as the stack runs it, and its step function ``step(ids)``."""
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss, _apply_liger_kernel_to_instance
 
-    from oomb.train.presets import build_model
+    from oomb.train.config.presets import build_model
 
     model = build_model(preset, dtype=torch.bfloat16, device="cuda", attn_implementation=STACKS[stack])
     _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,

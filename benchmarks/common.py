@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from oomb.train.checkpoint import write_text_atomic
+from oomb.train.runfolder.checkpoint import write_text_atomic
 
 
 def int_list(text: str) -> list[int]:
@@ -65,7 +65,7 @@ def add_grad_accumulation_argument(parser) -> None:
 def use_bench_grad_accumulation(model, args) -> list[str]:
     """Weight gradients added by their matmuls where `oomb train` would add them so (one process, so where
     ``fused_grad_accumulation_applies``) and --grad-accumulation asks; returns the swapped linear layers' names."""
-    from oomb.engine.grad_accumulation import fused_grad_accumulation_applies, use_fused_grad_accumulation
+    from oomb.surgery.grad_accumulation import fused_grad_accumulation_applies, use_fused_grad_accumulation
 
     if args.grad_accumulation != "fused" or not fused_grad_accumulation_applies(model, args.fused_ops):
         return []

@@ -49,15 +49,15 @@ from benchmarks.common import (
 from benchmarks.timeline import format_profile, step_profile
 from benchmarks.tune_attention import CANDIDATES
 from oomb.engine import linear_cross_entropy_sum, store_for_model
-from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
-from oomb.engine.fused_ops import plain_rope, use_fused_ops
-from oomb.engine.grad_accumulation import plain_linears
 from oomb.engine.sizes import ModelShape
-from oomb.engine.timing import step_flops
 from oomb.kernels import get_backend
 from oomb.kernels import tiles as kernel_tiles
+from oomb.planning.timing import step_flops
 from oomb.sparse import DEFAULT_SCORE, SCORES, PageSelection
-from oomb.train.presets import build_model, preset_config
+from oomb.surgery.fused_ops import MODES as FUSED_OPS_MODES
+from oomb.surgery.fused_ops import plain_rope, use_fused_ops
+from oomb.surgery.grad_accumulation import plain_linears
+from oomb.train.config.presets import build_model, preset_config
 
 
 def model_flops(config, seq_len: int) -> float:
@@ -154,9 +154,9 @@ def auto_settings(args) -> dict[int, dict]:
 
     Settled by its memory plan before this process holds a model (the plan counts free memory).
     """
-    from oomb.train.checks import check_config
-    from oomb.train.config import load_config
-    from oomb.train.memory import available_memory, resolve_auto_settings
+    from oomb.train.config.checks import check_config
+    from oomb.train.config.settings import load_config
+    from oomb.train.loop.memory import available_memory, resolve_auto_settings
 
     picked = {}
     for n in args.auto_lengths:
@@ -510,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="how stage 2 rebuilds a chunk in oomb's rows (chunk, layer, layer-host; "
                         "oomb.engine.layer_recompute); a comma list times each row once per mode")
     p.add_argument("--fused-ops", default="auto", choices=FUSED_OPS_MODES,
-                   help="liger's fused RMSNorm/SwiGLU in oomb's rows (oomb.engine.fused_ops); transformers' rows never")
+                   help="liger's fused RMSNorm/SwiGLU in oomb's rows (oomb.surgery.fused_ops); transformers' rows "
+                        "never")
     add_grad_accumulation_argument(p)  # oomb's rows only: transformers' rows get nn.Linear back
     p.add_argument("--tiles", default="default", choices=[name for name, _ in CANDIDATES],
                    help="attention tiles for oomb's rows: a candidate of benchmarks.tune_attention")

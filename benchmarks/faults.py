@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                                "train.chunk_size=131072", "train.steps=2", "train.memory_check=false"]),
                    out / "oom.log")
         verify = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
-                                 "from oomb.train.checkpoint import verify_checkpoint; "
+                                 "from oomb.train.runfolder.checkpoint import verify_checkpoint; "
                                  "verify_checkpoint(Path(sys.argv[1])); print('checkpoint intact')",
                                  str(oom_dir / "checkpoints" / "step-00000001")], capture_output=True, text=True)
         report["forced_oom"] = {"first_exit": first, "exit": code, "log_tail": (out / "oom.log").read_text()[-3000:],

@@ -92,6 +92,11 @@ job train-7b-qlora-vs-lora-128k 'python3 -m benchmarks.train_steps --lengths 131
   --variant qlora "lora.r=16 lora.targets=all-linear model.quantize=nf4" --out "$OUT/train-7b-qlora-vs-lora-128k.json"'
 part qlora 'train-7b-qlora-vs-lora-128k'
 
+# models: presets other than Qwen2.5-7B under `oomb train`, in the settings its memory plan picks.
+job train-gpt-oss-20b-lora 'python3 -m benchmarks.train_steps --preset gpt-oss-20b --lengths 65536,131072 \
+  --steps 2,2 --timeout 150 --keys "lora.r=16 lora.targets=all-linear" --out "$OUT/train-gpt-oss-20b-lora.json"'
+part models 'train-gpt-oss-20b-lora'
+
 # memory: GPU memory against context, 16K to 256K (where transformers runs out).
 job core-7b-memory "$C --lengths 16384,32768,65536,131072 --ckpt-lengths 65536 --hf-lengths 16384,32768 --fused-ops none"
 job core-7b-256k "$C --lengths 16384,262144 --hf-lengths 65536,262144 --fused-ops none"

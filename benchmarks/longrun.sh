@@ -152,7 +152,7 @@ phase() {  # name len batch steps lr [key=value...]; $LIMIT (seconds, empty = no
   fi
   if [ "$rc" = 75 ] && [ -n "${LIMIT:-}" ] && [ -d "$OUT/$name/checkpoints" ] && [ -s "$OUT/$name/metrics.jsonl" ]; then
     echo "phase $name: stopped by the time guard after ${LIMIT} s; its last completed step is saved"
-    python3 -c "import sys; from pathlib import Path; from oomb.train.monitor import plot_run; plot_run(Path(sys.argv[1]))" \
+    python3 -c "import sys; from pathlib import Path; from oomb.train.loop.monitor import plot_run; plot_run(Path(sys.argv[1]))" \
       "$OUT/$name" || true  # training.png (an interrupted run does not draw it)
   elif [ "$rc" = 75 ] && [ -n "${LIMIT:-}" ]; then
     echo "error: phase $name: no step finished within the time guard (${LIMIT} s); raise DEADLINE or" \

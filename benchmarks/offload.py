@@ -39,7 +39,7 @@ Rows, in this order (the JSON is rewritten after every row, so a run cut short k
 
 ``--offload-gpu-memory``: the GPU memory in which every offloaded row's store keeps whole layers' pages
 (StepOptions.offload_gpu_bytes; ``train.offload_gpu_memory``): a size, or ``auto``, what the row's
-plan (no optimizer) leaves free on the GPU less oomb.engine.plan.AUTO_GPU_MARGIN_BYTES, so the pages fill
+plan (no optimizer) leaves free on the GPU less oomb.planning.plan.AUTO_GPU_MARGIN_BYTES, so the pages fill
 the GPU and the host together. Default 0: only the two working layers on the GPU, as in the paper.
 
 ``--fused-ops``: liger's fused RMSNorm, SwiGLU and RoPE as `oomb train` swaps them in (default ``auto``:
@@ -51,7 +51,7 @@ measured on the Triton kernels ran them).
 give the bench a hard timeout as well). ``--device cpu --dtype float32`` runs the same rows on CPU
 with wall-clock timing (tests/bench/test_offload_bench.py).
 
-Every row carries the planner's prediction (oomb.engine.plan.plan_memory, "parameters + gradients,
+Every row carries the planner's prediction (oomb.planning.plan.plan_memory, "parameters + gradients,
 no optimizer": see PLAN_NO_OPTIMIZER) beside the measurement and their ratio.
 """
 
@@ -87,11 +87,11 @@ from benchmarks.common import (
 )
 from benchmarks.timeline import format_profile, profile_streams, step_profile
 from oomb.engine import MemoryLimits, RunShape, StepOptions, store_for_model
-from oomb.engine.fused_ops import MODES as FUSED_OPS_MODES
-from oomb.engine.fused_ops import use_fused_ops
-from oomb.engine.plan import AUTO_GPU_MARGIN_BYTES, plan_memory
 from oomb.kernels import get_backend
+from oomb.planning.plan import AUTO_GPU_MARGIN_BYTES, plan_memory
 from oomb.sparse import PageSelection
+from oomb.surgery.fused_ops import MODES as FUSED_OPS_MODES
+from oomb.surgery.fused_ops import use_fused_ops
 
 GIB = 2**30
 # plan_memory has no "no optimizer" setting: the rows are planned with optimizer="adamw" and
@@ -367,7 +367,7 @@ def _host_alloc_stats(cuda: bool) -> dict | None:
 
 class Bench:
     def __init__(self, args):
-        from oomb.train.presets import build_model
+        from oomb.train.config.presets import build_model
 
         self.args = args
         self.device = torch.device(args.device)
@@ -769,7 +769,8 @@ def _longest_lengths(text: str) -> list[int] | str:
 
 
 def _gpu_memory(text: str) -> int | str:
-    from oomb.train.config import ConfigError, offload_gpu_bytes
+    from oomb.train.config.settings import ConfigError
+    from oomb.train.config.step import offload_gpu_bytes
 
     try:
         return offload_gpu_bytes(text)

@@ -155,7 +155,7 @@ def run(args) -> dict:
 
     steps = [(n, m) for n in args.lengths for m in ("dense", "sparse")] + [(n, "sparse") for n in args.sparse_lengths]
     if steps or args.profile_step:
-        from oomb.train.presets import build_model
+        from oomb.train.config.presets import build_model
 
         model = build_model(args.preset, dtype=torch.bfloat16, device=torch.device("cuda"))
         model.train()

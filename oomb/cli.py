@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                             description="Evaluate a model: perplexity by position on held-out documents "
                             "(--perplexity) and retrieval accuracy over lengths x depths (--retrieval). "
                             "Writes results.json, perplexity.png and retrieval.png to --out. See docs/eval.md.")
-    from oomb.train.evaluate import add_arguments
+    from oomb.train.eval.evaluate import add_arguments
 
     add_arguments(eval_p)
 
@@ -66,12 +66,12 @@ def _version() -> str:
 def _train(args, console: Console) -> int:
     from rich.text import Text
 
-    from oomb.train.config import ConfigError
-    from oomb.train.config_keys import describe_keys
-    from oomb.train.faults import EXIT_CONFIG, RunStopped
-    from oomb.train.presets import preset_names
-    from oomb.train.rundir import load_run_config
-    from oomb.train.trainer import train
+    from oomb.train.config.keys import describe_keys
+    from oomb.train.config.presets import preset_names
+    from oomb.train.config.settings import ConfigError
+    from oomb.train.loop.faults import EXIT_CONFIG, RunStopped
+    from oomb.train.loop.trainer import train
+    from oomb.train.runfolder.rundir import load_run_config
 
     if args.list_keys:
         for key, default, doc in describe_keys():
@@ -97,9 +97,9 @@ def _train(args, console: Console) -> int:
 
 
 def _plan(args, console: Console) -> int:
-    from oomb.train.config import ConfigError
-    from oomb.train.memory import run_plan
-    from oomb.train.rundir import load_run_config
+    from oomb.train.config.settings import ConfigError
+    from oomb.train.loop.memory import run_plan
+    from oomb.train.runfolder.rundir import load_run_config
 
     overrides = list(args.args)
     config_path = overrides.pop(0) if overrides and "=" not in overrides[0] else None
@@ -112,7 +112,7 @@ def _plan(args, console: Console) -> int:
 
 
 def _eval(args, argv: list[str], console: Console) -> int:
-    from oomb.train.evaluate import EvalError, run_eval
+    from oomb.train.eval.evaluate import EvalError, run_eval
 
     try:
         run_eval(args, argv, console)

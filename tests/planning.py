@@ -1,5 +1,5 @@
 """The planner called with one flat set of names, as the tests state settings: each name routed to the StepOptions,
-RunShape or MemoryLimits field it is (the selection's to a PageSelection), then oomb.engine.plan's functions."""
+RunShape or MemoryLimits field it is (the selection's to a PageSelection), then oomb.planning.plan's functions."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 
 from oomb.engine import MemoryLimits, RunShape, StepOptions
 from oomb.engine.options import with_changes
-from oomb.engine.plan import largest_context, plan_first_fitting, plan_memory
+from oomb.planning.plan import largest_context, plan_first_fitting, plan_memory
 from oomb.sparse import PageSelection
 
 _SELECTION = {"page_budget": "page_budget", "select_block": "block", "per_head_selection": "per_head",
@@ -51,7 +51,7 @@ def _choices(choices):
 
 
 def plan_run(config, planned, gpu_bytes=None, host_bytes=None, **change):
-    """The plan of a run's step as ``oomb train`` plans it (``planned``: oomb.train.memory.planned_step), with
+    """The plan of a run's step as ``oomb train`` plans it (``planned``: oomb.train.loop.memory.planned_step), with
     ``change``'s StepOptions or RunShape fields replaced."""
     options, shape, allowance = planned
     options, shape = with_changes(options, shape, change)

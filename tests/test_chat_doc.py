@@ -32,7 +32,7 @@ def test_chat_doc_cpu_part_runs(tmp_path, monkeypatch, capsys):
 
     from transformers import AutoTokenizer
 
-    from oomb.train.chat import ChatTemplate
+    from oomb.train.data.chat import ChatTemplate
 
     tokenizer = AutoTokenizer.from_pretrained(run / "export")
     assert tokenizer.chat_template == Path("chat.jinja").read_text()

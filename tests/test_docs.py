@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from oomb.train.config_keys import describe_keys
+from oomb.train.config.keys import describe_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 

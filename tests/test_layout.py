@@ -5,10 +5,11 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# DESIGN.md: train -> engine -> attention -> kernels/cache/offload/sparse. A part may import its own and lower ones.
-# integrations (oomb's step inside transformers' Trainer and TRL) is user-facing like train, and nothing imports it.
-LAYER = {"integrations": 5, "train": 4, "engine": 3, "attention": 2,
-         "kernels": 1, "cache": 1, "offload": 1, "sparse": 1}
+# DESIGN.md: train -> planning -> engine -> attention -> kernels/cache/offload/sparse/surgery. A part may import its
+# own and lower ones. integrations (oomb's step inside transformers' Trainer and TRL) is user-facing like train, and
+# nothing imports it. surgery (changes made to a model before it trains) imports no other part.
+LAYER = {"integrations": 6, "train": 5, "planning": 4, "engine": 3, "attention": 2,
+         "kernels": 1, "cache": 1, "offload": 1, "sparse": 1, "surgery": 1}
 
 
 def _modules():

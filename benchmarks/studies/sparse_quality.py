@@ -45,9 +45,9 @@ import oomb
 from benchmarks.common import int_list, library_versions
 from oomb.engine import chunked_eval
 from oomb.sparse import PageSelection
-from oomb.train.checkpoint import write_text_atomic
-from oomb.train.data import PasskeyTask
-from oomb.train.eval_metrics import HELD_OUT_STEP, answer_labels, answers_correct, finite_json
+from oomb.train.data.sources import PasskeyTask
+from oomb.train.eval.metrics import HELD_OUT_STEP, answer_labels, answers_correct, finite_json
+from oomb.train.runfolder.checkpoint import write_text_atomic
 
 # The gradient study's sequences: task sequences number GRAD_STEP * grad_samples + i, apart from
 # the training sequences (small numbers) and the retrieval evaluation's (HELD_OUT_STEP * samples + i).

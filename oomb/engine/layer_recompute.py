@@ -78,7 +78,7 @@ def check_layer_recompute(model: PreTrainedModel) -> None:
     it with offload)."""
     from torch.distributed.fsdp import FSDPModule
 
-    from oomb.engine.tensor_parallel import tensor_parallel_group
+    from oomb.surgery.tensor_parallel import tensor_parallel_group
 
     # Layers rebuilt inside the backward: FSDP2's backward hooks do not follow them (two ranks trained differently
     # from one process in a trial), and tensor parallel's collectives inside them are not tested.

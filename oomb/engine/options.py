@@ -8,7 +8,7 @@
                   and how the model was prepared (layer checkpointing, fused ops)
     MemoryLimits  the GPU and host memory a plan is checked against
 
-``oomb train`` builds the first two from its config (oomb.train.config.step_options, oomb.train.memory's
+``oomb train`` builds the first two from its config (oomb.train.config.step.step_options, oomb.train.loop.memory's
 run shape) and hands the same StepOptions to the planner, its steps, its evaluation and the NaN locator;
 ``chunked_backward``'s and ``chunked_eval``'s keyword arguments (StepKeywords) build a StepOptions.
 """
@@ -25,10 +25,10 @@ import torch
 
 from oomb.engine.layer_recompute import RECOMPUTE_MODES
 from oomb.engine.loss import LOSS_IMPLS
-from oomb.engine.quantize import QUANTIZE_KINDS
 from oomb.engine.sizes import OPTIMIZER_KINDS
 from oomb.kernels import BACKEND_NAMES
 from oomb.sparse import PageSelection
+from oomb.surgery.quantize import QUANTIZE_KINDS
 
 
 def require_int(name: str, value, *, minimum: int) -> None:
@@ -190,7 +190,7 @@ class RunShape:
     master_weights: bool = False  # the optimizer steps fp32 copies of 16-bit trainable parameters
     tensor_parallel: int = 1  # ranks the heads are split over
     layer_checkpointing: bool = False  # transformers' own, inside each chunk
-    fused_ops: bool = False  # liger's RMSNorm, SwiGLU and RoPE (oomb.engine.fused_ops)
+    fused_ops: bool = False  # liger's RMSNorm, SwiGLU and RoPE (oomb.surgery.fused_ops)
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "tensor_parallel"):

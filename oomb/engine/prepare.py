@@ -31,10 +31,10 @@ from oomb.engine.loss import IGNORE_INDEX
 from oomb.engine.options import StepOptions
 from oomb.engine.rope import length_held
 from oomb.engine.support import ModelSupport, model_support
-from oomb.engine.tensor_parallel import tensor_parallel_group
 from oomb.kernels import get_backend
 from oomb.offload import OffloadedKVStore
 from oomb.sparse import store_key_summary
+from oomb.surgery.tensor_parallel import tensor_parallel_group
 
 # One store per model, reused across steps so the pools are allocated once.
 _STORES: weakref.WeakKeyDictionary[torch.nn.Module, KVStore] = weakref.WeakKeyDictionary()

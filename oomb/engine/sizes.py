@@ -1,13 +1,13 @@
-"""Sizes a training step's memory is made of, apart from activations (oomb/engine/activations.py).
+"""Sizes a training step's memory is made of, apart from activations (oomb/planning/activations.py).
 
     ModelShape.from_config(config)     the decoder's sizes (a supported architecture, or a clear error)
     config_page_shapes / store_spec    the paged store's layers as a config describes them, and its spec
                                        (its bytes: the stores' own bytes_for)
     count_parameters                   parameters (meta device), the LoRA adapters peft would add and which
-                                       weights a 4-bit base quantizes (oomb/engine/quantize.py)
+                                       weights a 4-bit base quantizes (oomb/surgery/quantize.py)
     optimizer_state_bytes              AdamW / bitsandbytes 8-bit states
 
-The memory planner (oomb/engine/plan.py) adds these up with the activations into one plan.
+The memory planner (oomb/planning/plan.py) adds these up with the activations into one plan.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from oomb.cache import PageShape, StoreSpec
-from oomb.engine.adapters import ALL_LINEAR, lora_numels
-from oomb.engine.quantize import quantized_linear_names
+from oomb.surgery.adapters import ALL_LINEAR, lora_numels
+from oomb.surgery.quantize import quantized_linear_names
 
 OPTIMIZER_KINDS = ("adamw", "adamw8bit", "paged_adamw8bit")
 # bitsandbytes 8-bit optimizers: tensors of at least this many values get 8-bit states with
@@ -145,7 +145,7 @@ class ParameterCounts:
     tensors: tuple[int, ...]  # numel of each parameter tensor
     lora: tuple[int, ...] = ()  # numel of each LoRA adapter tensor (A and B per targeted linear)
     lora_modules: tuple[str, ...] = ()  # last names of the adapted modules (q_proj, ..., experts)
-    split: tuple[bool, ...] = ()  # per tensor: split over tensor parallel ranks (oomb.engine.tensor_parallel)
+    split: tuple[bool, ...] = ()  # per tensor: split over tensor parallel ranks (oomb.surgery.tensor_parallel)
     quantized: tuple[bool, ...] = ()  # per tensor: a weight a 4-bit base holds in NF4 (counted when asked)
 
     def per_rank(self, tensor_parallel: int) -> tuple[int, ...]:
@@ -185,14 +185,14 @@ def _count_parameters(config_json: str, model_type: str, lora_r: int, lora_targe
 def count_parameters(config, lora_r: int = 0, lora_targets: tuple[str, ...] = (), *,
                      quantized: bool = False) -> ParameterCounts:
     """Parameters of ``config``'s causal LM and of the LoRA adapters peft would add on ``lora_targets`` (module
-    names, or ``("all-linear",)``: oomb.engine.adapters); ``quantized``: also which weights a 4-bit base holds in
+    names, or ``("all-linear",)``: oomb.surgery.adapters); ``quantized``: also which weights a 4-bit base holds in
     NF4 (ParameterCounts.quantized)."""
     return _count_parameters(config.to_json_string(use_diff=False), config.model_type, lora_r, tuple(lora_targets),
                              quantized)
 
 
 def optimizer_state_bytes(kind: str, numels: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes of the optimizer's states for trainable tensors of these sizes (see oomb/train/optim.py).
+    """Bytes of the optimizer's states for trainable tensors of these sizes (see oomb/train/loop/optim.py).
 
     ``dtype``: of the tensors the optimizer steps (float32 for fp32 master weights).
     adamw: torch AdamW keeps exp_avg and exp_avg_sq in that dtype. adamw8bit and

@@ -92,7 +92,7 @@ def chunked_backward(
     Accumulates d(loss)/d(param) into ``.grad`` like ``loss.backward()`` and returns the
     mean loss over target tokens as a detached scalar. A peft model (LoRA) is accepted:
     its adapters live inside the wrapped transformers model, which is what runs here.
-    A model split by ``oomb.engine.tensor_parallel`` runs on every rank of its group with the
+    A model split by ``oomb.surgery.tensor_parallel`` runs on every rank of its group with the
     same inputs; each rank's store holds its own KV heads only.
     """
     options = options_from_keywords(options, step_keywords, caller="chunked_backward")

@@ -12,7 +12,7 @@ from planning import plan_of, split
 
 import oomb
 from benchmarks import offload as ob
-from oomb.train.presets import preset_config
+from oomb.train.config.presets import preset_config
 
 GIB = 2**30
 

@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from oomb.train import distributed
-from oomb.train.config import load_config
-from oomb.train.inputs import build_inputs, model_config
-from oomb.train.presets import build_model
+from oomb.train.config.presets import build_model
+from oomb.train.config.settings import load_config
+from oomb.train.data.inputs import build_inputs, model_config
+from oomb.train.loop import distributed
+from oomb.train.loop.gradients import accumulate_gradients
 
 calls = {"all_gather_single": 0, "reduce_scatter_single": 0}
 
@@ -45,7 +46,7 @@ for name in calls:
 steps = []
 for step in range(2):
     before = dict(calls)
-    distributed.accumulate_gradients(model, inputs.batches(step), ctx, cfg)
+    accumulate_gradients(model, inputs.batches(step), ctx, cfg)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     steps.append({name: calls[name] - before[name] for name in calls})

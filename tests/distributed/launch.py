@@ -59,7 +59,7 @@ def assert_export_holds_the_trained_weights(run: Path, tmp_path: Path, steps: in
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM
 
-    from oomb.train.presets import build_model
+    from oomb.train.config.presets import build_model
 
     dcp_to_torch_save(run / "checkpoints" / f"step-{steps:08d}" / "dcp", tmp_path / "full.pt")
     trained = torch.load(tmp_path / "full.pt", weights_only=True)["model"]

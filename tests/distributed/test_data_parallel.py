@@ -29,7 +29,7 @@ from planning import plan_of
 from safetensors.torch import load_file
 
 from oomb.cli import main
-from oomb.train.checkpoint import find_checkpoint, verify_checkpoint
+from oomb.train.runfolder.checkpoint import find_checkpoint, verify_checkpoint
 
 HERE = Path(__file__).resolve().parent
 STEPS = 4
@@ -185,7 +185,7 @@ def test_packed_text_with_document_masks_and_an_untied_head_matches_one_process(
 
 def test_ranks_whose_plans_differ_step_the_smallest_chunk(tmp_path, monkeypatch):
     """train.chunk_size=auto, rank 1 with room for chunks of 128 only: both ranks step chunks of 128."""
-    from oomb.train.presets import preset_config
+    from oomb.train.config.presets import preset_config
 
     args = ["data.seq_len=256", "train.page_size=64", "train.device=cpu", "train.steps=1", "train.export=false"]
     need = plan_of(preset_config("tiny"), seq_len=256, chunk_size=128, page_size=64, dtype=torch.float32,
@@ -197,7 +197,7 @@ def test_ranks_whose_plans_differ_step_the_smallest_chunk(tmp_path, monkeypatch)
     (hook / "sitecustomize.py").write_text(
         "import os\n"
         "if os.environ.get('RANK') == '1':\n"
-        "    import oomb.train.memory as memory\n"
+        "    import oomb.train.loop.memory as memory\n"
         f"    memory.available_memory = lambda device: (None, {need})\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
     proc = torchrun("-m", "oomb.cli", "train", *args, f"out_dir={tmp_path / 'run'}")

@@ -115,7 +115,7 @@ def test_a_degree_that_does_not_divide_the_kv_heads_is_refused():
     from transformers import LlamaConfig
 
     from oomb.engine import TensorParallelError
-    from oomb.engine.tensor_parallel import check_tensor_parallel
+    from oomb.surgery.tensor_parallel import check_tensor_parallel
 
     config = LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=192)
     check_tensor_parallel(config, 3)
@@ -126,8 +126,8 @@ def test_a_degree_that_does_not_divide_the_kv_heads_is_refused():
 
 
 def test_tensor_parallel_without_torchrun_or_with_other_settings_is_refused(monkeypatch, capsys):
-    from oomb.train import distributed
-    from oomb.train.config import ConfigError, load_config
+    from oomb.train.config.settings import ConfigError, load_config
+    from oomb.train.loop import distributed
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["train", "train.tensor_parallel=2", "train.device=cpu", "out_dir=/nonexistent/never"]) != 0
@@ -155,8 +155,8 @@ def test_a_model_whose_kv_heads_the_ranks_cannot_split_is_refused_under_torchrun
 
 def test_plan_divides_the_page_memory_and_the_split_weights_by_the_tensor_parallel_degree():
     """One rank's plan: half the store, and the shards of the split weights (and their AdamW states)."""
-    from oomb.train.config import load_config
-    from oomb.train.inputs import model_config
+    from oomb.train.config.settings import load_config
+    from oomb.train.data.inputs import model_config
 
     config = model_config(load_config(None, ["model.preset=qwen2.5-7b"]))
     one = {i.name: i.gpu_bytes for i in plan_of(config, seq_len=1 << 17).items}
@@ -172,7 +172,7 @@ def test_plan_divides_the_page_memory_and_the_split_weights_by_the_tensor_parall
 def test_the_planner_splits_the_tensors_apply_tensor_parallel_splits(gradients, case):
     from tiny_models import tiny_config
 
-    from oomb.engine.plan import count_parameters
+    from oomb.planning.plan import count_parameters
 
     got = gradients[0][case]
     counts = count_parameters(tiny_config(CASES[case][0]))

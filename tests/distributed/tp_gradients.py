@@ -30,7 +30,8 @@ import oomb  # noqa: E402
 from oomb.engine import apply_tensor_parallel, store_for_model  # noqa: E402
 from oomb.engine.support import model_support  # noqa: E402
 from oomb.sparse import PageSelection  # noqa: E402
-from oomb.train.distributed import DistributedContext, tensor_parallel_norm  # noqa: E402
+from oomb.train.loop.distributed import DistributedContext  # noqa: E402
+from oomb.train.loop.gradients import tensor_parallel_norm  # noqa: E402
 
 SEQ, CHUNK, PAGE = 384, 128, 32  # 3 chunks of 4 pages: from the second chunk on, 4+ past pages > budget 3
 CASES = {

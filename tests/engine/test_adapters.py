@@ -1,4 +1,4 @@
-"""LoRA as a run adds it and as the plan counts it (oomb.engine.adapters): all-linear covers fused experts."""
+"""LoRA as a run adds it and as the plan counts it (oomb.surgery.adapters): all-linear covers fused experts."""
 
 import peft
 import torch
@@ -6,8 +6,8 @@ from helpers import rel_err
 from tiny_models import VOCAB, tiny_config, tiny_model
 
 import oomb
-from oomb.engine.adapters import ALL_LINEAR, expert_weights, lora_config
 from oomb.engine.sizes import count_parameters
+from oomb.surgery.adapters import ALL_LINEAR, expert_weights, lora_config
 
 
 def test_fused_experts_are_found_and_plain_models_have_none():

@@ -1,5 +1,5 @@
 """liger's fused RMSNorm / SwiGLU swapped into transformers models, and its RoPE routed in
-(oomb.engine.fused_ops).
+(oomb.surgery.fused_ops).
 
 The swapped model must give the plain model's loss and gradients, keep its parameters (the same
 objects, the same names), and leave models of other families untouched. The swap itself is
@@ -16,7 +16,7 @@ import torch
 from tiny_models import VOCAB, tiny_model
 
 import oomb
-from oomb.engine.fused_ops import liger_available, plain_rope, swap_fused_modules, use_fused_ops, use_fused_rope
+from oomb.surgery.fused_ops import liger_available, plain_rope, swap_fused_modules, use_fused_ops, use_fused_rope
 
 pytestmark = pytest.mark.skipif(not liger_available(), reason="needs liger-kernel")
 
@@ -154,8 +154,8 @@ def test_liger_mode_refuses_a_cpu_model():
     ],
 )
 def test_train_config_refuses_bad_fused_ops(overrides, match):
-    from oomb.train.checks import check_config
-    from oomb.train.config import ConfigError, load_config
+    from oomb.train.config.checks import check_config
+    from oomb.train.config.settings import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=match):
         check_config(load_config(None, overrides))

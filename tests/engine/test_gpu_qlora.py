@@ -16,11 +16,11 @@ from planning import plan_of
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import oomb
-from oomb.engine.fused_ops import liger_available, use_fused_ops
-from oomb.train.config import load_config
-from oomb.train.inputs import model_config
-from oomb.train.model import build, lora_target_names
-from oomb.train.quantize import finish_quantized, quantize_linears
+from oomb.surgery.fused_ops import liger_available, use_fused_ops
+from oomb.train.config.settings import load_config
+from oomb.train.data.inputs import model_config
+from oomb.train.loop.model import build, lora_target_names
+from oomb.train.loop.quantize import finish_quantized, quantize_linears
 
 pytestmark = pytest.mark.gpu
 peft = pytest.importorskip("peft")

@@ -1,4 +1,4 @@
-"""Weight gradients added into .grad by their matmuls (oomb.engine.grad_accumulation): the same gradients as
+"""Weight gradients added into .grad by their matmuls (oomb.surgery.grad_accumulation): the same gradients as
 autograd's matmul-then-add, over chunked steps too; and the plain path wherever writing .grad directly would skip
 something (hooks, frozen weights, several ranks, no autograd)."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import oomb
-from oomb.engine import grad_accumulation as ga
-from oomb.engine.grad_accumulation import GradAccumulatingLinear, plain_linears, use_fused_grad_accumulation
 from oomb.sparse import PageSelection
-from oomb.train.presets import preset_config
+from oomb.surgery import grad_accumulation as ga
+from oomb.surgery.grad_accumulation import GradAccumulatingLinear, plain_linears, use_fused_grad_accumulation
+from oomb.train.config.presets import preset_config
 
 
 def _tiny(seed=0):
@@ -141,8 +141,8 @@ def test_bf16_gradients_added_in_the_matmul_on_the_gpu():
 def test_oomb_train_adds_in_the_matmul_only_with_fused_ops_on_one_cuda_process():
     import types
 
-    from oomb.train.config import load_config
-    from oomb.train.model import fuses_grad_accumulation
+    from oomb.train.config.settings import load_config
+    from oomb.train.loop.model import fuses_grad_accumulation
 
     def model_on(device):
         weight = types.SimpleNamespace(device=torch.device(device))

@@ -220,8 +220,8 @@ def test_the_host_buffer_is_kept_between_steps_and_freed_with_the_store():
 
 def test_under_torchrun_the_config_is_refused_before_the_run(monkeypatch):
     # refused where the other settings torchrun does not support are: before the process group starts
-    from oomb.train import distributed
-    from oomb.train.config import ConfigError, load_config
+    from oomb.train.config.settings import ConfigError, load_config
+    from oomb.train.loop import distributed
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
@@ -243,7 +243,7 @@ def test_which_decoders_a_plan_may_rebuild_layer_by_layer():
     from transformers import GPT2Config
 
     from oomb.engine.layer_recompute import layers_rebuildable
-    from oomb.train.presets import preset_config
+    from oomb.train.config.presets import preset_config
 
     assert layers_rebuildable(preset_config("qwen2.5-7b")) and layers_rebuildable(preset_config("tiny"))
     assert not layers_rebuildable(GPT2Config(n_layer=2, n_embd=64, n_head=2))  # its blocks are no

@@ -10,7 +10,8 @@ from tiny_models import FAMILIES, tiny_model
 
 import oomb
 from oomb.engine import store_for_model
-from oomb.engine.plan import (
+from oomb.kernels.flash4 import KEY_SEGMENT
+from oomb.planning.plan import (
     AUTO_GPU_MARGIN_BYTES,
     LoraShape,
     ModelShape,
@@ -21,8 +22,7 @@ from oomb.engine.plan import (
     saved_bytes_per_token,
     store_spec,
 )
-from oomb.kernels.flash4 import KEY_SEGMENT
-from oomb.train.presets import preset_config
+from oomb.train.config.presets import preset_config
 
 MiB = 2**20
 
@@ -233,8 +233,8 @@ def test_master_weights_bytes_and_their_no_op():
 
 
 def test_planned_master_weights_are_what_the_optimizer_holds():
-    from oomb.train.faults import measure_memory
-    from oomb.train.optim import build_optimizer
+    from oomb.train.loop.faults import measure_memory
+    from oomb.train.loop.optim import build_optimizer
 
     model = tiny_model("llama").to(torch.bfloat16)
     params = list(model.parameters())

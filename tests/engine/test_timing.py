@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from oomb.engine import timing
-from oomb.engine.timing import (
+from oomb.planning import timing
+from oomb.planning.timing import (
     H200_DENSE,
     H200_SPARSE,
     PageSparsity,
@@ -15,7 +15,7 @@ from oomb.engine.timing import (
     predict_step_seconds,
     step_flops,
 )
-from oomb.train.presets import preset_config
+from oomb.train.config.presets import preset_config
 
 RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from oomb.cli import main
-from oomb.train.checkpoint import find_checkpoint, verify_checkpoint
+from oomb.train.runfolder.checkpoint import find_checkpoint, verify_checkpoint
 
 HERE = Path(__file__).resolve().parent
 STEPS = 6

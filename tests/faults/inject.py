@@ -47,14 +47,14 @@ from pathlib import Path
 import torch
 
 import oomb
-import oomb.train.checkpoint as checkpoint
-import oomb.train.faults as faults
-import oomb.train.inputs as inputs
-import oomb.train.monitor as monitor
-import oomb.train.run as run_module
-import oomb.train.rundir as rundir
-import oomb.train.runfiles as runfiles
-import oomb.train.trainer as trainer
+import oomb.train.data.inputs as inputs
+import oomb.train.loop.faults as faults
+import oomb.train.loop.monitor as monitor
+import oomb.train.loop.run as run_module
+import oomb.train.loop.trainer as trainer
+import oomb.train.runfolder.checkpoint as checkpoint
+import oomb.train.runfolder.rundir as rundir
+import oomb.train.runfolder.runfiles as runfiles
 from oomb.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

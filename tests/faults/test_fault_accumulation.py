@@ -10,8 +10,8 @@ from faultrun import RUN, assert_resumes_exactly, finish, losses, run_process, s
 from tiny_models import tiny_model
 
 from oomb.cli import main
-from oomb.train.checkpoint import checkpoint_state, find_checkpoint
-from oomb.train.faults import EXIT_INTERRUPTED, EXIT_OUT_OF_MEMORY
+from oomb.train.loop.faults import EXIT_INTERRUPTED, EXIT_OUT_OF_MEMORY
+from oomb.train.runfolder.checkpoint import checkpoint_state, find_checkpoint
 
 
 @pytest.fixture(scope="module")

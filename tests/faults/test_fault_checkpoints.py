@@ -9,7 +9,8 @@ import torch
 from faultrun import RUN, STEPS, assert_resumes_exactly, losses
 
 from oomb.cli import main
-from oomb.train.checkpoint import (
+from oomb.train.config.presets import build_model
+from oomb.train.runfolder.checkpoint import (
     LATEST,
     find_checkpoint,
     list_checkpoints,
@@ -17,7 +18,6 @@ from oomb.train.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from oomb.train.presets import build_model
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])

@@ -30,10 +30,10 @@ from faultrun import (
 )
 
 from oomb.cli import main
-from oomb.train.checkpoint import LATEST, find_checkpoint, verify_checkpoint
-from oomb.train.config import ConfigError, load_config
-from oomb.train.faults import EXIT_WRITE
-from oomb.train.rundir import MetricsLog, check_paths
+from oomb.train.config.settings import ConfigError, load_config
+from oomb.train.loop.faults import EXIT_WRITE
+from oomb.train.runfolder.checkpoint import LATEST, find_checkpoint, verify_checkpoint
+from oomb.train.runfolder.rundir import MetricsLog, check_paths
 
 
 @pytest.fixture

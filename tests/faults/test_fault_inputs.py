@@ -16,17 +16,17 @@ import torch
 from faultrun import RUN, finish, leftovers, losses, run_process, start_process, wait_for
 from helpers import overridden
 
-import oomb.train.trainer as trainer
+import oomb.train.loop.trainer as trainer
 from oomb.cli import main
-from oomb.train.checkpoint import (
+from oomb.train.config.presets import build_model
+from oomb.train.loop.faults import EXIT_NONFINITE, EXIT_SIGINT
+from oomb.train.runfolder.checkpoint import (
     CheckpointError,
     NonFiniteCheckpointError,
     find_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
-from oomb.train.faults import EXIT_NONFINITE, EXIT_SIGINT
-from oomb.train.presets import build_model
 
 
 @pytest.fixture
@@ -218,8 +218,8 @@ def test_data_that_goes_missing_during_the_run_stops_it_after_a_checkpoint_and_i
     """Files are read as the run goes: one removed mid-run stops it with the last step saved (exit 6)."""
     from tiny_models import tiny_model
 
-    from oomb.train.faults import EXIT_DATA
-    from oomb.train.run import Run
+    from oomb.train.loop.faults import EXIT_DATA
+    from oomb.train.loop.run import Run
 
     model = tmp_path / "model"
     tiny_model("llama", vocab_size=300).save_pretrained(model)

@@ -7,10 +7,10 @@ import torch
 from faultrun import RUN, assert_resumes_exactly, run_process, step_of
 
 from oomb.engine import chunked_backward, release_memory
-from oomb.train.checkpoint import find_checkpoint, list_checkpoints
-from oomb.train.config import load_config
-from oomb.train.faults import EXIT_OUT_OF_MEMORY, measure_memory, memory_report
-from oomb.train.presets import build_model
+from oomb.train.config.presets import build_model
+from oomb.train.config.settings import load_config
+from oomb.train.loop.faults import EXIT_OUT_OF_MEMORY, measure_memory, memory_report
+from oomb.train.runfolder.checkpoint import find_checkpoint, list_checkpoints
 
 
 @pytest.mark.parametrize("fault,error", [

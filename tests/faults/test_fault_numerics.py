@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 from oomb.cli import main
 from oomb.engine import StepOptions
 from oomb.engine.diagnose import locate_nonfinite
-from oomb.train.checkpoint import find_checkpoint, list_checkpoints
-from oomb.train.faults import EXIT_NONFINITE
-from oomb.train.presets import build_model
+from oomb.train.config.presets import build_model
+from oomb.train.loop.faults import EXIT_NONFINITE
+from oomb.train.runfolder.checkpoint import find_checkpoint, list_checkpoints
 
 OPTIONS = StepOptions(chunk_size=128, page_size=64)
 WHERE = "first non-finite value: the output of decoder layer 0 (model.layers.0) in chunk 1 of 2 (tokens 256..511)"

@@ -5,8 +5,8 @@ import signal
 
 from faultrun import RUN, assert_resumes_exactly, finish, losses, signalled, start_process, step_of, wait_for
 
-from oomb.train.checkpoint import find_checkpoint, list_checkpoints, verify_checkpoint
-from oomb.train.faults import EXIT_INTERRUPTED
+from oomb.train.loop.faults import EXIT_INTERRUPTED
+from oomb.train.runfolder.checkpoint import find_checkpoint, list_checkpoints, verify_checkpoint
 
 
 def test_sigterm_between_or_during_steps_checkpoints_and_resumes(tmp_path, straight):

@@ -18,13 +18,13 @@ import torch
 from faultrun import HANG_S, HERE, RUN, finish, losses, run_process, start_process, wait_for
 from helpers import overridden
 
-import oomb.train.trainer as trainer
+import oomb.train.loop.trainer as trainer
 from oomb.cli import main
-from oomb.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from oomb.train.config import ConfigError, load_config
-from oomb.train.faults import EXIT_INTERRUPTED
-from oomb.train.presets import build_model
-from oomb.train.rundir import RunLock, check_paths, load_run_config
+from oomb.train.config.presets import build_model
+from oomb.train.config.settings import ConfigError, load_config
+from oomb.train.loop.faults import EXIT_INTERRUPTED
+from oomb.train.runfolder.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from oomb.train.runfolder.rundir import RunLock, check_paths, load_run_config
 
 ROOT = HERE.parents[1]
 

@@ -12,10 +12,10 @@ from transformers import TrainingArguments
 from oomb.cli import main
 from oomb.engine import StepOptions
 from oomb.integrations import OombTrainer
-from oomb.train.checkpoint import find_checkpoint
-from oomb.train.config import load_config
-from oomb.train.inputs import build_inputs
-from oomb.train.presets import build_model, preset_config
+from oomb.train.config.presets import build_model, preset_config
+from oomb.train.config.settings import load_config
+from oomb.train.data.inputs import build_inputs
+from oomb.train.runfolder.checkpoint import find_checkpoint
 
 STEPS, ACCUM, LR, SEED = 3, 2, 0.01, 3
 OOMB = StepOptions(chunk_size=64, page_size=32)

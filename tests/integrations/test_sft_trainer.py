@@ -25,7 +25,7 @@ def _conversations(n: int = 24):
 
 
 def _train(trainer_class, tmp_path, **kwargs):
-    from oomb.train.presets import build_model
+    from oomb.train.config.presets import build_model
 
     torch.manual_seed(0)
     model = build_model("tiny", dtype=torch.float32, device=torch.device("cpu"))
@@ -64,6 +64,6 @@ def test_sft_settings_oomb_cannot_honour_are_refused(tmp_path):
 
 
 def _tiny():
-    from oomb.train.presets import build_model
+    from oomb.train.config.presets import build_model
 
     return build_model("tiny", dtype=torch.float32, device=torch.device("cpu"))

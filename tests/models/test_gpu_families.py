@@ -27,6 +27,7 @@ def _model(config, dtype):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+    model.to("cuda")  # a family that makes a tensor on the CPU in __init__ (DiffLlama's lambdas) too
     model.train()
     return model
 

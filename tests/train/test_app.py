@@ -12,9 +12,10 @@ from transformers import AutoTokenizer
 
 import oomb
 from oomb.cli import main
-from oomb.train.checkpoint import find_checkpoint
-from oomb.train.config import load_config
-from oomb.train.trainer import accumulate_gradients
+from oomb.train.config.settings import load_config
+from oomb.train.loop.distributed import DistributedContext
+from oomb.train.loop.gradients import accumulate_gradients
+from oomb.train.runfolder.checkpoint import find_checkpoint
 
 FAST = ["data.seq_len=256", "train.chunk_size=128", "train.page_size=64", "train.device=cpu", "train.lr=0.01",
         "train.warmup_steps=1"]
@@ -76,8 +77,8 @@ def test_gradient_accumulation_equals_one_batch_holding_the_sequences():
     labels = ids.clone()
     labels[0, :90] = -100  # different numbers of targets per sequence: the mean must weigh tokens, not batches
     labels[2, 100:] = -100
-    loss = accumulate_gradients(model, params, [Batch(ids[i : i + 1], labels[i : i + 1]) for i in range(3)],
-                                torch.device("cpu"), cfg)
+    loss = accumulate_gradients(model, [Batch(ids[i : i + 1], labels[i : i + 1]) for i in range(3)],
+                                DistributedContext.single(torch.device("cpu")), cfg)
     accumulated = [p.grad.clone() for p in params]
     model.zero_grad()
     whole = oomb.chunked_backward(model, ids, labels, chunk_size=64, page_size=32)
@@ -179,8 +180,8 @@ def test_bad_inputs_stop_before_work(tmp_path, capsys, text_dir, args, match):
 
 
 def test_multi_needle_run_trains_on_every_answer(tmp_path):
-    from oomb.train.inputs import build_inputs
-    from oomb.train.presets import preset_config
+    from oomb.train.config.presets import preset_config
+    from oomb.train.data.inputs import build_inputs
 
     args = ["data.task=needle", "data.needles=4", "data.passkey_digits=2", "data.loss_on=answer"]
     inputs = build_inputs(load_config(None, [*FAST, *args]), preset_config("tiny"))

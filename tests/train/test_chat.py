@@ -16,14 +16,15 @@ from chat_tokenizer import (
 from tiny_models import tiny_model
 
 from oomb.cli import main
-from oomb.train.chat import ChatTemplate, conversation, open_chat_rows
-from oomb.train.chat_packing import ChatCorpus
-from oomb.train.checkpoint import find_checkpoint
-from oomb.train.config import load_config
-from oomb.train.corpus import DataError, find_sources
-from oomb.train.inputs import build_inputs
-from oomb.train.presets import preset_config
-from oomb.train.trainer import accumulate_gradients
+from oomb.train.config.presets import preset_config
+from oomb.train.config.settings import load_config
+from oomb.train.data.chat import ChatTemplate, conversation, open_chat_rows
+from oomb.train.data.chat_packing import ChatCorpus
+from oomb.train.data.corpus import DataError, find_sources
+from oomb.train.data.inputs import build_inputs
+from oomb.train.loop.distributed import DistributedContext
+from oomb.train.loop.gradients import accumulate_gradients
+from oomb.train.runfolder.checkpoint import find_checkpoint
 
 FAST = ["data.seq_len=128", "train.chunk_size=64", "train.page_size=32", "train.device=cpu", "train.lr=0.01",
         "train.warmup_steps=1"]
@@ -234,7 +235,7 @@ def test_a_packed_chat_batch_trains_each_sample_as_if_alone(tmp_path):
     batch = corpus.batch(1)
     assert int(batch.doc_ids.max()) >= 2  # several samples in the sequence
     model = tiny_model("llama")
-    loss = accumulate_gradients(model, list(model.parameters()), [batch], torch.device("cpu"), cfg)
+    loss = accumulate_gradients(model, [batch], DistributedContext.single(torch.device("cpu")), cfg)
     ids, labels, docs = batch.input_ids[0], batch.labels[0], batch.doc_ids[0]
     total, count = 0.0, 0
     with torch.no_grad():

@@ -14,14 +14,14 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from oomb.cli import main
-from oomb.train.checkpoint import (
+from oomb.train.config.presets import build_model
+from oomb.train.runfolder.checkpoint import (
     CheckpointError,
     find_checkpoint,
     load_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
-from oomb.train.presets import build_model
 
 SMALL_RUN = ["data.seq_len=512", "train.chunk_size=256", "train.page_size=64", "train.lr=0.01",
              "train.warmup_steps=2", "train.device=cpu"]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from oomb.cli import main
-from oomb.train.config import ConfigError, load_config
-from oomb.train.config_keys import describe_keys
-from oomb.train.data import DIGIT0, KEY, QUERY, PasskeyTask
+from oomb.train.config.keys import describe_keys
+from oomb.train.config.settings import ConfigError, load_config
+from oomb.train.data.sources import DIGIT0, KEY, QUERY, PasskeyTask
 
 
 def test_precedence_cli_over_file_over_defaults(tmp_path):

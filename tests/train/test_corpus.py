@@ -1,11 +1,11 @@
-"""Finding and reading documents in local files, and loading tokenizers (oomb/train/corpus.py, rows.py)."""
+"""Finding and reading documents in local files, and loading tokenizers (oomb/train/data/corpus.py, rows.py)."""
 
 import json
 
 import pytest
 
-from oomb.train.corpus import DataError, byte_level_tokenizer, check_tokenizer_fits, find_sources, load_tokenizer
-from oomb.train.rows import check_sources, iter_documents
+from oomb.train.data.corpus import DataError, byte_level_tokenizer, check_tokenizer_fits, find_sources, load_tokenizer
+from oomb.train.data.rows import check_sources, iter_documents
 
 
 def _write_corpus(root):
@@ -120,8 +120,8 @@ def test_tokenizer_larger_than_the_model_is_refused():
 
 
 def test_data_suffixes_are_normalised_and_checked():
-    from oomb.train.config import ConfigError, load_config
-    from oomb.train.inputs import text_suffixes
+    from oomb.train.config.settings import ConfigError, load_config
+    from oomb.train.data.inputs import text_suffixes
 
     cfg = load_config(None, ["data.task=text", "data.suffixes=[py, .RS, .txt]"])
     assert text_suffixes(cfg) == (".txt", ".md", ".py", ".rs")
@@ -131,9 +131,9 @@ def test_data_suffixes_are_normalised_and_checked():
 
 
 def test_a_text_run_reads_source_code_folders_with_data_suffixes(tmp_path):
-    from oomb.train.config import ConfigError, load_config
-    from oomb.train.inputs import build_inputs
-    from oomb.train.presets import preset_config
+    from oomb.train.config.presets import preset_config
+    from oomb.train.config.settings import ConfigError, load_config
+    from oomb.train.data.inputs import build_inputs
 
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "a.py").write_text("import os\n" * 40)

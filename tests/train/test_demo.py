@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from oomb.cli import main
-from oomb.train.checks import check_config
-from oomb.train.config import Config, ConfigError, load_config
-from oomb.train.data import PasskeyTask
-from oomb.train.eval_metrics import HELD_OUT_STEP
-from oomb.train.eval_model import load_eval_model
-from oomb.train.retrieval_report import final_eval_samples
+from oomb.train.config.checks import check_config
+from oomb.train.config.settings import Config, ConfigError, load_config
+from oomb.train.data.sources import PasskeyTask
+from oomb.train.eval.eval_model import load_eval_model
+from oomb.train.eval.metrics import HELD_OUT_STEP
+from oomb.train.eval.retrieval_report import final_eval_samples
 
 SHAPE = ("data.seq_len", "train.batch_size", "data.passkey_digits", "data.loss_on")
 

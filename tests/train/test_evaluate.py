@@ -10,8 +10,9 @@ from tiny_models import VOCAB, tiny_model
 
 from oomb.cli import main
 from oomb.engine import chunked_eval
-from oomb.train.data import NeedleTask, PasskeyTask
-from oomb.train.eval_metrics import (
+from oomb.train.data.sources import NeedleTask, PasskeyTask
+from oomb.train.eval.eval_model import EvalError, check_positions, load_eval_model, rope_is_scaled
+from oomb.train.eval.metrics import (
     PositionBuckets,
     answers_correct,
     bucket_edges,
@@ -20,7 +21,6 @@ from oomb.train.eval_metrics import (
     perplexity_by_position,
     retrieval_grid,
 )
-from oomb.train.eval_model import EvalError, check_positions, load_eval_model, rope_is_scaled
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

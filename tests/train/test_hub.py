@@ -1,4 +1,4 @@
-"""Hugging Face hub ids (oomb/train/hub.py) and datasets streamed through load_dataset, without a network.
+"""Hugging Face hub ids (oomb/train/config/hub.py) and datasets streamed through load_dataset, without a network.
 
 No machine of the test suite reaches huggingface.co, so the hub code paths run against what
 the hub leaves behind: a model snapshot in a Hugging Face cache (read offline, as from_pretrained
@@ -20,11 +20,11 @@ import torch
 from tiny_models import tiny_model
 
 from oomb.cli import main
-from oomb.train.config import ConfigError
-from oomb.train.corpus import DataError, byte_level_tokenizer, find_sources
-from oomb.train.hub import looks_local, model_folder, parse_dataset_ref
-from oomb.train.packing import PackedCorpus
-from oomb.train.rows import check_sources
+from oomb.train.config.hub import looks_local, model_folder, parse_dataset_ref
+from oomb.train.config.settings import ConfigError
+from oomb.train.data.corpus import DataError, byte_level_tokenizer, find_sources
+from oomb.train.data.packing import PackedCorpus
+from oomb.train.data.rows import check_sources
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["data.seq_len=128", "train.chunk_size=64", "train.page_size=32", "train.device=cpu", "train.lr=0.01",
@@ -233,7 +233,7 @@ class _Hub:
 
 
 def test_pinning_names_the_hub_commit_of_hub_datasets_only(tmp_path, monkeypatch):
-    from oomb.train.hub import pin_dataset_revisions
+    from oomb.train.config.hub import pin_dataset_revisions
 
     hub = _Hub(monkeypatch, COMMIT)
     repo = _dataset_repo(tmp_path / "repo")
@@ -247,7 +247,7 @@ def test_pinning_names_the_hub_commit_of_hub_datasets_only(tmp_path, monkeypatch
 
 
 def test_pinning_offline_says_what_to_do(offline_hub):
-    from oomb.train.hub import pin_dataset_revisions
+    from oomb.train.config.hub import pin_dataset_revisions
 
     with pytest.raises(ConfigError, match=r"data.val_paths: .*HF_HUB_OFFLINE=1 forbids downloading it"):
         pin_dataset_revisions(["owner/name:test"], "data.val_paths")
@@ -292,7 +292,7 @@ def test_a_run_records_the_hub_commit_and_resumes_at_it_after_the_dataset_moved(
 def test_a_pinned_hub_model_comes_from_the_cache_without_the_hub(tmp_path, offline_hub):
     # Offline, snapshot_download would list the repository for a commit whose file listing it did not cache: the
     # pinned commit is taken from the cache's snapshot when that holds the config and every weight file.
-    from oomb.train.hub import pin_model_revision
+    from oomb.train.config.hub import pin_model_revision
 
     snapshot = _cached_model(offline_hub, "someone/tiny-p")
     assert model_folder(f"someone/tiny-p@{COMMIT}", weights=True) == snapshot
@@ -302,7 +302,7 @@ def test_a_pinned_hub_model_comes_from_the_cache_without_the_hub(tmp_path, offli
     with pytest.raises(ConfigError, match=r"model.path='someone/tiny-p@' does not exist"):
         model_folder("someone/tiny-p@", weights=False)
     # oomb eval takes the pinned id as config.json records it.
-    from oomb.train.eval_model import load_eval_model
+    from oomb.train.eval.eval_model import load_eval_model
 
     assert load_eval_model(f"someone/tiny-p@{COMMIT}", torch.device("cpu")).model is not None
     # A sharded snapshot missing a shard is not taken from the cache (and offline nothing else can be had).

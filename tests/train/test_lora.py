@@ -11,10 +11,10 @@ from tiny_models import tiny_model
 
 from oomb.cli import main
 from oomb.engine.sizes import count_parameters
-from oomb.train.checkpoint import find_checkpoint
-from oomb.train.config import load_config
-from oomb.train.inputs import model_config
-from oomb.train.model import build, lora_target_names
+from oomb.train.config.settings import load_config
+from oomb.train.data.inputs import model_config
+from oomb.train.loop.model import build, lora_target_names
+from oomb.train.runfolder.checkpoint import find_checkpoint
 
 peft = pytest.importorskip("peft")
 

@@ -1,18 +1,20 @@
 """`oomb plan`, and `oomb train` refusing a run whose memory plan does not fit."""
 
 import json
+import re
 
 import pytest
 import torch
 from planning import longest_of, plan_of, plan_run
 
-import oomb.train.memory as memory
+import oomb.train.loop.memory as memory
 from oomb.cli import main
-from oomb.engine.plan import HOST_PROCESS_BYTES
-from oomb.engine.timing import PageSparsity, predict_step_seconds
-from oomb.train.config import ConfigError, offload_gpu_allowance
-from oomb.train.presets import preset_config
-from oomb.train.rundir import load_run_config
+from oomb.planning.plan import HOST_PROCESS_BYTES
+from oomb.planning.timing import PageSparsity, predict_step_seconds
+from oomb.train.config.presets import preset_config
+from oomb.train.config.settings import ConfigError
+from oomb.train.config.step import offload_gpu_allowance
+from oomb.train.runfolder.rundir import load_run_config
 
 FAST = ["train.chunk_size=128", "train.page_size=64", "train.device=cpu", "train.steps=1", "train.export=false"]
 TINY = dict(batch_size=1, chunk_size=128, page_size=64, dtype=torch.float32, device_type="cpu",
@@ -169,12 +171,12 @@ def test_auto_attention_cache_is_on_only_where_it_fits(monkeypatch):
     cfg = load_run_config(None, [*overrides, "train.memory_check=false"])  # no plan: no cache
     assert memory.check_memory(cfg, torch.device("cpu"), torch.bfloat16) is None and cfg.train.cache_attention is False
     with pytest.raises(ConfigError, match="train.cache_attention='sometimes'"):
-        from oomb.train.checks import check_config
+        from oomb.train.config.checks import check_config
         check_config(load_run_config(None, [*overrides, "train.cache_attention=sometimes"]))
 
 
 def test_offload_gpu_memory_is_checked_and_settled_by_the_plan(monkeypatch):
-    from oomb.train.checks import check_config
+    from oomb.train.config.checks import check_config
 
     base = ["model.preset=qwen2.5-0.5b", "data.seq_len=131072", "train.device=cpu", "train.offload=true"]
     with pytest.raises(ConfigError, match="not a memory size"):
@@ -197,7 +199,8 @@ def test_offload_gpu_memory_is_checked_and_settled_by_the_plan(monkeypatch):
 
 
 def test_a_chunks_pages_are_capped_by_default_and_an_uncapped_offload_choice_noted(capsys):
-    from oomb.train.config import load_config, offload_selection_note, page_selection
+    from oomb.train.config.settings import load_config
+    from oomb.train.config.step import offload_selection_note, page_selection
 
     base = ["train.offload=true", "train.page_budget=4", "train.chunk_size=1024"]
     assert page_selection(load_config(None, base)).chunk_pages == 4  # auto: one budget a chunk with offload
@@ -219,7 +222,7 @@ def test_a_chunks_pages_are_capped_by_default_and_an_uncapped_offload_choice_not
 
 
 def test_a_cap_on_a_chunks_pages_shrinks_the_offload_slots_in_the_plan():
-    from oomb.train import memory
+    from oomb.train.loop import memory
 
     base = ["model.preset=qwen2.5-7b", "train.offload=true", "train.offload_gpu_memory=0", "train.page_budget=64",
             "train.chunk_size=8192", "data.seq_len=1048576"]
@@ -270,3 +273,50 @@ def test_plan_says_what_a_length_that_does_not_fit_needs_and_predicts_the_dense_
     got = json.loads(capsys.readouterr().out)
     assert got["predicted_dense_step_s"] is None and got["predicted_sparse_step_s"] is None
     assert got["not_predicted"] == "a 4-bit base"
+
+
+# --- the host check counts what the process really holds (issue 42, item 5) ------------------------------------
+
+
+def _free_host(monkeypatch, available: int) -> None:
+    """psutil's view of this machine: ``available`` bytes of host memory free (this process's RSS is measured)."""
+    import psutil
+
+    real = psutil.virtual_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(available=available))
+
+
+def test_the_demo_fits_on_3_gib_free_counting_the_process_as_measured(monkeypatch):
+    import psutil
+
+    _free_host(monkeypatch, 3 * 2**30)  # a flat 4 GiB "process" allowance refused the demo here
+    cfg = load_run_config(None, [])  # the built-in demo
+    plan = memory.check_memory(cfg, torch.device("cpu"), torch.float32)
+    assert plan.fits
+    process = {i.name: i for i in plan.items}["process"]
+    assert process.note.startswith("measured") and process.host_bytes != HOST_PROCESS_BYTES
+    assert 0 < process.host_bytes <= psutil.Process().memory_info().rss * 1.1  # this process's RSS, at the check
+    assert plan.host_total_bytes == 3 * 2**30 + process.host_bytes  # free memory + what the process holds
+    assert plan.host_bytes - process.host_bytes < 0.5 * 2**30  # what the demo adds
+
+
+def test_a_host_too_small_for_what_the_plan_adds_is_refused_naming_it(tmp_path, monkeypatch, capsys):
+    _free_host(monkeypatch, 2**30 // 10)  # 0.1 GiB
+    out = tmp_path / "out"
+    assert main(["train", f"out_dir={out}", "train.device=cpu"]) == 2  # the demo, on a CPU
+    said = " ".join(capsys.readouterr().out.split())
+    need = re.search(r"this run needs ([\d.]+ MiB) of host memory besides the ([\d.]+ [MG]iB) this process holds, "
+                     r"but 102.40 MiB is free \(largest items: ", said)
+    assert need is not None, said
+    assert 102.4 < float(need.group(1).split()[0]) < 512  # the demo's store, activations and workspace
+    assert "process" in said and "train.memory_check=false skips this check" in said
+    assert not out.exists()
+
+
+def test_oomb_plan_measures_this_process_and_takes_the_allowance_for_another_host(capsys):
+    assert main(["plan", "--json", "train.device=cpu"]) == 0  # this machine: the process as measured
+    process = {i["name"]: i for i in json.loads(capsys.readouterr().out)["items"]}["process"]
+    assert process["note"].startswith("measured") and process["host_bytes"] != HOST_PROCESS_BYTES
+    assert main(["plan", "--json", "--host-memory", "8GiB", "train.device=cpu"]) == 0  # another machine's host
+    process = {i["name"]: i for i in json.loads(capsys.readouterr().out)["items"]}["process"]
+    assert process["note"].startswith("allowance") and process["host_bytes"] == HOST_PROCESS_BYTES

@@ -7,12 +7,13 @@ import pytest
 import torch
 from planning import longest_run, plan_of, plan_run
 
-import oomb.train.memory as memory
+import oomb.train.loop.memory as memory
 from oomb.cli import main
-from oomb.engine import fused_ops
-from oomb.train.checks import check_config
-from oomb.train.config import ConfigError, config_json, load_config, settled_chunk_size
-from oomb.train.presets import preset_config
+from oomb.surgery import fused_ops
+from oomb.train.config.checks import check_config
+from oomb.train.config.presets import preset_config
+from oomb.train.config.settings import ConfigError, config_json, load_config
+from oomb.train.config.step import settled_chunk_size
 
 GiB = 2**30
 H200 = dict(gpu_bytes=141 * GiB, host_bytes=int(125.8 * GiB))  # as `oomb plan --gpu-memory 141GiB ...` plans
@@ -281,7 +282,7 @@ def test_the_startup_line_says_where_offloaded_pages_are(monkeypatch, allowance,
     # The default allowance (auto) keeps every layer of a 7B step at 128K on a 141 GiB GPU: no page is copied.
     from rich.console import Console
 
-    from oomb.train import trainer
+    from oomb.train.loop import trainer
 
     monkeypatch.setattr(memory, "available_memory", lambda device: (H200["gpu_bytes"], H200["host_bytes"]))
     cfg = load_config(None, ["model.preset=qwen2.5-7b", "data.seq_len=131072", "train.offload=true",

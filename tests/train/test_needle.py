@@ -8,8 +8,8 @@ import torch
 from tiny_models import tiny_model
 
 from oomb.cli import main
-from oomb.train.corpus import byte_level_tokenizer
-from oomb.train.needle import (
+from oomb.train.data.corpus import byte_level_tokenizer
+from oomb.train.eval.needle import (
     ANSWER_PREFIX,
     TextNeedleTask,
     builtin_sentences,

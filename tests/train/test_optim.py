@@ -1,4 +1,4 @@
-"""fp32 master weights (oomb.train.optim.MasterWeights): the optimizer equals fp32 training on the same
+"""fp32 master weights (oomb.train.loop.optim.MasterWeights): the optimizer equals fp32 training on the same
 gradients, keeps updates bf16 rounds away, and runs of `oomb train` on masters resume exactly (after a
 save, an out-of-memory optimizer step, a skipped non-finite step, and across the setting)."""
 
@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import tiny_model
 
-import oomb.train.trainer as trainer
+import oomb.train.loop.trainer as trainer
 from oomb.cli import main
-from oomb.train.config import ConfigError, load_config
-from oomb.train.distributed import setup
-from oomb.train.faults import EXIT_OUT_OF_MEMORY, measure_memory
-from oomb.train.optim import MASTER_WEIGHTS_KEY, MasterWeights, build_optimizer, wants_master_weights
+from oomb.train.config.settings import ConfigError, load_config
+from oomb.train.loop.distributed import setup
+from oomb.train.loop.faults import EXIT_OUT_OF_MEMORY, measure_memory
+from oomb.train.loop.optim import MASTER_WEIGHTS_KEY, MasterWeights, build_optimizer, wants_master_weights
 
 try:
     import bitsandbytes  # noqa: F401
@@ -280,11 +280,11 @@ def test_a_skipped_nonfinite_step_leaves_the_masters(runs, tmp_path, monkeypatch
     real = trainer._forward_backward
     calls = [0]
 
-    def poisoned(model, params, batches, device, cfg, ctx=None):
-        loss, norm = real(model, params, batches, device, cfg, ctx)
+    def poisoned(run, batches):
+        loss, norm = real(run, batches)
         calls[0] += 1
         if calls[0] == 3:
-            params[0].grad.view(-1)[0] = float("nan")
+            run.params[0].grad.view(-1)[0] = float("nan")
             norm = torch.tensor(float("nan"))
         return loss, norm
 

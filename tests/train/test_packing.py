@@ -9,9 +9,9 @@ import torch
 from tiny_models import tiny_model
 
 import oomb
-from oomb.train.corpus import DataError, byte_level_tokenizer
-from oomb.train.data import BOS, DIGIT0, END, KEY, QUERY, NeedleTask
-from oomb.train.packing import IGNORE_INDEX, PackedCorpus
+from oomb.train.data.corpus import DataError, byte_level_tokenizer
+from oomb.train.data.packing import IGNORE_INDEX, PackedCorpus
+from oomb.train.data.sources import BOS, DIGIT0, END, KEY, QUERY, NeedleTask
 
 DOCS = [f"document {i}: " + "abcdefghij"[i % 10] * (5 + 7 * i) for i in range(12)]
 

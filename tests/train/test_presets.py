@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from oomb.train.presets import preset_config, preset_names
+from oomb.train.config.presets import preset_config, preset_names
 
 # Parameter counts in billions (bf16 weights, no MXFP4), as the published configs give them.
 PUBLISHED_B = {"qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-7b": 7.62, "llama-3-8b": 8.03,

@@ -13,13 +13,13 @@ from tiny_models import FAMILIES, tiny_model
 
 import oomb
 from oomb.cli import main
-from oomb.engine.plan import LoraShape, ModelShape, measure_saved_activations, saved_bytes_per_token
-from oomb.engine.quantize import nf4_weight_bytes, quantized_linear_names
-from oomb.train.checkpoint import find_checkpoint, load_weights
-from oomb.train.config import ConfigError, load_config
-from oomb.train.inputs import model_config
-from oomb.train.model import build, lora_target_names
-from oomb.train.quantize import bnb_config, check_quantize_runs, quantize_linears
+from oomb.planning.plan import LoraShape, ModelShape, measure_saved_activations, saved_bytes_per_token
+from oomb.surgery.quantize import nf4_weight_bytes, quantized_linear_names
+from oomb.train.config.settings import ConfigError, load_config
+from oomb.train.data.inputs import model_config
+from oomb.train.loop.model import build, lora_target_names
+from oomb.train.loop.quantize import bnb_config, check_quantize_runs, quantize_linears
+from oomb.train.runfolder.checkpoint import find_checkpoint, load_weights
 
 bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
@@ -141,7 +141,7 @@ def test_adapter_gradients_through_chunked_backward_equal_the_full_sequence(tmp_
 
 def test_an_evaluation_pass_leaves_training_gradients_intact():
     # bitsandbytes would move a weight into its CPU inference layout on an eval-mode pass without gradients,
-    # through which no gradient flows (oomb.train.quantize.finish_quantized turns that off).
+    # through which no gradient flows (oomb.train.loop.quantize.finish_quantized turns that off).
     cfg = load_config(None, [*QLORA, "train.device=cpu"])
     model = build(cfg, torch.device("cpu"), torch.float32)
     ids = torch.randint(0, 64, (1, 128))
@@ -160,7 +160,7 @@ def test_an_evaluation_pass_leaves_training_gradients_intact():
 
 def test_fused_ops_keep_the_4_bit_projections():
     # liger's modules (their kernels need CUDA: tests/engine/test_gpu_qlora.py runs them) call the same projections.
-    from oomb.engine.fused_ops import liger_available, swap_fused_modules
+    from oomb.surgery.fused_ops import liger_available, swap_fused_modules
 
     if not liger_available():
         pytest.skip("liger-kernel is not installed")
@@ -257,7 +257,7 @@ def test_without_bitsandbytes_or_accelerate_the_run_is_refused(monkeypatch, tmp_
 
 
 def test_a_run_that_fits_only_in_4_bits_is_told_so(monkeypatch):
-    import oomb.train.memory as memory
+    import oomb.train.loop.memory as memory
 
     lora = ["model.preset=qwen2.5-0.5b", "data.seq_len=4096", "train.chunk_size=1024", "train.device=cpu",
             "lora.r=16", "lora.targets=all-linear", "train.cache_attention=false"]

@@ -1,5 +1,6 @@
-"""train.report_to: metrics to W&B (offline here: no network), continued on resume; what a missing package,
-a W&B run that cannot start, an unknown name and an old run folder's train.tensorboard get."""
+"""train.report_to: metrics to W&B (offline here: no network) and TensorBoard, every field metrics.jsonl holds,
+continued on resume; what a missing package, a W&B run that cannot start, an unknown name and an old run folder's
+train.tensorboard get."""
 
 import importlib.util
 import json
@@ -10,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from oomb.cli import main
-from oomb.train.config import ConfigError, load_config
-from oomb.train.reporting import check_report_to
+from oomb.train.config.settings import ConfigError, load_config
+from oomb.train.loop.monitor import metric_fields
+from oomb.train.loop.reporting import check_report_to
 
 FAST = ["data.seq_len=256", "train.chunk_size=128", "train.page_size=64", "train.device=cpu", "train.lr=0.01",
         "train.warmup_steps=1", "train.export=false"]
@@ -71,7 +73,10 @@ def test_wandb_offline_run_holds_the_metrics_and_a_resume_continues_it(tmp_path,
     assert record == {"id": ident["id"], "project": "oomb", "name": "run"}
     losses = {r["step"]: r["loss"] for r in _metrics(run)}
     assert {h["train/step"]: h["train/loss"] for h in history} == pytest.approx(losses, rel=1e-6)
-    assert all(h["train/lr"] > 0 and h["train/host_rss_gib"] > 0 for h in history)
+    for h, r in zip(history, _metrics(run), strict=True):  # every field of metrics.jsonl, tokens and eta_s too
+        assert {k: h[f"train/{k}"] for k in r if k != "step"} == pytest.approx({k: v for k, v in r.items()
+                                                                                 if k != "step"}, rel=1e-6)
+    assert [h["train/lr"] for h in history][:2] == [0, 0.01]  # the rate each step used: warmup from 0, the peak
 
     copy = tmp_path / "copy"  # what a crash after checkpoint 2 leaves, resumed
     shutil.copytree(run, copy)
@@ -120,3 +125,26 @@ def test_unknown_reporters_and_the_old_tensorboard_key_are_refused_with_the_new_
     assert load_config(old).train.report_to == ["jsonl", "tensorboard"]
     old.write_text(json.dumps({"train": {"tensorboard": False}}))
     assert load_config(old).train.report_to == ["jsonl"]
+
+
+def test_tensorboard_holds_every_field_of_metrics_jsonl(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    assert main(["train", f"out_dir={run}", "train.steps=2", "train.report_to=[jsonl,tensorboard]", *FAST]) == 0
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    records = _metrics(run)
+    fields = {name for r in records for name in r if name != "step"}
+    assert {"tokens", "loss_tokens", "seconds", "elapsed", "eta_s", "lr", "host_rss_gib"} <= fields
+    assert set(events.Tags()["scalars"]) == {f"train/{name}" for name in fields}
+    for name in fields:
+        logged = {e.step: e.value for e in events.Scalars(f"train/{name}")}
+        assert logged == pytest.approx({r["step"]: r[name] for r in records}, rel=1e-6), name
+
+
+def test_the_views_get_numbers_and_words_but_not_the_step_or_what_was_not_measured():
+    numbers, words = metric_fields({"step": 3, "loss": None, "tokens": 768, "lr": 0.5, "skipped": "non-finite",
+                                    "nonfinite_grad": None, "nonfinite_at": "layer 1"})
+    assert numbers == {"tokens": 768, "lr": 0.5}
+    assert words == {"skipped": "non-finite", "nonfinite_at": "layer 1"}

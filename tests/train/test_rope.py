@@ -12,12 +12,12 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import oomb
 from oomb.cli import main
-from oomb.train.checks import check_config
-from oomb.train.config import ConfigError, load_config
-from oomb.train.inputs import model_config
-from oomb.train.model import build
-from oomb.train.presets import preset_config
-from oomb.train.rope import RopeConfig, apply_rope
+from oomb.train.config.checks import check_config
+from oomb.train.config.presets import preset_config
+from oomb.train.config.rope import RopeConfig, apply_rope
+from oomb.train.config.settings import ConfigError, load_config
+from oomb.train.data.inputs import model_config
+from oomb.train.loop.model import build
 
 FAST = ["train.chunk_size=128", "train.page_size=64", "train.device=cpu", "train.lr=0.01", "train.warmup_steps=1"]
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Reading data as it is needed (oomb/train/rows.py, windows.py): pieces, windows, positions, bounded memory."""
+"""Reading data as it is needed (oomb/train/data/rows.py, windows.py): pieces, windows, positions, bounded memory."""
 
 import itertools
 import json
@@ -7,10 +7,10 @@ import tracemalloc
 import pytest
 import torch
 
-from oomb.train.corpus import byte_level_tokenizer, find_sources
-from oomb.train.packing import PackedCorpus
-from oomb.train.rows import PIECE_CHARS, TextFile, open_rows, text_piece
-from oomb.train.windows import RowStream, held_out
+from oomb.train.data.corpus import byte_level_tokenizer, find_sources
+from oomb.train.data.packing import PackedCorpus
+from oomb.train.data.rows import PIECE_CHARS, TextFile, open_rows, text_piece
+from oomb.train.data.windows import RowStream, held_out
 
 
 def _lines(n: int, width: int = 200) -> str:

@@ -12,8 +12,8 @@ SCRIPT = textwrap.dedent('''
     import os, pickle, sys, torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from oomb.train.checkpoint import CheckpointError
-    from oomb.train.safe_dcp import load_dcp
+    from oomb.train.runfolder.checkpoint import CheckpointError
+    from oomb.train.runfolder.safe_dcp import load_dcp
 
     root, marker = sys.argv[1], sys.argv[2]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])

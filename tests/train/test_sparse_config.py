@@ -8,7 +8,8 @@ import pytest
 
 from oomb.cli import main
 from oomb.sparse import PageSelection
-from oomb.train.config import ConfigError, load_config, page_selection
+from oomb.train.config.settings import ConfigError, load_config
+from oomb.train.config.step import page_selection
 
 # 256-token sequences in 128-token chunks of 32-token pages: the last chunk has 4 past pages, so a
 # budget of 2 leaves pages out.

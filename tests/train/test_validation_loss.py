@@ -1,4 +1,4 @@
-"""The validation loss (oomb/train/validation.py): its value, its held-out data, its schedule, a resume."""
+"""The validation loss (oomb/train/eval/validation.py): its value, its held-out data, its schedule, a resume."""
 
 import json
 import re
@@ -9,14 +9,14 @@ import torch
 from tiny_models import tiny_model
 
 from oomb.cli import main
-from oomb.train.config import ConfigError, load_config
-from oomb.train.corpus import byte_level_tokenizer
-from oomb.train.inputs import build_inputs
-from oomb.train.packing import PackedCorpus
-from oomb.train.presets import preset_config
-from oomb.train.rows import open_rows
-from oomb.train.validation import build_validation, validation_loss
-from oomb.train.windows import held_out
+from oomb.train.config.presets import preset_config
+from oomb.train.config.settings import ConfigError, load_config
+from oomb.train.data.corpus import byte_level_tokenizer
+from oomb.train.data.inputs import build_inputs
+from oomb.train.data.packing import PackedCorpus
+from oomb.train.data.rows import open_rows
+from oomb.train.data.windows import held_out
+from oomb.train.eval.validation import build_validation, validation_loss
 
 FAST = ["data.seq_len=256", "train.chunk_size=128", "train.page_size=64", "train.device=cpu", "train.lr=0.01",
         "train.warmup_steps=1", "train.export=false"]
@@ -148,7 +148,8 @@ def test_a_held_out_fraction_that_holds_nothing_is_refused(tmp_path):
     config = preset_config("tiny")
     config.vocab_size = 300
     args = [*FAST, "data.task=text", f"data.paths=[{tmp_path / 'one.txt'}]"]
-    inputs = build_inputs(load_config(None, [*args, "data.val_fraction=0.01"]), config)  # the file is not held out: nothing to validate on
+    # The file is not held out: nothing to validate on.
+    inputs = build_inputs(load_config(None, [*args, "data.val_fraction=0.01"]), config)
     with pytest.raises(ConfigError, match="data.val_fraction: no row to read: .*held-out split.*held out whole"):
         build_validation(load_config(None, [*args, "data.val_fraction=0.01"]), inputs)
     with pytest.raises(ConfigError, match="data.paths: no row to read: .*held-out split"):
