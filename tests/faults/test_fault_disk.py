@@ -36,18 +36,6 @@ from oomb.train.runfolder.checkpoint import LATEST, find_checkpoint, verify_chec
 from oomb.train.runfolder.rundir import MetricsLog, check_paths
 
 
-@pytest.fixture
-def disk(tmp_path) -> Path:
-    """A 64 MiB tmpfs of its own (a run of the tiny preset writes about 15 MiB)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {made.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def restore(disk: Path) -> None:
     """The disk has room again and is writable."""
     subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shlex
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -179,17 +178,6 @@ def test_a_failure_in_step_1_leaves_a_run_the_advice_continues(tmp_path, capsys,
 
 # ---------------------------------------------------------------------------------- a full disk
 
-
-@pytest.fixture
-def disk(tmp_path) -> Path:
-    """A 64 MiB tmpfs of its own (as in test_fault_disk)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {made.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @pytest.mark.parametrize("fault,step,words", [
