@@ -9,9 +9,9 @@ others' rows:
 - both with Liger on the model (RoPE, RMSNorm, SwiGLU: ``_apply_liger_kernel_to_instance``),
   non-reentrant gradient checkpointing of every layer, and Liger's fused linear cross-entropy on
   the last hidden state (never the [tokens, vocab] logits).
-Parameters bf16 with bf16 gradients held, no optimizer, random init, one sequence of random
-tokens: the same work as oomb's rows in benchmarks.core. Each length: one warm-up step at that
-length, then ``--repeats`` timed steps (CUDA events), median; peak = max_memory_allocated of the
+Parameters bf16 with bf16 gradients held for those trained (``--trainable``), no optimizer, random
+init, one sequence of random tokens: the same work as oomb's rows in benchmarks.core. Each length: one
+warm-up step at that length, then ``--repeats`` timed steps (CUDA events), median; peak = max_memory_allocated of the
 timed steps.
 """
 
@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from benchmarks.common import GpuClocks, int_list, time_steps
+from benchmarks.common import TRAINABLE, GpuClocks, int_list, set_trainable, time_steps
 from benchmarks.timeline import step_profile
 
 STACKS = {"fa4": "flash_attention_4", "sdpa": "sdpa"}
@@ -46,7 +46,7 @@ def stack_available(stack: str) -> str | None:
     return None
 
 
-def build_stack(preset: str, stack: str):
+def build_stack(preset: str, stack: str, trainable: str = "all"):
     """The model as the stack runs it, and its step function ``step(ids)``."""
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss, _apply_liger_kernel_to_instance
 
@@ -57,7 +57,7 @@ def build_stack(preset: str, stack: str):
                                     fused_linear_cross_entropy=False)
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for p in model.parameters():  # bf16 gradients held, as a trainer holds them
+    for p in set_trainable(model, trainable):  # bf16 gradients held, as a trainer holds them
         p.grad = torch.zeros_like(p)
     loss_fn = LigerFusedLinearCrossEntropyLoss()
     head = model.get_output_embeddings()
@@ -75,12 +75,12 @@ def run(args) -> list[dict]:
     why = stack_available(args.stack)
     if why is not None:
         return [{"system": f"transformers-{args.stack}", "seq_len": n, "error": why} for n in args.lengths]
-    model, step = build_stack(args.preset, args.stack)
+    model, step = build_stack(args.preset, args.stack, args.trainable)
     rows = []
     for n in args.lengths:
         ids = torch.randint(0, model.config.vocab_size, (1, n), device="cuda")
         row = {"system": f"transformers-{args.stack}-liger-ckpt", "seq_len": n,
-               "attn_implementation": STACKS[args.stack]}
+               "attn_implementation": STACKS[args.stack], "trainable": args.trainable}
         try:
             step(ids)  # warm-up at this length (kernels compiled, the allocator's pools grown)
             torch.cuda.synchronize()
@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stack", choices=sorted(STACKS), required=True)
     p.add_argument("--preset", default="qwen2.5-7b")
     p.add_argument("--lengths", type=int_list, required=True)
+    p.add_argument("--trainable", choices=TRAINABLE, default="all",
+                   help="parameters trained: all, or the attention layers' only (benchmarks.common.set_trainable)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile-lengths", type=int_list, default=[],
                    help="at these lengths, one more step under torch.profiler: where its GPU time goes")

@@ -72,11 +72,26 @@ def use_bench_grad_accumulation(model, args) -> list[str]:
     return use_fused_grad_accumulation(model)
 
 
+# What a row trains (--trainable): every parameter, or only the attention layers' (their q/k/v/o projections,
+# biases, norms inside attention and GPT-OSS's sinks) where a model's weights and their gradients do not fit the
+# card in bf16 (GPT-OSS-20B: 2 x 39 GiB).
+TRAINABLE = ("all", "attention")
+
+
+def set_trainable(model, which: str) -> list[torch.nn.Parameter]:
+    """Freezes what ``which`` (TRAINABLE) leaves out; returns the parameters left trainable."""
+    if which not in TRAINABLE:
+        raise ValueError(f"--trainable {which!r}: choose one of {', '.join(TRAINABLE)}")
+    for name, p in model.named_parameters():
+        p.requires_grad_(which == "all" or ".self_attn." in name)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def ask_fa4_block_sparse(on: bool) -> None:
     """Page-sparse calls of the fa4 backend on FA4's block sparsity (the default) or, off, on the Triton kernels
-    (oomb.kernels.flash4.BLOCK_SPARSE_ENV), for a bench's --[no-]fa4-block-sparse; before the fa4 backend is
+    (oomb.kernels.flash4_calls.BLOCK_SPARSE_ENV), for a bench's --[no-]fa4-block-sparse; before the fa4 backend is
     first built (it is built once per process)."""
-    from oomb.kernels.flash4 import BLOCK_SPARSE_ENV
+    from oomb.kernels.flash4_calls import BLOCK_SPARSE_ENV
 
     os.environ[BLOCK_SPARSE_ENV] = "1" if on else "0"
 

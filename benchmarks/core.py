@@ -34,6 +34,7 @@ import torch
 
 import oomb
 from benchmarks.common import (
+    TRAINABLE,
     GpuClocks,
     add_grad_accumulation_argument,
     ask_fa4_block_sparse,
@@ -42,6 +43,7 @@ from benchmarks.common import (
     library_versions,
     machine_description,
     run_benchmark,
+    set_trainable,
     time_steps,
     use_bench_grad_accumulation,
     write_report,
@@ -120,7 +122,8 @@ def run_baselines(args) -> list[dict]:
     for stack in args.baseline_stacks:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             proc = subprocess.run([sys.executable, "-m", "benchmarks.baseline", "--stack", stack, "--preset",
-                                   args.preset, "--lengths", ",".join(map(str, args.baseline_lengths)),
+                                   args.preset, "--trainable", args.trainable,
+                                   "--lengths", ",".join(map(str, args.baseline_lengths)),
                                    "--repeats", str(max(2, args.repeats)), "--out", out.name,
                                    "--profile-lengths", ",".join(map(str, args.profile_lengths))])
             if proc.returncode != 0:
@@ -272,6 +275,8 @@ def _caps(text: str) -> list[int | None]:
 def run(args) -> dict:
     device = torch.device("cuda")
     ask_fa4_block_sparse(args.fa4_block_sparse)
+    if args.auto_lengths and args.trainable != "all":
+        raise SystemExit("--auto-lengths times what `oomb train` picks for a full fine-tune: give --trainable all")
     baseline = run_baselines(args) if args.baseline_lengths else []
     if args.baseline_from:
         baseline += earlier_baselines(Path(args.baseline_from))
@@ -288,9 +293,10 @@ def run(args) -> dict:
         default_tiles = kernel_tiles.choose_tiles
         kernel_tiles.choose_tiles = lambda *a: dataclasses.replace(default_tiles(*a), **tiles)  # noqa: E731
     cfg = model.config
-    params = [p for p in model.parameters()]
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    for p in params:  # bf16 gradients, allocated up front as a trainer would hold them
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    trained = set_trainable(model, args.trainable)
+    grad_bytes = sum(p.numel() * p.element_size() for p in trained)
+    for p in trained:  # bf16 gradients, allocated up front as a trainer would hold them
         p.grad = torch.zeros_like(p)
     results = list(baseline)
 
@@ -344,7 +350,7 @@ def run(args) -> dict:
                 "options": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in options.items()},
                 "store_gib": store_for_model(model).nbytes() / 2**30,
                 "store_bytes_per_token": store_for_model(model).spec.bytes_per_token(),
-                "params_plus_grads_gib": 2 * param_bytes / 2**30,
+                "params_plus_grads_gib": (param_bytes + grad_bytes) / 2**30,
                 **fused_record, "tiles": args.tiles, "gpu_clocks": clocks.summary(), **profile,
             })
         except torch.OutOfMemoryError as e:
@@ -395,6 +401,7 @@ def _report(args, results: list[dict], *, complete: bool, cfg, fused_record: dic
         "preset": args.preset,
         "fused_ops": args.fused_ops, **fused_record, "tiles": args.tiles,
         "param_gib": param_bytes / 2**30,
+        "trainable": args.trainable,
         "results": results,
         "versus_baseline": versus_baseline(results),
         "sparse_floor": sparse_floor(results),
@@ -463,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.core", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen2.5-7b")
     p.add_argument("--lengths", type=int_list, default=[16384, 32768, 65536])
+    p.add_argument("--trainable", choices=TRAINABLE, default="all",
+                   help="parameters trained in every row, the stacks' too: all, or the attention layers' only (a "
+                        "model whose weights and gradients do not fit the card: GPT-OSS-20B)")
     p.add_argument("--ckpt-lengths", type=int_list, default=[],
                    help="also time oomb with per-layer checkpointing inside chunks at these lengths")
     p.add_argument("--cache-lengths", type=int_list, default=[],

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from oomb.kernels import flash4, reference
+from oomb.kernels import flash4_calls, reference
 
 
 def _causal(c, s, window_left, causal=True):
@@ -182,7 +182,7 @@ class TorchFlash:
         self.sparse_calls = 0
 
     def supports_head_dims(self, head_dim, head_dim_v, grouped):
-        return flash4.fa4_supports_head_dims(9, head_dim, head_dim_v, grouped)
+        return flash4_calls.fa4_supports_head_dims(9, head_dim, head_dim_v, grouped)
 
     def block_sparse_blocks(self, head_dim):
         return self.sparse_blocks

@@ -24,7 +24,7 @@ MiniCPM3: Dk = 192, Dv = 128) has Dk != Dv, and some models have sizes that are 
   tiles padded to one (96 in 128, 192 in 256) with masked loads and stores (its K/V tiles through
   pointers, not TMA); powers of two run unmasked. Wider heads are refused (use
   ``torch``). Tiles for heads padded past 128 (tiles.py) were chosen by arithmetic, not timed.
-- ``fa4``: what FlashAttention-4 runs (flash4.fa4_supports_head_dims, from its source): on Hopper
+- ``fa4``: what FlashAttention-4 runs (flash4_calls.fa4_supports_head_dims, from its source): on Hopper
   Dk and Dv each a multiple of 8 from 8 to 256, Dk != Dv only with as many KV heads as query
   heads (its GQA backward wants equal sizes); on Blackwell equal sizes, multiples of 8 up to 128.
   Other calls go to the Triton kernels, forward and backward alike. Page-sparse calls use FA4's
@@ -72,7 +72,8 @@ def _triton_importable() -> bool:
 
 @functools.cache
 def _flash4_backend() -> AttentionBackend:
-    from oomb.kernels.flash4 import Flash4Attention, FlashAttention4
+    from oomb.kernels.flash4 import Flash4Attention
+    from oomb.kernels.flash4_calls import FlashAttention4
 
     attention = Flash4Attention(FlashAttention4(), fallback=_triton_backend())
     return AttentionBackend("fa4", attention.forward, attention.backward)

@@ -19,11 +19,17 @@ call's workspace is bounded by ``key_segment`` plus the chunk at any context len
 Page-sparse selections (``page_select``) become FA4's block sparsity over the union of the chosen
 pages and the chunk's own keys (kernels/flash4_sparse.py) where the kernels object offers it
 (``block_sparse_blocks``) and the call fits its blocks. What FA4 cannot express here goes to the
-fallback backend (the Triton kernels on a GPU): per-head sinks, 32-bit inputs, head sizes FA4
+fallback backend (the Triton kernels on a GPU): 32-bit inputs, head sizes FA4
 lacks (``fa4_supports_head_dims``: on Hopper, sizes off multiples of 8 or above 256, and key and
 value sizes that differ under GQA), and selections with documents, a window, or pages and selection
 blocks off FA4's blocks. The choice depends only on the call's arguments, which forward and backward
 share, so an output and its gradient always come from the same kernels.
+
+Per-head sinks (GPT-OSS) join the softmax outside FA4, in every kind of call alike: FA4 attends the keys,
+then the sink's share of the denominator is folded into the output and the log-sum-exp (out * e^(lse - lse'),
+lse' = log(e^lse + e^sink)). FA4's backward from that out and lse is the backward of attention with the sink
+(its probabilities are e^(s - lse'), its row term dO.out), and the sink's own gradient is
+-sum e^(sink - lse') dO.out over the queries, a few elementwise operations on the chunk's output.
 
 The kernels are an object with ``forward``/``backward`` (``FlashAttention4`` wraps
 flash-attn-4's functions); tests give a PyTorch stand-in with FA4's semantics to check the
@@ -33,180 +39,19 @@ gathering, packing and scattering on CPU against the reference backend.
 from __future__ import annotations
 
 import collections
-import os
 import weakref
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from oomb.cache.layout import first_visible_page
 from oomb.kernels import flash4_sparse
-from oomb.kernels.flash4_sparse import BlockLists, BlockSparsity, page_sparse_keys
+from oomb.kernels.flash4_calls import FlashKernels, KeyLayout
+from oomb.kernels.flash4_sparse import page_sparse_keys
 from oomb.kernels.reference import check_backward_args, check_paged_args, check_visibility_args
-
-# The flash-attn-4 release this adapter was written and measured against: it calls the
-# package's forward and backward functions below its autograd wrapper (oomb runs its own
-# backward), which a later release may change.
-FLASH4_VERSION = "4.0.0b40"
-
-# FA4's block sparsity runs the page-sparse calls where it can (Hopper): its GPU tests passed on the H200 and a
-# sparse 128K step of Qwen2.5-7B took 17.2 s on it against 19.8 s on the Triton kernels the day before, though
-# recomputing more (docs/benchmarks.md).
-# This variable set to "0" keeps page-sparse calls on the Triton kernels.
-BLOCK_SPARSE_ENV = "OOMB_FA4_BLOCK_SPARSE"
 
 # Keys of the past one dense call gathers at a time (module docstring): 2 GiB of Qwen2.5-7B's gathered keys,
 # values and their gradients. Contexts up to 256K (all the measured steps of docs/benchmarks.md) run in one call.
 KEY_SEGMENT = 262144
-
-
-@dataclass(frozen=True)
-class KeyLayout:
-    """Which stored keys one call gathers, and how FA4 sees them.
-
-    ``page_ids``/``slots`` [T] locate each gathered key in the pools, row after row. Without
-    documents every row gathers the same ``keys_per_row`` keys (FA4's batched layout); with
-    documents each (row, document) is one of FA4's variable-length sequences, queries and keys
-    back to back (``cu_seqlens_*``, int32 on the device).
-
-    Every key some query sees is named once: a dense layout names each visible key, a page-sparse one its
-    chosen pages and then the other past pages (a permutation of the past, chosen_pages), which pad the
-    gather and no query sees. Through a table that sends the pages a store does not hold to one row
-    (oomb.cache.KVStore.fetch), padding keys may share that row.
-    """
-
-    page_ids: torch.Tensor
-    slots: torch.Tensor
-    keys_per_row: int | None = None
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    max_seqlen_q: int | None = None
-    max_seqlen_k: int | None = None
-
-    @property
-    def varlen(self) -> bool:
-        return self.cu_seqlens_q is not None
-
-
-def fa4_supports_head_dims(arch: int, head_dim: int, head_dim_v: int, grouped: bool) -> bool:
-    """Whether oomb hands FlashAttention-4 (FLASH4_VERSION) a call with key head size ``head_dim`` (queries' too)
-    and value head size ``head_dim_v`` on a GPU of major compute capability ``arch`` (9: Hopper, 10: Blackwell);
-    ``grouped``: more query heads than KV heads (GQA, MQA). Forward and backward alike: an output and its
-    gradient come from the same kernels. What it refuses goes to the fallback (the Triton kernels).
-
-    What flash-attn-4 4.0.0b40 takes (files under flash_attn/cute/ of its wheel, lines of that release):
-    - Hopper (SM90): Dk and Dv each from 8 to 256 and a multiple of 8 (16 bytes of bf16/fp16), Dk != Dv
-      included: ``_validate_head_dims`` (interface.py:134-146), called by the forward (interface.py:789-792) and
-      the backward (interface.py:2315-2317). Sizes off a multiple of 16 are padded to FA4's tiles and
-      predicated (flash_fwd.py:81-89, flash_bwd_sm90.py:84-92); the tiles for head_dim > 128 come from
-      config.py:241-279 (forward) and select_sm90_bwd_tile (backward).
-      But the SM90 backward asserts head_dim == head_dim_v when there are more query heads than KV heads
-      (flash_bwd_sm90.py:122-123, "GQA backward requires head_dim == head_dim_v"): GQA or MQA with Dk != Dv
-      falls back. DeepSeek-V2/V3-style latent attention (Dk 192, Dv 128) reaches attention with as many KV
-      heads as query heads, so it runs on FA4.
-    - Blackwell (SM100/SM110): b40 validates both sizes 8..128 (multiples of 8), (192, 128) and (256, 256)
-      (interface.py:147-151), with more conditions in its SM100 backward (flash_bwd_sm100.py:255-275); oomb has
-      run FA4 there only with equal sizes up to 128, so that is what it hands it.
-    """
-    if min(head_dim, head_dim_v) < 8 or head_dim % 8 or head_dim_v % 8:
-        return False
-    if arch == 9:
-        return max(head_dim, head_dim_v) <= 256 and (head_dim == head_dim_v or not grouped)
-    return head_dim == head_dim_v <= 128
-
-
-class FlashKernels(Protocol):
-    """FA4's two calls, in its layouts: q [B, C, H, Dk], k [B, S, H_kv, Dk] and v [B, S, H_kv, Dv], or (varlen)
-    q [T_q, H, Dk], k [T_k, H_kv, Dk] and v [T_k, H_kv, Dv]; out and d_out with Dv, dq with Dk; lse [B, H, C]
-    or [H, T_q]. Causal, aligned bottom-right per sequence;
-    ``window_left`` keys before each query's own (None: unlimited); ``causal=False``: every key seen (a segment
-    of the past, batched layout, no window). The backward takes the forward's out and lse and computes its
-    gradients from them (as FA4 does), not from a softmax over the keys it is given.
-
-    ``supports_head_dims(head_dim, head_dim_v, grouped)``: whether it runs these key and value head sizes (with
-    more query heads than KV heads where ``grouped``).
-
-    ``block_sparse_blocks(head_dim)``: the (query, key) block sizes in tokens of FA4's block sparsity, or None
-    where it is not offered (asked with the wider of the key and value head sizes). Optional: a kernels object
-    without it never receives ``block_sparse``, which is only passed to kernels that offer it (batched layout,
-    no window): the pairs of blocks attended (flash4_sparse.BlockSparsity), causal within the listed mask
-    blocks."""
-
-    dtypes: tuple[torch.dtype, ...]
-
-    def supports_head_dims(self, head_dim: int, head_dim_v: int, grouped: bool) -> bool: ...
-
-    def block_sparse_blocks(self, head_dim: int) -> tuple[int, int] | None: ...
-
-    def forward(self, q, k, v, *, scale: float, window_left: int | None, layout: KeyLayout,
-                block_sparse: BlockSparsity | None = None, causal: bool = True): ...
-
-    def backward(self, d_out, q, k, v, out, lse, *, scale: float, window_left: int | None, layout: KeyLayout,
-                 block_sparse: BlockSparsity | None = None, causal: bool = True): ...
-
-
-class FlashAttention4:
-    """flash-attn-4's forward and backward (``pip install 'oomb[fa4]'``)."""
-
-    dtypes = (torch.bfloat16, torch.float16)
-
-    def __init__(self, block_sparse: bool | None = None) -> None:
-        """``block_sparse``: offer FA4's block sparsity for page-sparse calls (None: unless the environment
-        variable named by BLOCK_SPARSE_ENV is "0")."""
-        from flash_attn.cute import interface  # the CUTLASS DSL import takes a few seconds: only when asked
-        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
-
-        self._fa = interface
-        self._sparse_tensors = BlockSparseTensorsTorch
-        self._arch = torch.cuda.get_device_capability()[0]
-        self._offers_block_sparse = os.environ.get(BLOCK_SPARSE_ENV) != "0" if block_sparse is None else block_sparse
-
-    def supports_head_dims(self, head_dim: int, head_dim_v: int, grouped: bool) -> bool:
-        return fa4_supports_head_dims(self._arch, head_dim, head_dim_v, grouped)
-
-    def block_sparse_blocks(self, head_dim: int) -> tuple[int, int] | None:
-        """(128, 128) on Hopper up to head_dim 128: FA4's forward tile there is 128 x 128 and its causal backward
-        tile 64 x 128 (128 x 128 up to 64), so these blocks serve both (flash4_sparse's docstring). Not on
-        Blackwell (its forward's two query tiles per block want q blocks of 256, unmeasured here), nor in
-        deterministic mode, which FA4's SM90 block-sparse backward lacks; nor where turned off (BLOCK_SPARSE_ENV)."""
-        if (not self._offers_block_sparse or self._arch != 9 or head_dim > 128
-                or torch.are_deterministic_algorithms_enabled()):
-            return None
-        return 128, 128
-
-    def _sparse_arguments(self, sparsity: BlockSparsity | None, direction: str) -> dict:
-        """FA4's ``block_sparse_tensors`` argument of one direction ("forward" or "backward"), or nothing."""
-        if sparsity is None:
-            return {}
-        lists: BlockLists = getattr(sparsity, direction)
-        return dict(block_sparse_tensors=self._sparse_tensors(
-            mask_block_cnt=lists.mask_cnt, mask_block_idx=lists.mask_idx, full_block_cnt=lists.full_cnt,
-            full_block_idx=lists.full_idx, block_size=(sparsity.block_q, sparsity.block_kv)))
-
-    @staticmethod
-    def _varlen(layout: KeyLayout) -> dict:
-        return dict(cu_seqlens_q=layout.cu_seqlens_q, cu_seqlens_k=layout.cu_seqlens_k,
-                    max_seqlen_q=layout.max_seqlen_q, max_seqlen_k=layout.max_seqlen_k)
-
-    def forward(self, q, k, v, *, scale, window_left, layout, block_sparse=None, causal=True):
-        sparse = self._sparse_arguments(block_sparse, "forward")
-        out, lse = self._fa._flash_attn_fwd(
-            q, k, v, softmax_scale=scale, causal=causal, window_size_left=window_left,
-            window_size_right=None if window_left is None else 0, return_lse=True, **self._varlen(layout), **sparse,
-        )[:2]
-        return out, lse
-
-    def backward(self, d_out, q, k, v, out, lse, *, scale, window_left, layout, block_sparse=None, causal=True):
-        # FA4's backward sums dQ (and GQA's dK/dV) with atomic adds, in no fixed order unless asked; PyTorch's
-        # switch for reproducible runs asks (the Triton kernels are deterministic either way).
-        sparse = self._sparse_arguments(block_sparse, "backward")
-        dq, dk, dv = self._fa._flash_attn_bwd(
-            q, k, v, out, d_out, lse, softmax_scale=scale, causal=causal, window_size_left=window_left,
-            window_size_right=None if window_left is None else 0,
-            deterministic=torch.are_deterministic_algorithms_enabled(), **self._varlen(layout), **sparse,
-        )[:3]
-        return dq, dk, dv
 
 
 def key_range(page_table: torch.Tensor, first: int, end: int, page_size: int) -> KeyLayout:
@@ -301,6 +146,22 @@ def _add_at(pool: torch.Tensor, layout: KeyLayout, grad: torch.Tensor) -> None:
     words[where] = gathered.view(words.dtype)
 
 
+def _fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of attention over the keys -> with each query head's sink logit in the denominator (module
+    docstring): out [B, H, C, Dv] scaled in float32 or wider, lse [B, H, C]."""
+    with_sink = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+    return _at_least_float32(out).mul_(torch.exp(lse - with_sink).unsqueeze(-1)), with_sink
+
+
+def _sink_gradient(d_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks [H] (float32, or float64 for float64 inputs): -sum over rows and queries of the sink's
+    probability e^(sink - lse) times the row term dO.out."""
+    wide = torch.promote_types(out.dtype, torch.float32)
+    delta = (d_out.to(wide) * out.to(wide)).sum(-1)  # [B, H, C]
+    p_sink = torch.exp(sinks.to(wide).view(1, -1, 1) - lse.to(wide))
+    return -(p_sink * delta).sum(dim=(0, 2))
+
+
 def backward_workspace_bytes(batch: int, keys: int, kv_heads: int, head_dim: int, itemsize: int,
                              merged_queries: int = 0) -> int:
     """What a backward call holds beside the layer's own tensors, for the memory plan: ``keys`` keys (at most
@@ -341,9 +202,9 @@ class Flash4Attention:
     def expresses(self, q: torch.Tensor, k_pool: torch.Tensor, *, sinks=None, sliding_window=None, doc_start=None,
                   page_select=None, select_block=None, v_pool: torch.Tensor | None = None) -> bool:
         """Whether FA4 runs this call; from its arguments alone, so forward and backward agree. ``v_pool``: for the
-        value head size (None: the key head size)."""
+        value head size (None: the key head size). Sinks never keep a call from FA4 (module docstring)."""
         head_dim_v = q.shape[-1] if v_pool is None else v_pool.shape[-1]
-        return (sinks is None and q.dtype in self.kernels.dtypes
+        return (q.dtype in self.kernels.dtypes
                 and self.kernels.supports_head_dims(q.shape[-1], head_dim_v, grouped=q.shape[1] != k_pool.shape[1])
                 and (page_select is None
                      or self._sparse_blocks(q, k_pool, sliding_window, doc_start, select_block, head_dim_v)
@@ -430,7 +291,7 @@ class Flash4Attention:
             acc.mul_(torch.exp(lse - merged).transpose(1, 2).unsqueeze(-1))
             acc.add_(_at_least_float32(out).mul_(torch.exp(part - merged).transpose(1, 2).unsqueeze(-1)))
             lse = merged
-        return acc.to(q.dtype).transpose(1, 2), lse
+        return acc.transpose(1, 2), lse
 
     def forward(self, q, k_pool, v_pool, page_table, kv_len, *, scale, sliding_window=None, sinks=None,
                 doc_start=None, page_select=None, select_block=None, block_tokens=None, page_union=None):
@@ -445,21 +306,26 @@ class Flash4Attention:
         self._check(q, k_pool, page_table, kv_len, v_pool=v_pool, **visibility)
         b, h, c, _ = q.shape
         if segments := self._segments(k_pool, page_table, kv_len, c, **visibility):
-            return self._segmented_forward(q, k_pool, v_pool, segments, scale)
-        layout, window_left, sparsity = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
-                                                      page_select, select_block, "forward", page_union)
-        sparse = {} if sparsity is None else dict(block_sparse=sparsity)  # kernels before it take no such argument
-        out, lse = self.kernels.forward(self._queries(q, layout), _gather(k_pool, layout, b),
-                                        _gather(v_pool, layout, b), scale=scale, window_left=window_left,
-                                        layout=layout, **sparse)
-        if layout.varlen:  # [H, B * C] -> [B, H, C]
-            lse = lse.view(h, b, c).transpose(0, 1)
-        return self._heads_first(out, b, layout), lse
+            out, lse = self._segmented_forward(q, k_pool, v_pool, segments, scale)  # out in float32
+        else:
+            layout, window_left, sparsity = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
+                                                          page_select, select_block, "forward", page_union)
+            sparse = {} if sparsity is None else dict(block_sparse=sparsity)  # kernels before it take no such argument
+            out, lse = self.kernels.forward(self._queries(q, layout), _gather(k_pool, layout, b),
+                                            _gather(v_pool, layout, b), scale=scale, window_left=window_left,
+                                            layout=layout, **sparse)
+            if layout.varlen:  # [H, B * C] -> [B, H, C]
+                lse = lse.view(h, b, c).transpose(0, 1)
+            out = self._heads_first(out, b, layout)
+        if sinks is not None:
+            out, lse = _fold_sinks(out, lse, sinks)
+        return out.to(q.dtype), lse
 
     def backward(self, d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len, *, scale,
                  sliding_window=None, sinks=None, doc_start=None, page_select=None, select_block=None,
                  block_tokens=None, page_union=None):
-        """Adds dK/dV of every visible key into dk_pool/dv_pool; returns (dq [B, H, C, Dk], None)."""
+        """Adds dK/dV of every visible key into dk_pool/dv_pool; returns (dq [B, H, C, Dk], d_sinks [H] float32 or
+        None). ``out`` and ``lse`` are the forward's, sinks folded in."""
         visibility = dict(sliding_window=sliding_window, doc_start=doc_start, page_select=page_select,
                           select_block=select_block)
         if not self.expresses(q, k_pool, sinks=sinks, v_pool=v_pool, **visibility):
@@ -467,8 +333,10 @@ class Flash4Attention:
                                           scale=scale, sinks=sinks, **visibility)
         self._check(q, k_pool, page_table, kv_len, v_pool=v_pool, **visibility)
         check_backward_args(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool)
+        d_sinks = None if sinks is None else _sink_gradient(d_out, out, lse, sinks)
         if segments := self._segments(k_pool, page_table, kv_len, q.shape[2], **visibility):
-            return self._segmented_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, segments, scale)
+            dq = self._segmented_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, segments, scale)
+            return dq, d_sinks
         layout, window_left, sparsity = self._prepare(q, k_pool, page_table, kv_len, sliding_window, doc_start,
                                                       page_select, select_block, "backward", page_union)
         b, h, c, _ = q.shape
@@ -482,7 +350,7 @@ class Flash4Attention:
         )
         _add_at(dk_pool, layout, dk)
         _add_at(dv_pool, layout, dv)
-        return self._heads_first(dq, b, layout), None
+        return self._heads_first(dq, b, layout), d_sinks
 
     def _segmented_backward(self, d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, segments, scale):
         """Each segment's backward against the whole call's out and lse: its dK/dV added into the pages, its dQ
@@ -497,4 +365,4 @@ class Flash4Attention:
             _add_at(dk_pool, layout, dk)
             _add_at(dv_pool, layout, dv)
             dq = _at_least_float32(part) if dq is None else dq.add_(part)
-        return dq.to(q.dtype).transpose(1, 2), None
+        return dq.to(q.dtype).transpose(1, 2)

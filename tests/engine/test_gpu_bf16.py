@@ -156,7 +156,7 @@ def test_sparse_step_on_fa4_block_sparsity_bf16_close_to_fp32(monkeypatch):
     against the same step in fp32 on the PyTorch path, bounded as above by the PyTorch path's own bf16 error. The
     pages are forced (sink + local = budget) so the selection cannot differ between precisions."""
     from oomb import kernels
-    from oomb.kernels import flash4, flash4_sparse
+    from oomb.kernels import flash4, flash4_calls, flash4_sparse
 
     if (reason := kernels.flash4_unavailable()) is not None:
         pytest.skip(reason)
@@ -168,7 +168,7 @@ def test_sparse_step_on_fa4_block_sparsity_bf16_close_to_fp32(monkeypatch):
     ids = torch.randint(0, 4096, (1, 16384 + 50), device="cuda")
     kw = dict(chunk_size=2048, page_size=128, selection=PageSelection(page_budget=8, block=128, sink_pages=2,
                                                                       local_pages=6))
-    monkeypatch.setenv(flash4.BLOCK_SPARSE_ENV, "1")
+    monkeypatch.setenv(flash4_calls.BLOCK_SPARSE_ENV, "1")
     kernels._flash4_backend.cache_clear()  # built again, reading the variable
     try:
         errors = _bf16_errors_against_fp32(ids, ("torch", "fa4"), **kw)

@@ -12,7 +12,7 @@ from helpers import assert_close_rel
 from paged_inputs import make_problem, random_doc_start, random_page_select
 
 import oomb.kernels as kernels_package
-from oomb.kernels import AttentionBackend, flash4, flash4_unavailable, get_backend, reference
+from oomb.kernels import AttentionBackend, flash4, flash4_calls, flash4_unavailable, get_backend, reference
 from oomb.kernels.flash4 import Flash4Attention, key_layout, key_segments
 
 REFERENCE = AttentionBackend("torch", reference.paged_attention_forward, reference.paged_attention_backward)
@@ -49,9 +49,15 @@ def _check_against_reference(attention, kernels, pb, kw, calls_per_direction=1):
     dk0, dv0 = torch.randn_like(pb.k_pool), torch.randn_like(pb.v_pool)  # gradients are ADDED to what is there
     dk, dv, ref_dk, ref_dv = dk0.clone(), dv0.clone(), dk0.clone(), dv0.clone()
     dq, d_sinks = attention.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len, **kw)
-    ref_dq, _ = reference.paged_attention_backward(d_out, pb.q, ref_out, ref_lse, pb.k_pool, pb.v_pool, ref_dk,
-                                                   ref_dv, pb.page_table, kv_len, **kw)
-    assert kernels.calls == 2 * calls_per_direction and d_sinks is None
+    ref_dq = reference.paged_attention_backward(d_out, pb.q, ref_out, ref_lse, pb.k_pool, pb.v_pool, ref_dk,
+                                                ref_dv, pb.page_table, kv_len, **kw)
+    assert kernels.calls == 2 * calls_per_direction
+    ref_dq, ref_d_sinks = ref_dq
+    if kw.get("sinks") is None:
+        assert d_sinks is None
+    else:
+        assert d_sinks.dtype == torch.float64
+        assert_close_rel(d_sinks, ref_d_sinks, 1e-10, "d_sinks")
     assert_close_rel(dq, ref_dq, 1e-10, "dq")
     assert_close_rel(dk - dk0, ref_dk - dk0, 1e-10, "dk added")
     assert_close_rel(dv - dv0, ref_dv - dv0, 1e-10, "dv added")
@@ -138,13 +144,40 @@ def test_documents_become_sequences_back_to_back():
     assert layout.page_ids[14:].tolist() == [4] * 4 + [5] * 4 + [6] * 4 + [7] * 4
 
 
-@pytest.mark.parametrize("what", ["sinks", "page_select", "dtype"])
+SINK_CASES = [
+    # b, h, h_kv, c, kv_len, d, page, window, docs, key_segment, page_select
+    pytest.param(1, 4, 2, 16, 64, 16, 8, None, None, None, False, id="gqa"),
+    pytest.param(2, 4, 2, 20, 77, 8, 8, 11, None, None, False, id="window"),
+    pytest.param(2, 6, 2, 17, 70, 8, 8, None, 4, None, False, id="documents-two-rows"),
+    pytest.param(1, 4, 2, 13, 77, 8, 8, None, None, 16, False, id="segments"),
+    pytest.param(1, 4, 2, 16, 80, 8, 8, None, None, None, True, id="page-select"),
+]
+
+
+@pytest.mark.parametrize("b,h,h_kv,c,kv_len,d,page,window,docs,key_segment,page_select", SINK_CASES)
+def test_sinks_join_the_softmax_around_fa4_in_every_kind_of_call(b, h, h_kv, c, kv_len, d, page, window, docs,
+                                                                  key_segment, page_select):
+    # GPT-OSS's per-head sinks: FA4 attends the keys, the sink is folded into out and lse, and its gradient is
+    # taken from the row terms; the reference applies the sink inside its softmax.
+    torch.manual_seed(0)
+    pb = make_problem(b, h, h_kv, c, kv_len, d, page, dtype=torch.float64, sinks=True)
+    kw = dict(scale=d**-0.5, sinks=pb.sinks * 3, sliding_window=window)  # sinks large enough to matter
+    if docs:
+        kw["doc_start"] = random_doc_start(b, c, kv_len, docs)
+    if page_select:
+        kw.update(page_select=random_page_select(b, 1, c, kv_len, page, 16, 3), select_block=16)
+    kernels = TorchFlash(sparse_blocks=(8, 8))
+    segments = 1 if key_segment is None else len(key_segments(kv_len, c, page, key_segment))
+    attention = Flash4Attention(kernels, fallback=REFERENCE, key_segment=key_segment or flash4.KEY_SEGMENT)
+    _check_against_reference(attention, kernels, pb, kw, calls_per_direction=segments)
+
+
+@pytest.mark.parametrize("what", ["page_select", "dtype"])
 def test_what_fa4_cannot_express_goes_to_the_fallback_in_both_directions(what):
     torch.manual_seed(0)
     b, h, h_kv, c, kv_len, d, page = 1, 4, 2, 16, 64, 16, 8
-    pb = make_problem(b, h, h_kv, c, kv_len, d, page, dtype=torch.float16 if what == "dtype" else torch.float32,
-                      sinks=what == "sinks")
-    kw = dict(scale=d**-0.5, sinks=pb.sinks)
+    pb = make_problem(b, h, h_kv, c, kv_len, d, page, dtype=torch.float16 if what == "dtype" else torch.float32)
+    kw = dict(scale=d**-0.5)
     if what == "page_select":
         kw.update(page_select=random_page_select(b, 1, c, kv_len, page, 8, 2), select_block=8)
     spy = FallbackSpy()
@@ -184,6 +217,36 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 128], ids=["full", "sliding-128"])
+def test_fa4_bf16_with_sinks_matches_the_reference_on_gpu(window):
+    # GPT-OSS's attention layers: 64 query heads over 8 KV heads of 64, per-head sinks, full or a 128-token window.
+    if (reason := flash4_unavailable()) is not None:
+        pytest.skip(reason)
+    torch.manual_seed(0)
+    h, h_kv, d, page, c, kv_len = 64, 8, 64, 128, 2048, 8192
+    pb = make_problem(1, h, h_kv, c, kv_len, d, page, dtype=torch.bfloat16, device="cuda", sinks=True)
+    sinks = (pb.sinks.float() * 3).to(torch.bfloat16)
+    kw = dict(scale=d**-0.5, sliding_window=window, sinks=sinks)
+    fa4 = get_backend("fa4", "cuda")
+    q32, k32, v32 = pb.q.float(), pb.k_pool.float(), pb.v_pool.float()
+    kw32 = dict(kw, sinks=sinks.float())
+    out, lse = fa4.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
+    ref_out, ref_lse = reference.paged_attention_forward(q32, k32, v32, pb.page_table, kv_len, **kw32)
+    assert_close_rel(out.float(), ref_out, 1e-2, "out")
+    assert_close_rel(lse, ref_lse, 1e-3, "lse")
+    d_out = torch.randn_like(pb.q)
+    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    ref_dk, ref_dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    dq, d_sinks = fa4.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len, **kw)
+    ref_dq, ref_d_sinks = reference.paged_attention_backward(d_out.float(), q32, ref_out, ref_lse, k32, v32, ref_dk,
+                                                             ref_dv, pb.page_table, kv_len, **kw32)
+    assert_close_rel(dq.float(), ref_dq, 1e-2, "dq")
+    assert_close_rel(dk, ref_dk, 1e-2, "dk")
+    assert_close_rel(dv, ref_dv, 1e-2, "dv")
+    assert_close_rel(d_sinks, ref_d_sinks, 1e-2, "d_sinks")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("c,kv_len,window,docs", GPU_CASES)
 def test_fa4_bf16_matches_the_reference_on_gpu(c, kv_len, window, docs):
     if (reason := flash4_unavailable()) is not None:
@@ -217,7 +280,7 @@ def test_fa4_bf16_in_key_segments_matches_the_reference_on_gpu():
     # causal mask on the past's segments, its backward from the merged out and lse.
     if (reason := flash4_unavailable()) is not None:
         pytest.skip(reason)
-    from oomb.kernels.flash4 import FlashAttention4
+    from oomb.kernels.flash4_calls import FlashAttention4
 
     torch.manual_seed(0)
     h, h_kv, d, page, c, kv_len = 28, 4, 128, 128, 4096, 32768
@@ -244,7 +307,8 @@ def test_fa4_bf16_in_key_segments_matches_the_reference_on_gpu():
 def test_gather_and_add_move_heads_as_words_or_as_they_are(dtype, d, offset):
     # Heads move as 8-byte words where they divide evenly, else element by element (odd head sizes, a pool
     # view whose offset is no whole word): the same tokens, bit for bit, and each gradient added once.
-    from oomb.kernels.flash4 import KeyLayout, _add_at, _gather
+    from oomb.kernels.flash4 import _add_at, _gather
+    from oomb.kernels.flash4_calls import KeyLayout
 
     torch.manual_seed(0)
     flat = torch.randn(offset + 6 * 2 * 4 * d).to(dtype)
@@ -282,7 +346,7 @@ def test_the_fa4_wrapper_hands_each_direction_its_own_block_lists(monkeypatch):
     import sys
     import types
 
-    from oomb.kernels.flash4 import FlashAttention4, KeyLayout
+    from oomb.kernels.flash4_calls import FlashAttention4, KeyLayout
     from oomb.kernels.flash4_sparse import BlockLists, BlockSparsity
 
     interface = _RecordingInterface()
@@ -298,13 +362,13 @@ def test_the_fa4_wrapper_hands_each_direction_its_own_block_lists(monkeypatch):
 
     assert FlashAttention4(block_sparse=False).block_sparse_blocks(128) is None
     # The default (kernels/__init__.py says so): offered unless the environment variable is "0".
-    monkeypatch.delenv(flash4.BLOCK_SPARSE_ENV, raising=False)
+    monkeypatch.delenv(flash4_calls.BLOCK_SPARSE_ENV, raising=False)
     assert FlashAttention4().block_sparse_blocks(128) == (128, 128)
-    monkeypatch.setenv(flash4.BLOCK_SPARSE_ENV, "0")
+    monkeypatch.setenv(flash4_calls.BLOCK_SPARSE_ENV, "0")
     assert FlashAttention4().block_sparse_blocks(128) is None
     doc = " ".join(kernels_package.__doc__.split())
     assert "Page-sparse selections run on FA4's block sparsity by default" in doc
-    assert f"``{flash4.BLOCK_SPARSE_ENV}=0`` turns it off" in doc
+    assert f"``{flash4_calls.BLOCK_SPARSE_ENV}=0`` turns it off" in doc
     fa4 = FlashAttention4(block_sparse=True)
     assert fa4.block_sparse_blocks(128) == (128, 128)
     assert fa4.block_sparse_blocks(256) is None

@@ -16,7 +16,7 @@ from flash_standin import FallbackSpy, TorchFlash
 from helpers import assert_close_rel
 from paged_inputs import make_problem, random_doc_start, random_page_select
 
-from oomb.kernels import flash4, flash4_sparse, reference
+from oomb.kernels import flash4_calls, flash4_sparse, reference
 from oomb.kernels.flash4 import Flash4Attention
 from oomb.kernels.flash4_sparse import chosen_pages, page_sparse_keys
 
@@ -322,7 +322,7 @@ def test_fa4_block_sparsity_bf16_matches_the_reference_on_gpu(c, kv_len, budget,
     sel = random_page_select(1, h_sel, c, kv_len, page, select_block, budget, device="cuda")
     kw = dict(scale=d**-0.5, page_select=_with_common_page(sel), select_block=select_block)
     spy = FallbackSpy()
-    attention = Flash4Attention(flash4.FlashAttention4(block_sparse=True), fallback=spy)
+    attention = Flash4Attention(flash4_calls.FlashAttention4(block_sparse=True), fallback=spy)
     q32, k32, v32 = pb.q.float(), pb.k_pool.float(), pb.v_pool.float()
     out, lse = attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
     ref_out, ref_lse = reference.paged_attention_forward(q32, k32, v32, pb.page_table, kv_len, **kw)

@@ -37,7 +37,8 @@ from paged_inputs import (  # noqa: E402
 import oomb.kernels  # noqa: E402
 from oomb.cache.layout import first_visible_page  # noqa: E402
 from oomb.kernels import AttentionBackend, reference  # noqa: E402
-from oomb.kernels.flash4 import Flash4Attention, fa4_supports_head_dims  # noqa: E402
+from oomb.kernels.flash4 import Flash4Attention  # noqa: E402
+from oomb.kernels.flash4_calls import fa4_supports_head_dims  # noqa: E402
 
 DEVICE = "cuda" if _CUDA else "cpu"
 TOL = {"fp64": 1e-12, "fp32": 1e-5, "stand-in": 1e-10, "gpu_bf16": 1e-2, "gpu_lse": 1e-3}
@@ -377,7 +378,7 @@ def test_package_docstring_states_what_each_backend_takes():
     assert "padded to one (96 in 128, 192 in 256)" in doc
     assert (launch.head_block(96), launch.head_block(192)) == (128, 256)
     # fa4: FA4's rule, named, with the examples the docstring gives.
-    assert "flash4.fa4_supports_head_dims" in doc
+    assert "flash4_calls.fa4_supports_head_dims" in doc
     assert "on Hopper Dk and Dv each a multiple of 8 from 8 to 256" in doc
     assert all(fa4_supports_head_dims(9, d, d, grouped=True) for d in range(8, 257, 8))
     assert not any(fa4_supports_head_dims(9, d, d, grouped=True) for d in (4, 12, 20, 100, 264))
@@ -474,7 +475,7 @@ def test_padded_head_tiles_cost_about_what_their_tile_costs_on_gpu():
 ])
 def test_fa4_bf16_head_sizes_on_gpu(h, h_kv, dk, dv, docs, runs_on_fa4):
     from oomb.kernels import flash4_unavailable, get_backend
-    from oomb.kernels.flash4 import FlashAttention4
+    from oomb.kernels.flash4_calls import FlashAttention4
 
     if (reason := flash4_unavailable()) is not None:
         pytest.skip(reason)

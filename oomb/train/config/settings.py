@@ -216,8 +216,8 @@ class TrainConfig:
     attention: str = "auto"
     """Attention kernels: auto (FlashAttention-4 where flash-attn-4 is installed and the GPU is Hopper or Blackwell,
     else the Triton kernels on CUDA, PyTorch on CPU), fa4, triton or torch. fa4 runs page-sparse selections on FA4's
-    block sparsity on Hopper (OOMB_FA4_BLOCK_SPARSE=0: the Triton kernels) and hands sinks and what block sparsity
-    cannot express to the Triton kernels; every choice computes the same attention."""
+    block sparsity on Hopper (OOMB_FA4_BLOCK_SPARSE=0: the Triton kernels), folds GPT-OSS's sinks in around FA4, and
+    hands what block sparsity cannot express to the Triton kernels; every choice computes the same attention."""
     fused_ops: str = "auto"
     """Fused RMSNorm and SwiGLU kernels (liger-kernel) in place of transformers' own modules (Llama, Mistral, Qwen2,
     Qwen3; same weights and results, fewer passes over memory): auto (on CUDA when liger-kernel is installed and
