@@ -142,6 +142,7 @@ def test_oomb_train_adds_in_the_matmul_only_with_fused_ops_on_one_cuda_process()
     import types
 
     from oomb.train.config.settings import load_config
+    from oomb.train.loop.distributed import DistributedContext
     from oomb.train.loop.model import fuses_grad_accumulation
 
     def model_on(device):
@@ -149,10 +150,11 @@ def test_oomb_train_adds_in_the_matmul_only_with_fused_ops_on_one_cuda_process()
         return types.SimpleNamespace(parameters=lambda: iter([weight]))
 
     cfg = load_config(None, [])
-    assert fuses_grad_accumulation(model_on("cuda"), cfg, None)
+    one = DistributedContext.single(torch.device("cpu"))  # a single process
+    assert fuses_grad_accumulation(model_on("cuda"), cfg, one)
     assert fuses_grad_accumulation(model_on("cuda"), cfg, types.SimpleNamespace(world_size=1))
     assert not fuses_grad_accumulation(model_on("cuda"), cfg, types.SimpleNamespace(world_size=2))  # FSDP's hooks
-    assert not fuses_grad_accumulation(model_on("cpu"), cfg, None)
-    assert not fuses_grad_accumulation(model_on("cuda"), load_config(None, ["train.fused_ops=none"]), None)
+    assert not fuses_grad_accumulation(model_on("cpu"), cfg, one)
+    assert not fuses_grad_accumulation(model_on("cuda"), load_config(None, ["train.fused_ops=none"]), one)
     assert not fuses_grad_accumulation(model_on("cuda"), load_config(None, ["train.fused_grad_accumulation=false"]),
-                                       None)
+                                       one)

@@ -283,12 +283,14 @@ def test_the_startup_line_says_where_offloaded_pages_are(monkeypatch, allowance,
     from rich.console import Console
 
     from oomb.train.loop import trainer
+    from oomb.train.loop.distributed import DistributedContext
 
     monkeypatch.setattr(memory, "available_memory", lambda device: (H200["gpu_bytes"], H200["host_bytes"]))
     cfg = load_config(None, ["model.preset=qwen2.5-7b", "data.seq_len=131072", "train.offload=true",
                              f"train.offload_gpu_memory={allowance}"])
     check_config(cfg)
-    plan, line = trainer._check_memory(cfg, torch.device("cuda"), torch.bfloat16, Console(quiet=True))
+    one = DistributedContext.single(torch.device("cuda"))
+    plan, line = trainer._check_memory(cfg, one.device, torch.bfloat16, Console(quiet=True), one)
     assert plan.settings["offload_resident_layers"] == resident
     if resident:
         assert line.endswith(f"offload: the pages of 28 layers kept on the GPU (train.offload_gpu_memory="

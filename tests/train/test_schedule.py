@@ -13,6 +13,7 @@ import transformers
 from oomb.cli import main
 from oomb.train.config.checks import check_config
 from oomb.train.config.settings import ConfigError, load_config
+from oomb.train.loop.distributed import DistributedContext
 from oomb.train.loop.schedule import (
     MIN_LR_SCHEDULES,
     SCHEDULES,
@@ -24,6 +25,7 @@ from oomb.train.loop.schedule import (
 )
 
 RUN = ["data.seq_len=256", "train.chunk_size=128", "train.page_size=64", "train.device=cpu", "train.export=false"]
+ONE = DistributedContext.single(torch.device("cpu"))  # a single process
 
 
 @pytest.mark.parametrize("overrides,lr,warmup,why", [
@@ -212,7 +214,7 @@ def test_schedule_settings_that_cannot_work_are_refused_before_any_work(override
 
 def test_constant_without_warmup_settles_warmup_auto_to_none():
     cfg = load_config(None, ["train.lr_scheduler=constant", "train.lr=0.01"])
-    assert resolve_schedule(cfg) == "lr 0.01, warmup 0 (constant has none), schedule constant"
+    assert resolve_schedule(cfg, None, ONE) == "lr 0.01, warmup 0 (constant has none), schedule constant"
     assert cfg.train.warmup_steps == 0
 
 
@@ -236,7 +238,7 @@ def test_a_pass_is_counted_by_packing_it_and_the_position_stays(tmp_path):
     corpus = PackedCorpus(tmp_path, load_tokenizer(None), 64, seed=1)
     inputs = types.SimpleNamespace(corpus=corpus)
     tokens = sum(len(d) + 1 for d in docs)  # each document and its end-of-text token
-    assert sequences_per_pass(inputs) == math.ceil(tokens / 64) == 7
+    assert sequences_per_pass(inputs, ONE) == math.ceil(tokens / 64) == 7
     fresh = PackedCorpus(tmp_path, load_tokenizer(None), 64, seed=1)
     for _ in range(9):  # the count left the stream where it was: the same sequences as a corpus never counted
         assert torch.equal(corpus.next_sequence()[0], fresh.next_sequence()[0])
@@ -246,7 +248,7 @@ def test_streamed_data_has_no_pass_to_count():
     stream = types.SimpleNamespace(kind="stream", name="owner/name:train")
     with pytest.raises(ConfigError, match=r"train.epochs: data.paths streams owner/name:train, and how many "
                                           r"sequences .* set train.steps instead"):
-        sequences_per_pass(types.SimpleNamespace(corpus=types.SimpleNamespace(sources=[stream])))
+        sequences_per_pass(types.SimpleNamespace(corpus=types.SimpleNamespace(sources=[stream])), ONE)
 
 
 def test_epochs_become_steps_at_startup_and_a_resume_keeps_them(tmp_path, capsys, model_dir):

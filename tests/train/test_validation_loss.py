@@ -17,9 +17,11 @@ from oomb.train.data.packing import PackedCorpus
 from oomb.train.data.rows import open_rows
 from oomb.train.data.windows import held_out
 from oomb.train.eval.validation import build_validation, validation_loss
+from oomb.train.loop.distributed import DistributedContext
 
 FAST = ["data.seq_len=256", "train.chunk_size=128", "train.page_size=64", "train.device=cpu", "train.lr=0.01",
         "train.warmup_steps=1", "train.export=false"]
+ONE = DistributedContext.single(torch.device("cpu"))  # a single process
 
 
 @pytest.fixture
@@ -68,7 +70,7 @@ def test_held_out_rows_are_never_trained_on_and_are_the_same_in_every_run(tmp_pa
     config.vocab_size = 300
     args = [*FAST, "data.task=text", f"data.paths=[{text_dir}]", "data.val_fraction=0.25", "train.val_batches=2"]
     inputs = build_inputs(load_config(None, args), config)
-    validation = build_validation(load_config(None, args), inputs)
+    validation = build_validation(load_config(None, args), inputs, ONE)
     held = _documents(validation.batches)
     trained = set()
     while inputs.corpus.rows.epoch == 0:
@@ -78,7 +80,7 @@ def test_held_out_rows_are_never_trained_on_and_are_the_same_in_every_run(tmp_pa
     assert 5 <= sum(rows.values()) <= 15  # ~25% of 40
     assert trained == {doc for doc, out in rows.items() if not out}  # an epoch of training: every other row
     assert held and held <= {doc for doc, out in rows.items() if out}  # validation: held-out rows only
-    other_seed = build_validation(load_config(None, [*args, "train.seed=7"]), inputs)
+    other_seed = build_validation(load_config(None, [*args, "train.seed=7"]), inputs, ONE)
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(validation.batches, other_seed.batches,
                                                                      strict=True))
 
@@ -121,7 +123,7 @@ def test_passkey_runs_validate_on_sequences_they_never_train_on(tmp_path):
     records = _metrics(run)
     assert [r["step"] for r in records if "val_loss" in r] == [1, 2]
     inputs = build_inputs(load_config(None, FAST), preset_config("tiny"))
-    validation = build_validation(load_config(None, [*FAST, "train.val_every=1"]), inputs)
+    validation = build_validation(load_config(None, [*FAST, "train.val_every=1"]), inputs, ONE)
     trained = [inputs.batches(step)[0].input_ids for step in range(100)]
     assert not any(torch.equal(v.input_ids, t) for v in validation.batches for t in trained)
 
@@ -151,7 +153,7 @@ def test_a_held_out_fraction_that_holds_nothing_is_refused(tmp_path):
     # The file is not held out: nothing to validate on.
     inputs = build_inputs(load_config(None, [*args, "data.val_fraction=0.01"]), config)
     with pytest.raises(ConfigError, match="data.val_fraction: no row to read: .*held-out split.*held out whole"):
-        build_validation(load_config(None, [*args, "data.val_fraction=0.01"]), inputs)
+        build_validation(load_config(None, [*args, "data.val_fraction=0.01"]), inputs, ONE)
     with pytest.raises(ConfigError, match="data.paths: no row to read: .*held-out split"):
         build_inputs(load_config(None, [*args, "data.val_fraction=0.999"]), config)  # held out: nothing to train
 
@@ -166,7 +168,7 @@ def test_chat_validation_scores_the_assistant_tokens_of_held_out_conversations(t
     args = ["data.seq_len=64", "data.task=chat", f"data.paths=[{tmp_path / 'chat.jsonl'}]",
             f"data.tokenizer={tmp_path / 'tokenizer'}", "data.val_fraction=0.2", "train.val_batches=2"]
     inputs = build_inputs(load_config(None, args), preset_config("tiny"))
-    validation = build_validation(load_config(None, args), inputs)
+    validation = build_validation(load_config(None, args), inputs, ONE)
     assert validation.notes[1].startswith("validation chat data: ") and "samples kept" in validation.notes[1]
     assert inputs.corpus.counts.rows + int(validation.notes[1].split(" of ")[1].split()[0]) == 50
     tokenizer = inputs.tokenizer
@@ -177,6 +179,7 @@ def test_chat_validation_scores_the_assistant_tokens_of_held_out_conversations(t
 
 def test_validation_runs_in_one_process_only():
     inputs = build_inputs(load_config(None, FAST), preset_config("tiny"))
+    torchrun = DistributedContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="runs in one process for now: leave those keys out under torchrun"):
-        build_validation(load_config(None, [*FAST, "train.val_every=2"]), inputs, ctx=object())
-    assert build_validation(load_config(None, FAST), inputs, ctx=object()) is None  # no validation: nothing to refuse
+        build_validation(load_config(None, [*FAST, "train.val_every=2"]), inputs, torchrun)
+    assert build_validation(load_config(None, FAST), inputs, torchrun) is None  # no validation: nothing to refuse

@@ -16,6 +16,7 @@ from oomb.surgery.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.surgery.fused_ops import liger_available
 from oomb.train.config.bounded import read_json
 from oomb.train.config.demo import settle_shape
+from oomb.train.config.device import resolve_device
 from oomb.train.config.hub import model_folder
 from oomb.train.config.presets import preset_names
 from oomb.train.config.rope import check_rope
@@ -27,20 +28,6 @@ from oomb.train.loop.reporting import check_report_to
 from oomb.train.loop.schedule import check_schedule_values
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_device(name: str, option: str = "train.device") -> torch.device:
-    """``auto`` -> cuda when visible, else cpu; ``option`` names the setting in error messages."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ConfigError(f"{option} {name!r} is not a device name (use auto, cpu, cuda or cuda:N)") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        sep = "=" if option.startswith("train.") else " "
-        raise ConfigError(f"{option} asks for CUDA but no CUDA device is visible; use {option}{sep}cpu")
-    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

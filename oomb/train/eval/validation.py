@@ -97,12 +97,12 @@ def wants_validation(cfg: Config) -> bool:
     return cfg.train.val_every > 0 or bool(d.val_paths) or d.val_fraction > 0
 
 
-def build_validation(cfg: Config, inputs, ctx=None) -> Validation | None:
+def build_validation(cfg: Config, inputs, ctx) -> Validation | None:
     """The run's held-out batches (None without validation); ConfigError for what cannot be built."""
     if not wants_validation(cfg):
         return None
     d, t = cfg.data, cfg.train
-    if ctx is not None:
+    if ctx.torchrun:
         raise ConfigError("the validation loss (train.val_every, data.val_paths, data.val_fraction) runs in one "
                           "process for now: leave those keys out under torchrun, and score checkpoints with "
                           "oomb eval --perplexity")

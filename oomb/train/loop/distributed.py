@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from oomb.train.config.device import resolve_device
 from oomb.train.config.settings import Config, ConfigError
 from oomb.train.loop.optim import wants_master_weights
 from oomb.train.runfolder.checkpoint import (
@@ -111,8 +112,9 @@ class DistributedContext:
         return TP_FORMAT if self.tensor_parallel > 1 else FORMAT
 
 
-def setup(cfg: Config) -> DistributedContext | None:
-    """Join the torchrun job (WORLD_SIZE > 1 in the environment); None for a single process.
+def setup(cfg: Config) -> DistributedContext:
+    """Join the torchrun job (WORLD_SIZE > 1 in the environment); a single process is a context of one rank
+    (``DistributedContext.single`` on train.device).
 
     gloo on CPU, nccl on CUDA with device cuda:LOCAL_RANK. Settings that the data parallel
     path does not support are refused here, before the process group starts.
@@ -123,7 +125,7 @@ def setup(cfg: Config) -> DistributedContext | None:
         if tp > 1:
             raise ConfigError(f"train.tensor_parallel={tp} splits the model over {tp} processes: launch with "
                               f"torchrun --nproc_per_node {tp} -m oomb.cli train ...")
-        return None
+        return DistributedContext.single(resolve_device(cfg.train.device))
     if world % tp:
         raise ConfigError(f"train.tensor_parallel={tp} does not divide the {world} ranks: the ranks form groups "
                           f"of train.tensor_parallel that each split one model (e.g. train.tensor_parallel={world})")
@@ -163,18 +165,21 @@ def setup(cfg: Config) -> DistributedContext | None:
     return DistributedContext(rank, world, local_rank, device, tensor_parallel=tp, mesh=mesh)
 
 
-def teardown(ctx: DistributedContext | None) -> None:
-    if ctx is not None and dist.is_initialized():
+def teardown(ctx: DistributedContext) -> None:
+    """Leave the process group ``setup`` started (a single process started none)."""
+    if ctx.torchrun and dist.is_initialized():
         dist.destroy_process_group()
 
 
-def barrier(ctx: DistributedContext | None) -> None:
-    if ctx is not None:
+def barrier(ctx: DistributedContext) -> None:
+    if ctx.world_size > 1:
         dist.barrier()
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when ``flag`` is true on at least one (one tiny all-reduce)."""
+def any_rank(ctx: DistributedContext, flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on at least one (one tiny all-reduce; ``flag`` on one rank)."""
+    if ctx.world_size == 1:
+        return flag
     value = torch.tensor([int(flag)], dtype=torch.int32)
     if dist.get_backend() == "nccl":
         value = value.cuda()
@@ -184,9 +189,20 @@ def any_rank(flag: bool) -> bool:
 
 def sum_over_data_ranks(ctx: DistributedContext, count: int) -> int:
     """``count`` summed over the data parallel groups (the ranks of a tensor parallel group hold the same rows)."""
+    if ctx.data_parallel == 1:
+        return count
     value = torch.tensor([count], dtype=torch.int64, device=ctx.device)
     dist.all_reduce(value)
     return int(value.item()) // ctx.tensor_parallel
+
+
+def most_over_ranks(ctx: DistributedContext, count: int) -> int:
+    """The largest ``count`` of any rank (``count`` on one rank)."""
+    if ctx.world_size == 1:
+        return count
+    most = torch.tensor([count], device=ctx.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -316,6 +332,8 @@ def param_groups(params) -> list[dict]:
 def prepare_out_dir(ctx: DistributedContext, cfg: Config, prepare) -> tuple[Path, bool]:
     """Rank 0 makes the run folder (``prepare``: rundir.prepare_out_dir); every rank gets its path and
     whether rank 0 created it."""
+    if ctx.world_size == 1:
+        return prepare(cfg)
     barrier(ctx)  # every rank has checked the paths before rank 0 creates anything
     box = [(str(out), created) for out, created in [prepare(cfg)]] if ctx.is_main else [None]
     dist.broadcast_object_list(box, src=0)
@@ -372,20 +390,22 @@ def save_checkpoint(ctx: DistributedContext, out_dir: Path, step: int, model, op
     return final
 
 
-def check_checkpoint_format(ckpt: Path, ctx: DistributedContext | None) -> None:
+def check_checkpoint_format(ckpt: Path, ctx: DistributedContext) -> None:
     """Refuse, before loading, a checkpoint written by a different number of processes."""
     state = checkpoint_state(ckpt)
     sharded = state.get("format") in (FORMAT, TP_FORMAT)
     tp = state.get("tensor_parallel", 1)
-    if ctx is None and sharded:
-        raise CheckpointError(f"{ckpt} was written by {state['world_size']} ranks under torchrun: resume it with "
-                              f"torchrun --nproc_per_node {state['world_size']}")
-    if ctx is not None and not sharded:
+    if not ctx.torchrun:
+        if sharded:
+            raise CheckpointError(f"{ckpt} was written by {state['world_size']} ranks under torchrun: resume it "
+                                  f"with torchrun --nproc_per_node {state['world_size']}")
+        return
+    if not sharded:
         raise CheckpointError(f"{ckpt} was written by one process: resume it without torchrun")
-    if ctx is not None and state["world_size"] != ctx.world_size:
+    if state["world_size"] != ctx.world_size:
         raise CheckpointError(f"{ckpt} was written by {state['world_size']} ranks, this job has {ctx.world_size}: "
                               f"resume with torchrun --nproc_per_node {state['world_size']}")
-    if ctx is not None and tp != ctx.tensor_parallel:
+    if tp != ctx.tensor_parallel:
         raise CheckpointError(f"{ckpt} was written with train.tensor_parallel={tp}, this job has "
                               f"{ctx.tensor_parallel}: resume with train.tensor_parallel={tp}")
 

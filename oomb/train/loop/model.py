@@ -109,9 +109,9 @@ def prepare_for_training(model: torch.nn.Module, cfg: Config, ctx, console) -> t
         linears = use_fused_grad_accumulation(model)
         if linears:
             console.print(f"weight gradients added into .grad by their matmuls in {len(linears)} linear layers")
-    if ctx is not None and ctx.tensor_parallel > 1:
+    if ctx.tensor_parallel > 1:
         model = distributed.split_model(model, ctx)
-    if ctx is not None and ctx.data_parallel > 1:  # over the groups of tensor parallel ranks, if any
+    if ctx.data_parallel > 1:  # over the groups of tensor parallel ranks, if any
         model = distributed.shard_model(model, ctx.mesh["dp"] if ctx.mesh is not None else None)
     return model
 
@@ -120,7 +120,7 @@ def fuses_grad_accumulation(model: torch.nn.Module, cfg: Config, ctx) -> bool:
     """Whether the run adds weight gradients inside their matmuls: train.fused_grad_accumulation on, where
     ``fused_grad_accumulation_applies``."""
     return cfg.train.fused_grad_accumulation and fused_grad_accumulation_applies(
-        model, cfg.train.fused_ops, 1 if ctx is None else ctx.world_size)
+        model, cfg.train.fused_ops, ctx.world_size)
 
 
 def describe_size(model: torch.nn.Module, cfg: Config) -> str:

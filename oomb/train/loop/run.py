@@ -82,7 +82,7 @@ class Run:
     inputs: object
     device: torch.device
     saved_step: int | None  # step of the newest checkpoint this run wrote or resumed from
-    ctx: distributed.DistributedContext | None = None
+    ctx: distributed.DistributedContext  # this process's rank (a single process: one rank of one)
     start: int = 0  # steps done before this process (a resumed run's checkpoint)
     skipped: int = 0  # non-finite steps skipped by this process (train.on_nonfinite=skip)
     loss_value: float = float("nan")  # the last step's loss
@@ -108,7 +108,7 @@ class Run:
         if data_state is None:
             data_state = self.inputs.state_dict()
         try:
-            if self.ctx is None:
+            if not self.ctx.torchrun:  # one process: a plain checkpoint
                 ckpt = save_checkpoint(self.out, step, self.model, self.optimizer, self.scheduler,
                                        data_state=data_state)
             else:
@@ -124,7 +124,7 @@ class Run:
                 f"{self.newest_checkpoint()}. Then continue with:\n  {resume_command(self.out)}", EXIT_WRITE) from None
         self.saved_step = step
         try:
-            if self.ctx is None or self.ctx.is_main:
+            if self.ctx.is_main:
                 rotate_checkpoints(self.out, self.cfg.train.keep_last)
         except OSError as e:  # the new checkpoint is complete; an old one stays for now
             Console(stderr=True).print(f"warning: could not delete an old checkpoint: {e}", highlight=False)
@@ -139,7 +139,7 @@ class Run:
 
     def export(self, tokenizer) -> Path:
         try:
-            if self.ctx is not None:
+            if self.ctx.torchrun:
                 return distributed.export_model(self.ctx, self.model, self.out, tokenizer=tokenizer)
             return export_model(self.model, self.out, merge_lora=self.cfg.lora.merge_on_export, tokenizer=tokenizer,
                                 base_model=base_model_name(self.cfg))
@@ -169,7 +169,7 @@ class Run:
         """The data of step ``step + 1`` could not be read: keep step ``step`` (and the data position before)."""
         if self.saved_step == step:
             kept = f"The model and optimizer are as after step {step}; {self.newest_checkpoint()}."
-        elif self.ctx is not None:  # a save needs every rank
+        elif self.ctx.torchrun:  # a save needs every rank
             kept = f"Step {step} is not saved (under torchrun one rank cannot save alone); {self.newest_checkpoint()}."
         else:
             kept = f"The model and optimizer after step {step} were saved to {self.save(step, data_state)}."
@@ -191,7 +191,7 @@ class Run:
                     f"they are not saved; {self.newest_checkpoint()}.")
         elif self.saved_step == step:
             kept = f"The model and optimizer are as after step {step}; {self.newest_checkpoint()}."
-        elif self.ctx is not None:  # a save needs every rank, and the others are inside the step's collectives
+        elif self.ctx.torchrun:  # a save needs every rank, and the others are inside the step's collectives
             kept = f"Step {step} is not saved (under torchrun one rank cannot save alone); {self.newest_checkpoint()}."
         else:
             try:
@@ -212,7 +212,7 @@ class Run:
         """Locate the first non-finite value; stop (train.on_nonfinite=stop) or return what to log (skip)."""
         t = self.cfg.train
         site = None
-        if self.ctx is not None:  # every rank gets here (global loss and norm); locating would need them in step
+        if self.ctx.torchrun:  # every rank gets here (global loss and norm); locating would need them in step
             parameter = "not located under torchrun (run one process from the last checkpoint to locate it)"
             self.optimizer.zero_grad(set_to_none=True)
             site, batches = "not located under torchrun", []
@@ -260,7 +260,7 @@ class Run:
         does not apply: the run stops before anything is saved, whatever that setting says.
         """
         name = nonfinite_after_update(self.model, self.optimizer)
-        bad = name is not None if self.ctx is None else distributed.any_rank(name is not None)
+        bad = distributed.any_rank(self.ctx, name is not None)
         if not bad:
             return
         lr = self.scheduler.get_last_lr()[0]

@@ -152,7 +152,7 @@ def warmup_steps(cfg: Config) -> int:
     return auto_schedule(cfg).warmup_steps
 
 
-def resolve_schedule(cfg: Config, inputs=None, ctx=None) -> str:
+def resolve_schedule(cfg: Config, inputs, ctx) -> str:
     """Settle train.epochs (into train.steps, counting the data: ``inputs``, the run's), train.lr and
     train.warmup_steps=auto in cfg; returns what the startup line says of them, e.g. "lr 1e-05 (auto: full
     fine-tune of a pretrained model), warmup 2 (auto: 3% of 60 steps), schedule cosine_with_min_lr to 0.1x"."""
@@ -261,11 +261,11 @@ def _settle_epochs(cfg: Config, inputs, ctx) -> str:
         if done > t.steps:
             raise ConfigError(f"resume={cfg.resume!r}: {ckpt} is after step {done}, past the {t.steps} steps of "
                               f"train.epochs={t.epochs:g}; give more epochs to train on")
-    ranks = " on each rank" if ctx is not None and ctx.world_size > 1 else ""
+    ranks = " on each rank" if ctx.torchrun else ""
     return f"{t.epochs:g} epochs = {t.steps} steps ({sequences:,} packed sequences a pass{ranks}, {per_step} a step)"
 
 
-def sequences_per_pass(inputs, ctx=None) -> int:
+def sequences_per_pass(inputs, ctx) -> int:
     """The packed sequences one pass over the run's training data fills (the last one partly), counted by packing
     it once from the start (text is tokenized, a chat sample rendered); the most of any rank under torchrun.
     Refused for the built-in tasks (no data to pass over) and for streamed datasets (unknown until read whole)."""
@@ -293,11 +293,6 @@ def sequences_per_pass(inputs, ctx=None) -> int:
     finally:
         vars(corpus).update(kept)
         corpus.load_state_dict(start)  # the run starts reading where it would have without the count
-    if ctx is not None and ctx.world_size > 1:
-        import torch
-        import torch.distributed as dist
+    from oomb.train.loop import distributed
 
-        most = torch.tensor([count], device=ctx.device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        count = int(most.item())
-    return count
+    return distributed.most_over_ranks(ctx, count)

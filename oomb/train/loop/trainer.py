@@ -23,7 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from oomb.engine import store_for_model
 from oomb.kernels import get_backend
 from oomb.offload import OffloadedKVStore
-from oomb.train.config.checks import check_config, check_model, resolve_device, resolve_dtype
+from oomb.train.config.checks import check_config, check_model, resolve_dtype
 from oomb.train.config.settings import Config, ConfigError
 from oomb.train.config.step import offload_selection_note
 from oomb.train.data.inputs import build_inputs, model_config, pin_run_inputs, position_notes
@@ -71,18 +71,18 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     train.tensor_parallel > 1: oomb.train.loop.distributed.
     """
     check_config(cfg)
-    ctx = distributed.setup(cfg)  # None in a single process
+    ctx = distributed.setup(cfg)  # a single process: one rank
     try:
         return _train(cfg, console, ctx)
     finally:
         distributed.teardown(ctx)
 
 
-def _train(cfg: Config, console: Console | None, ctx) -> Path:
-    main_rank = ctx is None or ctx.is_main  # the rank that prints and writes the run's files
+def _train(cfg: Config, console: Console | None, ctx: DistributedContext) -> Path:
+    main_rank = ctx.is_main  # the rank that prints and writes the run's files
     console = (console or Console()) if main_rank else Console(quiet=True)
     resume_from = _check_before_work(cfg, ctx)
-    device = ctx.device if ctx is not None else resolve_device(cfg.train.device)
+    device = ctx.device
     dtype = resolve_dtype(cfg.model.dtype, device)
     check_optimizer(cfg.train.optimizer, device)
     check_quantize_runs(cfg, device)  # model.quantize=nf4: bitsandbytes runs 4-bit layers on this device
@@ -95,7 +95,7 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
         plan, step_choice = _check_memory(cfg, device, dtype, console, ctx)
     except KeyboardInterrupt:
         raise interrupted(cfg, None, False, main_rank, None) from None
-    out, created = prepare_out_dir(cfg) if ctx is None else distributed.prepare_out_dir(ctx, cfg, prepare_out_dir)
+    out, created = distributed.prepare_out_dir(ctx, cfg, prepare_out_dir)
     if cfg.resume is None:
         cfg.out_dir = str(out)
     lock = open_run_folder(cfg, out, created, main_rank)
@@ -130,7 +130,7 @@ def _train(cfg: Config, console: Console | None, ctx) -> Path:
     return out
 
 
-def _start_wandb(reports: Reports, ctx) -> None:
+def _start_wandb(reports: Reports, ctx: DistributedContext) -> None:
     """The W&B run starts before the model is built; where it cannot, nothing was trained and a new run leaves
     nothing behind (_train). Under torchrun the first rank starts it and every rank stops with it."""
     error = None
@@ -138,13 +138,13 @@ def _start_wandb(reports: Reports, ctx) -> None:
         reports.start_wandb()
     except ConfigError as e:
         error = e
-    if ctx is not None and distributed.any_rank(error is not None) and error is None:
+    if distributed.any_rank(ctx, error is not None) and error is None:
         raise ConfigError("the W&B run could not start on the first rank (it says why)")
     if error is not None:
         raise error
 
 
-def _check_before_work(cfg: Config, ctx) -> Path | None:
+def _check_before_work(cfg: Config, ctx: DistributedContext) -> Path | None:
     """Model folder, run folder and the checkpoint to resume from; returns that checkpoint."""
     check_model(cfg)  # its folder, and its architecture: a model oomb cannot train exactly is refused, naming why
     keep_started_steps(cfg)  # resumed with train.epochs: the steps the run counted, for check_paths
@@ -159,20 +159,18 @@ def _check_before_work(cfg: Config, ctx) -> Path | None:
     return resume_from
 
 
-def _build_inputs(cfg: Config, ctx, console: Console):
+def _build_inputs(cfg: Config, ctx: DistributedContext, console: Console):
     """The run's data, checked (every source read once) before the model is built."""
     config = model_config(cfg)  # with model.rope applied
     for line in position_notes(cfg, config):
         console.print(line, highlight=False, soft_wrap=True)
-    if ctx is None:
-        return build_inputs(cfg, config)
     inputs = distributed.build_rank_inputs(cfg, config, ctx, build_inputs)  # each rank its own rows
     if ctx.tensor_parallel > 1:
         distributed.check_tensor_parallel(ctx, config)
     return inputs
 
 
-def _check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, console: Console, ctx=None):
+def _check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, console: Console, ctx: DistributedContext):
     """The plan must fit before the model or a checkpoint is touched; it settles the `auto` settings.
 
     Returns the plan (None without train.memory_check) and what the startup line says of the chunk and
@@ -180,7 +178,7 @@ def _check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, console
     """
     master_setting = cfg.train.master_weights
     auto = frozenset(k for k in ("chunk_size", "cache_attention", "recompute") if getattr(cfg.train, k) == "auto")
-    plan = check_memory(cfg, device, dtype, torchrun=ctx is not None)
+    plan = check_memory(cfg, device, dtype, torchrun=ctx.torchrun)
     if master_setting != cfg.train.master_weights:  # auto, and only the run without fp32 copies fits
         console.print(
             "note: train.master_weights=auto: fp32 master weights do not fit beside this run, so the optimizer "
@@ -200,19 +198,19 @@ def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, choic
     (``choices``: the learning rate, warmup, chunk and attention cache, and what chose them)."""
     model = prepare_for_training(build(cfg, device, dtype), cfg, ctx, console)
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = distributed.param_groups(params) if ctx is not None and ctx.tensor_parallel > 1 else params
+    groups = distributed.param_groups(params) if ctx.tensor_parallel > 1 else params
     optimizer = build_optimizer(cfg.train.optimizer, groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                                master_weights=wants_master_weights(cfg.train.master_weights, torchrun=ctx is not None))
+                                master_weights=wants_master_weights(cfg.train.master_weights, torchrun=ctx.torchrun))
     scheduler = build_scheduler(cfg, optimizer)  # transformers.get_scheduler's train.lr_scheduler
     run = Run(cfg, out, model, optimizer, scheduler, inputs, device, saved_step=None, ctx=ctx)
     if cfg.resume is not None:
         _resume(run, resume_from, dtype, console)
     masters = isinstance(optimizer, MasterWeights)
-    ranks = 1 if ctx is None else ctx.data_parallel  # each step trains every data parallel rank's sequences
+    ranks = ctx.data_parallel  # each step trains every data parallel rank's sequences
     console.print(  # one line in a log too (soft_wrap: no line breaks of rich's), so it can be found with grep
         f"[bold]oomb train[/]: {cfg.model.path or cfg.model.preset} ({describe_size(model, cfg)}, {dtype}"
         f"{', base in NF4' if cfg.model.quantize == 'nf4' else ''}) on {device}"
-        f"{f' x {ctx.world_size} ranks' if ctx is not None else ''}; {cfg.train.steps} steps x "
+        f"{f' x {ctx.world_size} ranks' if ctx.torchrun else ''}; {cfg.train.steps} steps x "
         f"{cfg.train.grad_accum * cfg.train.batch_size * ranks} x {cfg.data.seq_len} "
         f"tokens ({cfg.data.task}), {cfg.train.optimizer} "
         f"{'on fp32 master weights' if masters else 'without master weights'}, "
@@ -223,11 +221,11 @@ def _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, choic
 def _resume(run: Run, ckpt: Path | None, dtype: torch.dtype, console: Console) -> None:
     """Load the checkpoint into the run; the run folder's metrics and config follow it. Without a checkpoint (the
     run stopped before its first one) nothing is loaded: the run starts again from step 1."""
-    cfg, out, main_rank = run.cfg, run.out, run.ctx is None or run.ctx.is_main
+    cfg, out, main_rank = run.cfg, run.out, run.ctx.is_main
     try:
         if ckpt is None:
             start = 0
-        elif run.ctx is None:  # verified by check_paths
+        elif not run.ctx.torchrun:  # one process: a plain checkpoint, verified by check_paths
             start = load_checkpoint(ckpt, run.model, run.optimizer, run.scheduler, verify=False)
         else:
             start = distributed.load_checkpoint(run.ctx, ckpt, run.model, run.optimizer, run.scheduler)
@@ -272,7 +270,7 @@ def _train_steps(run: Run, console: Console, main_rank: bool, reports: Reports) 
     ]
     metrics = MetricsLog(run.out / METRICS if main_rank else None)
     reports.start_tensorboard(resumed_after=run.start if cfg.resume is not None else None)
-    stop = StopRequest().install(run.model, at_chunks=run.ctx is None)  # torchrun: at step ends, ranks agreed
+    stop = StopRequest().install(run.model, at_chunks=not run.ctx.torchrun)  # torchrun: at step ends, ranks agreed
     run.started = time.perf_counter()
     try:
         with Progress(*columns, console=console) as progress:
@@ -295,7 +293,7 @@ def _train_steps(run: Run, console: Console, main_rank: bool, reports: Reports) 
                 last = step + 1 == cfg.train.steps
                 if last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
                     run.save(step + 1)
-                if (stop.requested if run.ctx is None else distributed.any_rank(stop.requested)) and not last:
+                if distributed.any_rank(run.ctx, stop.requested) and not last:
                     run.stop_on_signal(stop, step + 1)
     finally:
         stop.uninstall()
@@ -308,8 +306,7 @@ def _train_step(run: Run, step: int, stop: StopRequest) -> dict:
     data_before = inputs.state_dict()  # a dropped step's sequences are drawn again after a resume
     batches = run.read_batches(step, data_before)
     loss_tokens = sum(int((b.labels[:, 1:] != -100).sum()) for b in batches)  # the shifted targets
-    if run.ctx is not None and run.ctx.data_parallel > 1:  # every rank here, before the step's collectives
-        loss_tokens = distributed.sum_over_data_ranks(run.ctx, loss_tokens)
+    loss_tokens = distributed.sum_over_data_ranks(run.ctx, loss_tokens)  # every rank here, before the collectives
     t0 = time.perf_counter()
     rng_before = rng_state()
     abandoned, out_of_memory = False, None
@@ -339,8 +336,7 @@ def _train_step(run: Run, step: int, stop: StopRequest) -> dict:
     optimizer.zero_grad(set_to_none=True)
     run.loss_value = float(loss)  # host sync: the step is done
     seconds = time.perf_counter() - t0
-    tokens_per_step = (cfg.train.grad_accum * cfg.train.batch_size * cfg.data.seq_len
-                       * (run.ctx.data_parallel if run.ctx else 1))
+    tokens_per_step = cfg.train.grad_accum * cfg.train.batch_size * cfg.data.seq_len * run.ctx.data_parallel
     record = {
         "step": step + 1,
         "loss": run.loss_value if nonfinite is None else None,
@@ -397,7 +393,7 @@ def _finish(run: Run, console: Console, main_rank: bool, started: float) -> None
     console.print(f"done: {steps} in {time.perf_counter() - started:.1f} s; {loss}"
                   f"{f'non-finite steps skipped: {run.skipped}; ' if run.skipped else ''}metrics, "
                   f"checkpoints{' and export' if cfg.train.export else ''} in {out}")
-    if main_rank and run.ctx is None and (retrieval := final_retrieval(cfg, run.model, out, console)):
+    if not run.ctx.torchrun and (retrieval := final_retrieval(cfg, run.model, out, console)):  # one process
         console.print(retrieval, highlight=False)  # passkey/needle runs: held-out retrieval, the last line
 
 
@@ -412,9 +408,8 @@ def _memory_text(record: dict) -> str:
 
 def _forward_backward(run: Run, batches) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's loss and the global gradient norm (not yet clipped); gradients land in ``.grad``."""
-    ctx = run.ctx or DistributedContext.single(run.device)
-    loss = accumulate_gradients(run.model, batches, ctx, run.cfg)
-    return loss, gradient_norm(run.params, ctx)
+    loss = accumulate_gradients(run.model, batches, run.ctx, run.cfg)
+    return loss, gradient_norm(run.params, run.ctx)
 
 
 def _first_line(error: BaseException) -> str:
