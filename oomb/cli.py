@@ -1,4 +1,4 @@
-"""`oomb` command line: `oomb train [CONFIG.yaml] [key=value ...]`, `oomb plan ...`, `oomb eval`.
+"""`oomb` command line: `oomb train [CONFIG.yaml] [key=value ...]`, `oomb plan ...`, `oomb data ...`, `oomb eval`.
 
 The benchmarks are not part of the package: `python -m benchmarks.NAME` from the repo root (benchmarks/README.md)."""
 
@@ -32,6 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     plan_p.add_argument("--gpu-memory", help="plan for a GPU of this size (e.g. 141GiB) instead of this machine's")
     plan_p.add_argument("--host-memory", help="plan for this much host memory (e.g. 125GiB) instead of this machine's")
     plan_p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    data_p = sub.add_parser("data", help="the first packed sequence of a config's data, the tokens that carry loss "
+                            "marked", description="Same config and key=value overrides as `oomb train`; reads and "
+                            "packs the data as the run would, builds no model, writes nothing.")
+    data_p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")
+    data_p.add_argument("--tokens", action="store_true",
+                        help="one line per token (position, id, token, carries loss, document) instead of the text")
+    data_p.add_argument("--max-tokens", type=int, default=4096, help="show at most this many tokens (default 4096)")
     eval_p = sub.add_parser("eval", help="perplexity by position and retrieval accuracy of a model or checkpoint",
                             description="Evaluate a model: perplexity by position on held-out documents "
                             "(--perplexity) and retrieval accuracy over lengths x depths (--retrieval). "
@@ -54,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args, console)
     if args.command == "plan":
         return _plan(args, console)
+    if args.command == "data":
+        return _data(args, console)
     return _eval(args, sys.argv[1:] if argv is None else argv, console)
 
 
@@ -109,6 +118,22 @@ def _plan(args, console: Console) -> int:
     except ConfigError as e:
         console.print(f"[red]config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return 2
+
+
+def _data(args, console: Console) -> int:
+    from oomb.train.config.settings import ConfigError
+    from oomb.train.data.preview import show_first_sequence
+    from oomb.train.runfolder.rundir import load_run_config
+
+    overrides = list(args.args)
+    config_path = overrides.pop(0) if overrides and "=" not in overrides[0] else None
+    try:
+        cfg = load_run_config(config_path, overrides)
+        show_first_sequence(cfg, console, max_tokens=args.max_tokens, tokens=args.tokens)
+    except ConfigError as e:
+        console.print(f"[red]config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        return 2
+    return 0
 
 
 def _eval(args, argv: list[str], console: Console) -> int:

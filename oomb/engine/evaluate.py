@@ -38,12 +38,14 @@ class EvalResult:
     ``nll[b, t]`` is -log p(target | tokens 0..t) in fp32, NaN where position t has no
     target (label -100, and always the last position); ``correct[b, t]`` says whether the
     argmax of the logits equals the target (False where there is none); ``targets[b, t]``
-    is the target id or -100.
+    is the target id or -100; ``entropy[b, t]`` is the entropy of the predicted distribution in nats (what TRL's
+    SFTTrainer logs as ``entropy``), NaN where there is no target.
     """
 
     nll: torch.Tensor  # [B, N] float32
     correct: torch.Tensor  # [B, N] bool
     targets: torch.Tensor  # [B, N] int64
+    entropy: torch.Tensor  # [B, N] float32
 
     @property
     def has_target(self) -> torch.Tensor:
@@ -64,7 +66,7 @@ def chunked_eval(
     options: StepOptions | None = None,
     **step_keywords: Unpack[StepKeywords],
 ) -> EvalResult:
-    """Per-token NLL and argmax correctness of a long sequence, one chunk of activations at a time.
+    """Per-token NLL, argmax correctness and entropy of a long sequence, one chunk of activations at a time.
 
     Args:
         model: a transformers causal LM (or a peft model wrapping one).
@@ -110,6 +112,7 @@ def _chunked_eval(model, input_ids, labels, doc_ids, attention_mask, options: St
 
     nll = torch.full((batch, seq_len), float("nan"), dtype=torch.float32, device=device)
     correct = torch.zeros((batch, seq_len), dtype=torch.bool, device=device)
+    entropy = torch.full_like(nll, float("nan"))
     try:
         with prepared.running():
             for start, end in prepared.bounds:
@@ -118,14 +121,15 @@ def _chunked_eval(model, input_ids, labels, doc_ids, attention_mask, options: St
                 chunk_targets = targets[:, start:end]
                 rows = (chunk_targets != IGNORE_INDEX).nonzero(as_tuple=True)  # host sync, once per chunk
                 if rows[0].numel():
-                    row_nll, row_correct = head_nll_and_argmax(hidden[rows], head.weight, head.bias,
-                                                               chunk_targets[rows], transform)
+                    row_nll, row_correct, row_entropy = head_nll_and_argmax(
+                        hidden[rows], head.weight, head.bias, chunk_targets[rows], transform, entropy=True)
                     nll[:, start:end][rows] = row_nll
                     correct[:, start:end][rows] = row_correct
+                    entropy[:, start:end][rows] = row_entropy
                 step.drop_page_lists(start)  # each chunk runs once: its page lists are not needed again
     finally:
         store.clear()  # pool usage returns to zero, also after an error
-    return EvalResult(nll=nll, correct=correct, targets=targets)
+    return EvalResult(nll=nll, correct=correct, targets=targets, entropy=entropy)
 
 
 def head_nll_and_argmax(
@@ -134,9 +138,12 @@ def head_nll_and_argmax(
     bias: torch.Tensor | None,  # [V]
     targets: torch.Tensor,  # [T] int64, every entry a valid id
     transform: LogitTransform = IDENTITY,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """-log softmax(logits)[target] (fp32 [T]) and argmax == target ([T] bool), logits = ``transform`` of
-    hidden @ weight.T + bias (the model's own logits).
+    hidden @ weight.T + bias (the model's own logits); with ``entropy`` also the softmax's entropy (fp32 [T]),
+    log-sum-exp minus the softmax-weighted mean logit, kept online like the sum.
 
     Blocks of rows x blocks of the vocabulary with an online log-sum-exp, so neither the
     [T, V] logits nor an fp32 copy of the whole head weight exist at once. The argmax
@@ -146,11 +153,13 @@ def head_nll_and_argmax(
     vocab = weight.shape[0]
     nll = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+    ent = torch.empty_like(nll) if entropy else None
     for r0 in range(0, hidden.shape[0], _ROW_BLOCK):
         h = hidden[r0 : r0 + _ROW_BLOCK].to(acc) * transform.hidden_scale
         t = targets[r0 : r0 + _ROW_BLOCK]
         run_max = torch.full((h.shape[0],), float("-inf"), dtype=acc, device=h.device)
         run_sum = torch.zeros_like(run_max)
+        run_weighted = torch.zeros_like(run_max)  # sum of e^(logit - run_max) * logit
         arg = torch.zeros_like(t)
         picked = torch.zeros_like(run_max)
         for v0 in range(0, vocab, _VOCAB_BLOCK):
@@ -163,13 +172,19 @@ def head_nll_and_argmax(
                 logits = transform.softcap * torch.tanh(logits / transform.softcap)
             block_max, block_arg = logits.max(dim=-1)
             new_max = torch.maximum(run_max, block_max)
-            run_sum = run_sum * torch.exp(run_max - new_max) + torch.exp(logits - new_max[:, None]).sum(-1)
+            rescale, weights = torch.exp(run_max - new_max), torch.exp(logits - new_max[:, None])
+            run_sum = run_sum * rescale + weights.sum(-1)
+            if entropy:
+                run_weighted = run_weighted * rescale + (weights * logits).sum(-1)
             better = block_max > run_max  # strict: an earlier block keeps a tie
             arg = torch.where(better, block_arg + v0, arg)
             run_max = new_max
             inside = (t >= v0) & (t < v1)
             local = (t - v0).clamp(0, v1 - v0 - 1)
             picked = torch.where(inside, logits.gather(1, local[:, None]).squeeze(1), picked)
-        nll[r0 : r0 + _ROW_BLOCK] = (run_max + torch.log(run_sum) - picked).float()
+        lse = run_max + torch.log(run_sum)
+        nll[r0 : r0 + _ROW_BLOCK] = (lse - picked).float()
         correct[r0 : r0 + _ROW_BLOCK] = arg == t
-    return nll, correct
+        if entropy:
+            ent[r0 : r0 + _ROW_BLOCK] = (lse - run_weighted / run_sum).float()
+    return (nll, correct) if not entropy else (nll, correct, ent)

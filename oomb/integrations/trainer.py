@@ -25,6 +25,7 @@ import torch
 from transformers import Trainer
 
 from oomb.engine import StepOptions, chunked_backward, chunked_eval
+from oomb.engine.evaluate import EvalResult
 from oomb.engine.prepare import unwrap_peft
 from oomb.engine.step import check_model_architecture
 from oomb.engine.support import model_support
@@ -84,13 +85,17 @@ class OombTrainerMixin:
         """
         if not prediction_loss_only:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        batch = oomb_batch(self._prepare_inputs(inputs))
-        result = chunked_eval(self.accelerator.unwrap_model(model), batch.input_ids, batch.labels,
-                              doc_ids=batch.doc_ids, attention_mask=batch.attention_mask, options=self.oomb_options)
+        result = self.oomb_eval(model, inputs)
         has_target = result.has_target
         # NaN for a batch without targets, as transformers' mean over no tokens.
         loss = result.nll[has_target].mean() if bool(has_target.any()) else torch.tensor(math.nan)
         return loss.to(self.args.device), None, None
+
+    def oomb_eval(self, model: torch.nn.Module, inputs: dict) -> EvalResult:
+        """The batch's per-token NLL, argmax correctness and entropy by ``chunked_eval``."""
+        batch = oomb_batch(self._prepare_inputs(inputs))
+        return chunked_eval(self.accelerator.unwrap_model(model), batch.input_ids, batch.labels,
+                            doc_ids=batch.doc_ids, attention_mask=batch.attention_mask, options=self.oomb_options)
 
 
 class OombTrainer(OombTrainerMixin, Trainer):

@@ -71,9 +71,11 @@ def test_head_blocks_merge_exactly(monkeypatch):
     targets = torch.randint(0, 53, (30,))
     logits = hidden @ weight.T + bias
     targets[:10] = logits[:10].argmax(-1)  # some rows right, so the argmax check is not vacuous
-    nll, correct = evaluate.head_nll_and_argmax(hidden, weight, bias, targets)
-    ref = -torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    nll, correct, entropy = evaluate.head_nll_and_argmax(hidden, weight, bias, targets, entropy=True)
+    log_p = torch.log_softmax(logits, -1)
+    ref = -log_p.gather(1, targets[:, None]).squeeze(1)
     assert (nll.double() - ref).abs().max() <= 1e-6
+    assert (entropy.double() - -(log_p.exp() * log_p).sum(-1)).abs().max() <= 1e-6  # TRL's entropy
     assert torch.equal(correct, logits.argmax(-1) == targets)
     assert correct[:10].all()
 

@@ -24,7 +24,7 @@ def _conversations(n: int = 24):
     return datasets.Dataset.from_list(rows)
 
 
-def _train(trainer_class, tmp_path, **kwargs):
+def _train(trainer_class, tmp_path, eval_dataset=None, **kwargs):
     from oomb.train.config.presets import build_model
 
     torch.manual_seed(0)
@@ -33,7 +33,7 @@ def _train(trainer_class, tmp_path, **kwargs):
                            per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=0.01,
                            lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
                            use_cpu=True, bf16=False, seed=0, packing=True, max_length=128, assistant_only_loss=True)
-    trainer = trainer_class(model=model, args=config, train_dataset=_conversations(),
+    trainer = trainer_class(model=model, args=config, train_dataset=_conversations(), eval_dataset=eval_dataset,
                             processing_class=chat_tokenizer(GENERATION_TEMPLATE), **kwargs)
     trainer.train()
     return trainer
@@ -52,6 +52,22 @@ def test_sft_trainer_with_packing_and_assistant_only_loss_trains_as_trl_does(tmp
     for (name, p), q in zip(ours.model.named_parameters(), theirs.model.parameters(), strict=True):
         # Against the size of the update: Adam turns rounding noise in a near-zero gradient into a full step.
         assert float((p - q).norm() / (q - start[name]).norm()) < 1e-3, name
+
+
+def test_sft_evaluate_reports_trls_metrics(tmp_path):
+    # eval_loss, eval_entropy, eval_mean_token_accuracy and eval_num_tokens as TRL's own SFTTrainer reports them,
+    # and the num_tokens it logs in training.
+    from oomb.integrations import OombSFTTrainer
+
+    held_out = _conversations(10).shuffle(seed=1)
+    ours = _train(OombSFTTrainer, tmp_path, eval_dataset=held_out, oomb_options=OOMB)
+    theirs = _train(trl.SFTTrainer, tmp_path, eval_dataset=held_out)
+    assert [h["num_tokens"] for h in ours.state.log_history if "loss" in h] == \
+        [h["num_tokens"] for h in theirs.state.log_history if "loss" in h]
+    got, want = ours.evaluate(), theirs.evaluate()
+    for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens"):
+        assert got[key] == pytest.approx(want[key], rel=1e-3), key
+    assert 0 < got["eval_mean_token_accuracy"] < 1 and got["eval_entropy"] > 0
 
 
 def test_sft_settings_oomb_cannot_honour_are_refused(tmp_path):

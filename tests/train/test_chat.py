@@ -18,7 +18,7 @@ from tiny_models import tiny_model
 from oomb.cli import main
 from oomb.train.config.presets import preset_config
 from oomb.train.config.settings import load_config
-from oomb.train.data.chat import ChatTemplate, conversation, open_chat_rows
+from oomb.train.data.chat import ChatTemplate, conversation, open_chat_rows, plain_pair
 from oomb.train.data.chat_packing import ChatCorpus
 from oomb.train.data.corpus import DataError, find_sources
 from oomb.train.data.inputs import build_inputs
@@ -72,10 +72,42 @@ def test_prefixes_without_a_header_and_templates_that_render_prefixes_differentl
     assert tokenizer.convert_ids_to_tokens(ids.tolist())[-1] == "</s>"
 
 
-def test_a_tokenizer_without_a_chat_template_is_refused():
-    with pytest.raises(DataError, match="the tokenizer has no chat template: set data.chat_template"):
-        ChatTemplate(chat_tokenizer(None))
+def test_a_tokenizer_without_a_chat_template_is_refused_at_the_first_conversation():
+    chat = ChatTemplate(chat_tokenizer(None))
+    with pytest.raises(DataError, match="the tokenizer has no chat template: set data.chat_template.*data.jsonl:4 is a "
+                                        "conversation"):
+        chat.encode(CONVERSATION, "data.jsonl:4")
+    assert chat.encode_plain("hi", "hello")[0].size  # plain text needs no template
     assert ChatTemplate(chat_tokenizer(None), PLAIN_TEMPLATE).method == "prefixes"
+
+
+@pytest.mark.parametrize("prompt,completion", [("what is two plus three ?", "five ."), ("hi", "hello</s>"),
+                                               ("tell me", "")])
+@pytest.mark.parametrize("loss_on", ["assistant", "all"])
+def test_plain_text_pairs_are_tokenized_and_masked_as_trl_does(tmp_path, prompt, completion, loss_on):
+    # TRL's SFTTrainer prepares the same rows itself (its own code, not a copy of it): ids and the loss mask agree.
+    import datasets
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = chat_tokenizer(None)
+    rows = [{"prompt": prompt, "completion": completion}]
+    model = AutoModelForCausalLM.from_config(preset_config("tiny"))
+    trainer = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=datasets.Dataset.from_list(rows),
+                         args=SFTConfig(output_dir=str(tmp_path), report_to=[], bf16=False, use_cpu=True,
+                                                       completion_only_loss=loss_on != "all"))
+    (sample,) = trainer.train_dataset
+    batch = trainer.data_collator([sample])
+    ids, mask = ChatTemplate(tokenizer).encode_plain(prompt, completion, assistant=loss_on == "assistant")
+    assert ids.tolist() == sample["input_ids"]
+    trl_loss = batch["labels"][0] != -100
+    assert (mask if loss_on == "assistant" else mask | True).tolist() == trl_loss.tolist()
+    if completion:  # oomb's chat data packs the same tokens, the first one predicted by nothing of its own
+        (tmp_path / "pairs.jsonl").write_text(json.dumps(rows[0]) + "\n")
+        corpus = ChatCorpus(tmp_path / "pairs.jsonl", tokenizer, len(ids) + 4, loss_on=loss_on, shuffle=False)
+        packed_ids, labels, _ = corpus.next_sequence()
+        assert packed_ids[: len(ids)].tolist() == ids.tolist()
+        assert (labels[: len(ids)] != -100).tolist() == [False, *trl_loss.tolist()[1:]]
 
 
 def test_rows_of_every_form_and_file_kind(tmp_path):
@@ -83,9 +115,9 @@ def test_rows_of_every_form_and_file_kind(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pair = {"prompt": "hi", "completion": "hello there"}
     listed = {"prompt": [{"role": "system", "content": "sure"}, {"role": "user", "content": "hi"}],
               "completion": [{"role": "assistant", "content": "hello"}]}
+    pair = {"prompt": "hi", "completion": "hello there"}
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in ({"messages": CONVERSATION}, pair, listed))
                                       + "\n\n")
     pq.write_table(pa.Table.from_pylist([{"messages": CONVERSATION[:3]}]), tmp_path / "b.parquet")
@@ -93,14 +125,14 @@ def test_rows_of_every_form_and_file_kind(tmp_path):
     (tmp_path / "notes.txt").write_text("a folder's text files are not chat data")
     sources = find_sources(tmp_path, text_suffixes=())
     assert [s.kind for s in sources] == ["jsonl", "parquet", "dataset"]
-    rows = [(r.where, conversation(r.value, r.where)) for source in sources for r in open_chat_rows(source)]
+    rows = [(r.where, plain_pair(r.value, r.where) or conversation(r.value, r.where))
+            for source in sources for r in open_chat_rows(source)]
     assert rows == [
         (f"{tmp_path / 'a.jsonl'}:1", CONVERSATION),
-        (f"{tmp_path / 'a.jsonl'}:2",
-         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]),
+        (f"{tmp_path / 'a.jsonl'}:2", ("hi", "hello there")),  # plain text, as TRL reads it
         (f"{tmp_path / 'a.jsonl'}:3", listed["prompt"] + listed["completion"]),
         (f"{tmp_path / 'b.parquet'} row 0", CONVERSATION[:3]),
-        (f"{tmp_path / 'c_saved'} row 0", rows[1][1]),
+        (f"{tmp_path / 'c_saved'} row 0", ("hi", "hello there")),
     ]
     with pytest.raises(DataError, match="not text files"):
         open_chat_rows(find_sources(tmp_path / "notes.txt")[0])
@@ -258,7 +290,8 @@ def _chat_folder(tmp_path):
     rows = []
     for _ in range(60):  # a learnable task: repeat the user's words
         words = " ".join(rng.choices("one two three four five six seven".split(), k=rng.randint(2, 6)))
-        rows.append({"prompt": f"tell me {words}", "completion": f"{words} ."})
+        rows.append({"prompt": [{"role": "user", "content": f"tell me {words}"}],
+                     "completion": [{"role": "assistant", "content": f"{words} ."}]})
     (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return [f"data.tokenizer={tmp_path / 'tokenizer'}", f"data.chat_template={tmp_path / 'chat.jinja'}",
             "data.task=chat", f"data.paths=[{data}]"]

@@ -4,8 +4,8 @@ Rows — a line of a .jsonl, a row of a .parquet, of a ``save_to_disk`` folder o
 dataset (oomb.train.data.rows) — hold either ``messages`` or ``prompt`` and ``completion``::
 
     {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
-    {"prompt": "Hi", "completion": "Hello!"}              strings: one user and one assistant message
     {"prompt": [{"role": "user", ...}], "completion": [{"role": "assistant", ...}]}   TRL's conversational form
+    {"prompt": "Q: 2+2?", "completion": " 4"}           plain text, as TRL reads it (below)
 
 ``ChatTemplate.encode`` renders a conversation with the chat template (the tokenizer's, or
 data.chat_template), tokenizes it, and marks the tokens the assistant messages contribute::
@@ -20,6 +20,11 @@ Two ways to find those tokens, the first where the template allows it:
     prefixes    otherwise: the text rendered for messages[:i] followed by the assistant header
                 (add_generation_prompt) and the text rendered for messages[:i+1] bound the
                 characters assistant message i adds; every token holding one of them is marked
+
+A plain-text pair (``prompt`` and ``completion`` both strings) is read as TRL's SFTTrainer reads one: no chat
+template, the text ``prompt + completion`` with the tokenizer's EOS appended to the completion (unless it ends
+with it), tokenized with the tokenizer's own special tokens, and the completion's tokens marked: those after
+the longest common start of the tokenized prompt and the tokenized whole (``ChatTemplate.encode_plain``).
 """
 
 from __future__ import annotations
@@ -53,20 +58,42 @@ def open_chat_rows(source: Source, position: dict | None = None):
     return reader
 
 
-def conversation(row: dict, where: str) -> list[dict]:
-    """The row's messages (prompt and completion joined), checked: roles, contents, at least one message."""
+def plain_pair(row: dict, where: str) -> tuple[str, str] | None:
+    """(prompt, completion) of a plain-text row (both strings, module docstring); None for a conversation."""
+    _check_form(row, where)
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if isinstance(prompt, str) != isinstance(completion, str) and prompt is not None and completion is not None:
+        raise DataError(f"{where}: 'prompt' is {_kind(prompt)} and 'completion' {_kind(completion)}: give both as "
+                        "strings (plain text) or both as lists of messages (a conversation)")
+    return (prompt, completion) if isinstance(prompt, str) else None
+
+
+def _kind(value) -> str:
+    return "a string" if isinstance(value, str) else "a list of messages" if isinstance(value, list) else (
+        f"a {type(value).__name__}")
+
+
+def _check_form(row: dict, where: str) -> None:
+    """One form per row: ``messages``, or ``prompt`` with ``completion``."""
     has_messages = row.get("messages") is not None
     has_pair = row.get("prompt") is not None or row.get("completion") is not None
     if has_messages and has_pair:
         raise DataError(f"{where} has both 'messages' and 'prompt'/'completion': keep one form per row")
-    if has_messages:
+    if has_pair and (row.get("prompt") is None or row.get("completion") is None):
+        raise DataError(f"{where} has {'prompt' if row.get('prompt') is not None else 'completion'} without "
+                        f"{'completion' if row.get('prompt') is not None else 'prompt'}: give both")
+
+
+def conversation(row: dict, where: str) -> list[dict]:
+    """The messages of a conversational row (a conversational prompt and completion joined), checked: roles,
+    contents, at least one message. A plain-text pair is not a conversation (plain_pair)."""
+    _check_form(row, where)
+    if row.get("messages") is not None:
         messages = _messages(row["messages"], where, "messages")
-    elif has_pair:
-        if row.get("prompt") is None or row.get("completion") is None:
-            raise DataError(f"{where} has {'prompt' if row.get('prompt') is not None else 'completion'} without "
-                            f"{'completion' if row.get('prompt') is not None else 'prompt'}: give both")
-        messages = (_messages(row["prompt"], where, "prompt", default_role="user")
-                    + _messages(row["completion"], where, "completion", default_role="assistant"))
+    elif row.get("prompt") is not None:
+        if plain_pair(row, where) is not None:
+            raise DataError(f"{where}: a plain-text prompt and completion is not a conversation (plain_pair)")
+        messages = (_messages(row["prompt"], where, "prompt") + _messages(row["completion"], where, "completion"))
     else:
         raise DataError(f"{where} has no 'messages' and no 'prompt'/'completion' (it has {quoted(list(row))})")
     if not messages:
@@ -81,12 +108,10 @@ def empty_reply(messages: list[dict]) -> bool:
                and not m["content"].strip() for m in messages)
 
 
-def _messages(value, where: str, field: str, default_role: str | None = None) -> list[dict]:
-    """A message list, or (prompt/completion) a string that becomes one message of ``default_role``."""
-    if isinstance(value, str) and default_role is not None:
-        return [{"role": default_role, "content": value}]
+def _messages(value, where: str, field: str) -> list[dict]:
+    """A message list, checked."""
     if not isinstance(value, list | tuple):
-        kinds = "a string or a list of messages" if default_role is not None else "a list of messages"
+        kinds = "a string or a list of messages" if field != "messages" else "a list of messages"
         raise DataError(f"{where}: '{field}' must be {kinds}, got {type(value).__name__}")
     out = []
     for i, message in enumerate(value):
@@ -123,13 +148,26 @@ class ChatTemplate:
         if not getattr(tokenizer, "is_fast", False):
             raise DataError("data.task=chat needs a fast tokenizer (a folder with tokenizer.json): the assistant "
                             "tokens are found through the character offsets of each token")
+        self.tokenizer = tokenizer
         try:
             self.text = tokenizer.get_chat_template(template)
-        except ValueError as e:
-            raise DataError("the tokenizer has no chat template: set data.chat_template to a Jinja template or the "
-                            f"path of a .jinja file ({e})") from e
-        self.tokenizer = tokenizer
-        self.method = "generation" if _GENERATION_TAG.search(self.text) else "prefixes"
+        except ValueError as e:  # plain-text pairs need none: refused at the first conversation
+            self.text, self._missing = None, str(e)
+        self.method = "generation" if self.text and _GENERATION_TAG.search(self.text) else "prefixes"
+
+    def encode_plain(self, prompt: str, completion: str, assistant: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids [n] of a plain-text pair as TRL's SFTTrainer makes them (module docstring) and which of them
+        the completion added [n] bool (all False where ``assistant`` is False: data.loss_on=all)."""
+        eos = self.tokenizer.eos_token
+        if eos and not completion.endswith(eos):
+            completion += eos
+        prompt_ids = self.tokenizer(prompt, verbose=False)["input_ids"]
+        ids = np.asarray(self.tokenizer(prompt + completion, verbose=False)["input_ids"], dtype=np.int64)
+        same = np.asarray(prompt_ids[: len(ids)], dtype=np.int64) == ids[: len(prompt_ids)]
+        start = int(same.argmin()) if not same.all() else len(same)  # the longest common start
+        mask = np.zeros(len(ids), dtype=bool)
+        mask[start:] = assistant
+        return ids, mask
 
     def encode(self, messages: list[dict], where: str, assistant: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Token ids [n] int64 of the rendered conversation and which of them assistant messages added [n] bool.
@@ -138,6 +176,10 @@ class ChatTemplate:
         """
         import jinja2
 
+        if self.text is None:
+            raise DataError("the tokenizer has no chat template: set data.chat_template to a Jinja template or the "
+                            f"path of a .jinja file ({where} is a conversation; plain-text prompt/completion rows need "
+                            f"no template; {self._missing})")
         try:
             if not assistant:
                 ids = self.tokenizer(self._render(messages), add_special_tokens=False, verbose=False)["input_ids"]

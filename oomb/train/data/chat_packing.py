@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oomb.train.data.chat import ChatTemplate, conversation, empty_reply, open_chat_rows
+from oomb.train.data.chat import ChatTemplate, conversation, empty_reply, open_chat_rows, plain_pair
 from oomb.train.data.corpus import DataError, Source, find_sources
 from oomb.train.data.packing import IGNORE_INDEX, TextBatch
 from oomb.train.data.rows import Row
@@ -125,10 +125,16 @@ class ChatCorpus:
     def _encode(self, row: Row) -> tuple[np.ndarray, np.ndarray, int] | str:
         """The row's ids and labels (cut to seq_len when truncating) and its full length; or why it cannot
         train: "empty_reply", "too_long" or "no_loss" (ChatCounts' fields)."""
-        messages = conversation(row.value, row.where)
-        if empty_reply(messages):  # checked before rendering: nothing to learn from, whatever data.loss_on says
-            return "empty_reply"
-        ids, assistant = self.template.encode(messages, row.where, self.loss_on == "assistant")
+        marked = self.loss_on == "assistant"
+        if (pair := plain_pair(row.value, row.where)) is not None:  # plain text, as TRL reads it
+            if not pair[1].strip():
+                return "empty_reply"
+            ids, assistant = self.template.encode_plain(*pair, assistant=marked)
+        else:
+            messages = conversation(row.value, row.where)
+            if empty_reply(messages):  # checked before rendering: nothing to learn from, whatever data.loss_on says
+                return "empty_reply"
+            ids, assistant = self.template.encode(messages, row.where, marked)
         length = len(ids)
         if length > self.seq_len:
             if self.overlong == "drop":
