@@ -95,7 +95,12 @@ part qlora 'train-7b-qlora-vs-lora-128k'
 # models: presets other than Qwen2.5-7B under `oomb train`, in the settings its memory plan picks.
 job train-gpt-oss-20b-lora 'python3 -m benchmarks.train_steps --preset gpt-oss-20b --lengths 65536,131072 \
   --steps 2,2 --timeout 150 --keys "lora.r=16 lora.targets=all-linear" --out "$OUT/train-gpt-oss-20b-lora.json"'
-part models 'train-gpt-oss-20b-lora'
+# GPT-OSS-20B against the FA4 stack at 64K, attention weights trained (its bf16 weights and gradients do not fit
+# otherwise); oomb in its lean setting (layer-host, chunks of 16384, the cache in host memory). Run on an H100.
+job core-gpt-oss-20b-vs-transformers-64k "$C --preset gpt-oss-20b --trainable attention --lengths '' \
+  --cache-host-lengths 65536 --baseline-lengths 65536 --baseline-stacks fa4 --chunk 16384 --recompute layer-host \
+  --warm-each --repeats 2 --backend fa4"
+part models 'train-gpt-oss-20b-lora core-gpt-oss-20b-vs-transformers-64k'
 
 # memory: GPU memory against context, 16K to 256K (where transformers runs out).
 job core-7b-memory "$C --lengths 16384,32768,65536,131072 --ckpt-lengths 65536 --hf-lengths 16384,32768 --fused-ops none"

@@ -85,8 +85,16 @@ def use_fused_rope(model: torch.nn.Module) -> str | None:
     if model_type not in _ROPE_MODULES:
         return None
     module = importlib.import_module(_ROPE_MODULES[model_type])
-    _PLAIN_ROPE.setdefault(model_type, module.apply_rotary_pos_emb)
-    module.apply_rotary_pos_emb = liger_rotary_pos_emb
+    plain = _PLAIN_ROPE.setdefault(model_type, module.apply_rotary_pos_emb)
+
+    def rope_on_cuda(q, k, cos, sin, *args, **kwargs):
+        # The module function serves every model of the family in the process, on any device: liger's Triton
+        # kernel runs on CUDA tensors only (oomb's check of an architecture trains a tiny copy on the CPU).
+        if q.is_cuda:
+            return liger_rotary_pos_emb(q, k, cos, sin, *args, **kwargs)
+        return plain(q, k, cos, sin, *args, **kwargs)
+
+    module.apply_rotary_pos_emb = rope_on_cuda
     return model_type
 
 

@@ -125,19 +125,38 @@ def test_other_families_and_modes_are_left_alone():
         use_fused_ops(llama, "fast")
 
 
-def test_rope_routing_is_undone_and_skips_other_families():
+def test_rope_routing_is_undone_and_skips_other_families(monkeypatch):
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
     from transformers.models.qwen2 import modeling_qwen2
     from transformers.models.qwen3 import modeling_qwen3
 
     own = modeling_qwen2.apply_rotary_pos_emb
+    qwen3_own = modeling_qwen3.apply_rotary_pos_emb
+    calls = []
+    monkeypatch.setattr("liger_kernel.transformers.rope.liger_rotary_pos_emb",
+                        lambda *a, **k: calls.append("liger") or liger_rotary_pos_emb(*a, **k))
     assert use_fused_rope(tiny_model("qwen2")) == "qwen2"
     assert use_fused_rope(tiny_model("qwen2")) == "qwen2"  # twice: transformers' function is still the one kept
-    assert modeling_qwen2.apply_rotary_pos_emb is liger_rotary_pos_emb
-    assert modeling_qwen3.apply_rotary_pos_emb is not liger_rotary_pos_emb  # another family: untouched
+    routed = modeling_qwen2.apply_rotary_pos_emb
+    assert routed is not own and modeling_qwen3.apply_rotary_pos_emb is qwen3_own  # another family: untouched
+    q, k, cos, sin = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+    for got, want in zip(routed(q, k, cos, sin), own(q, k, cos, sin), strict=True):  # CPU tensors: transformers'
+        assert torch.equal(got, want)
+    assert calls == []
     assert use_fused_rope(tiny_model("gpt_oss")) is None  # its RoPE rotates halves of cos/sin's width
     plain_rope()
     assert modeling_qwen2.apply_rotary_pos_emb is own
+
+
+def test_an_architecture_is_still_checked_on_the_cpu_once_rope_is_routed():
+    # A library user swaps liger's RoPE in, then trains: oomb's check of the architecture trains a tiny copy on
+    # the CPU, where liger's Triton kernel cannot run (it used to refuse the model with Triton's error).
+    from oomb.engine.step import check_architecture
+
+    model = tiny_model("llama")
+    model.config.rope_theta = 12345.0  # a config of its own: not a verdict cached by another test
+    assert use_fused_rope(model) == "llama"
+    check_architecture(model.config, training=True)
 
 
 def test_liger_mode_refuses_a_cpu_model():
