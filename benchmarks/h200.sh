@@ -246,6 +246,17 @@ job longrun-0.5b-128k 'OUT="$OUT/longrun-0.5b-128k" DIGITS=1 CURRICULUM="128:64:
   cp "$OUT/longrun-0.5b-128k/longrun/long131072/training.png" "$OUT/longrun-0.5b-128k-training.png"'
 part longrun 'longrun-0.5b-128k'
 
+# sparse-long: issue 40's study (benchmarks/studies/sparse_long.py): dense against page-sparse training of a 194M-
+# parameter model extended to 256K (two seeds), the sparse one then to 1M, on the Python sources of the machine's
+# packages. Resumable: each call runs what fits in 520 s (run folders in /tmp/sparse-long, kept while the machine is
+# warm; on a fresh machine the steps whose inputs are gone run again) and copies state, record and tables to
+# $OUT/sparse-long; put the state.json that comes back at ./sparse-long-state.json for the next session. Call again
+# until sparse_long.md says every step is done: about 65 min of device time over three sessions (its docstring).
+job sparse-long 'python3 -m benchmarks.studies.sparse_long --out /tmp/sparse-long --budget-seconds 520 \
+    --state-from sparse-long-state.json --copy-to "$OUT/sparse-long"
+  cp "$OUT/sparse-long/sparse_long.json" "$OUT/sparse-long.json"'
+part sparse-long 'sparse-long'
+
 # A bench job that writes its own report gets --out $OUT/NAME.json; the others name their outputs themselves.
 command_of() {
   local name=$1 cmd=${JOB[$1]}
