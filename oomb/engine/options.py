@@ -185,6 +185,7 @@ class RunShape:
     device_type: str = "cuda"  # "cuda": the step on the GPU, the process on the host; "cpu": all in host memory
     lora_r: int = 0  # LoRA rank (0: every parameter trains)
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # module names, or ("all-linear",)
+    lora_fused: bool = False  # peft's LoRA layers run fused (oomb.surgery.lora, train lora.fused)
     quantize: str = "none"  # "nf4": a 4-bit base under LoRA adapters (QLoRA)
     optimizer: str = "adamw"  # "adamw", "adamw8bit" or "paged_adamw8bit" (bitsandbytes)
     master_weights: bool = False  # the optimizer steps fp32 copies of 16-bit trainable parameters

@@ -20,7 +20,9 @@ them against that measurement at other sizes. s = itemsize of the model dtype:
     layer checkpointing    s*h per layer (its input) + final norm + 8; one layer's full set is
                            rebuilt during that layer's backward
     LoRA (frozen base)     norms keep 4h + 4; a frozen linear saves nothing, an adapted one its
-                           input cast to the adapter dtype + lora_A's output (see _linear_inputs)
+                           input cast to the adapter dtype + lora_A's output (see _linear_inputs);
+                           fused LoRA (oomb.surgery.lora) its input as it is + lora_A's output in
+                           the model dtype
     fused ops (liger)      an RMSNorm keeps its input in the model dtype and an fp32 rsqrt per row,
                            s*h + 4, trainable or not (LigerRMSNormFunction saves X, W, RSTD); the
                            SwiGLU keeps gate and up, 2*s*I (LigerSiLUMulFunction saves a, b), beside
@@ -64,11 +66,13 @@ def _norm_bytes(h: int, s: int, family: str, trainable: bool = True, fused: bool
 
 @dataclass(frozen=True)
 class LoraShape:
-    """LoRA adapters as peft adds them: rank, the targeted linear names and the adapters' dtype."""
+    """LoRA adapters as peft adds them: rank, the targeted linear names and the adapters' dtype; ``fused``: run
+    by oomb.surgery.lora's fused layers (train lora.fused)."""
 
     r: int
     targets: tuple[str, ...]
     dtype: torch.dtype = torch.float32
+    fused: bool = False
 
 
 def _linear_inputs(shape: ModelShape, dtype: torch.dtype, lora: LoraShape | None) -> int:
@@ -77,7 +81,8 @@ def _linear_inputs(shape: ModelShape, dtype: torch.dtype, lora: LoraShape | None
     Full fine-tuning: the q/k/v input (shared), the o_proj input, the gate/up input (shared) and
     the down_proj input, in the model dtype. LoRA: a frozen linear saves nothing (its input's
     gradient needs only the weight); an adapted one saves its input cast to the adapter dtype
-    (one copy per adapter when the dtypes differ, the shared input otherwise) and lora_A's output.
+    (one copy per adapter when the dtypes differ, the shared input otherwise) and lora_A's output;
+    fused (oomb.surgery.lora), the shared input as it is and lora_A's output in the model dtype.
     """
     s = itemsize(dtype)
     h, hd, inter = shape.hidden, shape.heads * shape.head_dim, shape.intermediate
@@ -86,12 +91,13 @@ def _linear_inputs(shape: ModelShape, dtype: torch.dtype, lora: LoraShape | None
         groups += [(("gate_proj", "up_proj"), h), (("down_proj",), inter)]
     if lora is None:
         return sum(s * width for _, width in groups) + (s * h if shape.family == "gpt_oss" else 0)
-    a = itemsize(lora.dtype)
+    shared = lora.fused or lora.dtype == dtype  # one saved input for the group, in the model dtype
+    a = s if lora.fused else itemsize(lora.dtype)
     total = 0
     for names, width in groups:
         adapted = [n for n in names if n in lora.targets]
         if adapted:
-            total += (len(adapted) * a * width if lora.dtype != dtype else s * width)
+            total += s * width if shared else len(adapted) * a * width
             total += len(adapted) * a * lora.r
     return total
 

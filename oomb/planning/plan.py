@@ -349,8 +349,8 @@ def _step_items(model_config, model: ModelShape, spec: StoreSpec, options: StepO
     kept_inputs = LayerInputs.nbytes(model.num_layers, chunk_lengths_of(seq_len, chunk), batch, model.hidden,
                                      shape.dtype) if by_layer else 0
 
-    lora = LoraShape(shape.lora_r, weights_lora_modules(model_config, shape), weights.train_dtype) \
-        if shape.lora_r > 0 else None
+    lora = LoraShape(shape.lora_r, weights_lora_modules(model_config, shape), weights.train_dtype,
+                     fused=shape.lora_fused) if shape.lora_r > 0 else None
     per_layer, per_model = saved_bytes_per_token(model, shape.dtype, lora, fused_ops=shape.fused_ops)
     if by_layer:
         saved = tokens * (per_layer + per_model)  # the layer being rebuilt, and the model's own (final norm, RoPE)

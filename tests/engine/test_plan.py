@@ -168,20 +168,25 @@ def test_bad_settings_raise():
             plan_of(cfg, **{"seq_len": 4096, name: value, "offload": name == "offload_gpu_bytes"})
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["peft", "fused-lora"])
 @pytest.mark.parametrize("targets", [("q_proj", "k_proj", "v_proj", "o_proj"),
                                      ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_activation_formula_with_lora_matches_measured(family, targets):
+def test_activation_formula_with_lora_matches_measured(family, targets, fused):
     peft = pytest.importorskip("peft")
+    from oomb.surgery.lora import use_fused_lora
+
     model = peft.get_peft_model(tiny_model(family).to(torch.bfloat16),
                                 peft.LoraConfig(r=8, target_modules=list(targets))).get_base_model()
     adapter_dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
     assert adapter_dtypes == {torch.float32}  # what plan_memory assumes for a bf16 model
+    if fused:
+        assert use_fused_lora(model)
     model.train()
     ids = torch.randint(0, model.config.vocab_size, (2, 96))
     measured = measure_saved_activations(model, ids)
     per_layer, per_model = saved_bytes_per_token(ModelShape.from_config(model.config), torch.bfloat16,
-                                                 LoraShape(8, targets, torch.float32))
+                                                 LoraShape(8, targets, torch.float32, fused=fused))
     expected = 2 * 96 * (model.config.num_hidden_layers * per_layer + per_model)
     if family == "gpt_oss":  # its MoE term is full fine-tuning's: an upper bound under LoRA
         assert measured <= expected <= 1.25 * measured, (measured, expected)

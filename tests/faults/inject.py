@@ -22,7 +22,7 @@ wait for a test's signal wait for it, not for a time: PAUSE only ends a process 
                     FAULT_STEP
     nan             layer 0's output gets an inf in chunk 1 of step FAULT_STEP (forward and diagnosis)
     full:WHAT       just before WHAT is written, fill the (small, test-mounted) file system FAULT_DISK holding
-                    the run: the write then fails for real (ENOSPC from the kernel). WHAT: lock, config,
+                    the run: the write then fails for real (ENOSPC from the kernel). WHAT: lock, inputs, config,
                     metrics (step FAULT_STEP's line), a checkpoint file of step FAULT_STEP (model.safetensors,
                     optimizer.pt, rng.pt, state.json, manifest.json, latest), export, plot, tensorboard,
                     rollback (a resumed run's metrics and config)
@@ -300,6 +300,7 @@ if KIND in ("full", "readonly", "pause"):
 
     before(rundir.RunLock, "acquire", "lock")
     before(rundir, "write_config", "config")
+    before(rundir, "write_inputs", "inputs")  # inputs.json: the run's data files and base model
     before(trainer, "roll_back_metrics", "rollback")  # a resumed run moving the lines of steps it will redo
     before(rundir.MetricsLog, "append", "metrics", when=lambda self, record: record["step"] == STEP)
     before(run_module, "export_model", "export")

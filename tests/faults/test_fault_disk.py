@@ -85,7 +85,7 @@ def test_metrics_lines_are_whole_or_absent_when_the_disk_fills(disk):
     log.close()
 
 
-@pytest.mark.parametrize("fault", ["full:lock", "readonly:lock", "full:config"])
+@pytest.mark.parametrize("fault", ["full:lock", "readonly:lock", "full:inputs", "full:config"])
 def test_a_full_disk_at_the_start_leaves_nothing_and_the_same_command_runs(disk, straight, fault):
     run = disk / "run"
     args = [f"out_dir={run}", "train.save_every=2", *RUN]

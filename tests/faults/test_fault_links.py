@@ -39,6 +39,7 @@ RESUMED = {
     ".lock": "file.txt",  # opening it for the lock would truncate what it names
     "config.json": "other/config.json",
     "config.before-step-00000006.json": "other/config.json",
+    "inputs.json": "other/inputs.json",  # the record a resume compares the data and the base model with
     "metrics.jsonl": "other/metrics.jsonl",
     "metrics.rolled-back.jsonl": "other/metrics.jsonl",  # lines of the steps run again would be appended
     "training.png": "other/training.png",
@@ -205,9 +206,9 @@ def test_the_advice_to_remove_the_link_works(tmp_path, straight, outside, capsys
 
 
 @pytest.mark.parametrize("kind", ["link", "fifo"])
-@pytest.mark.parametrize("entry", [".lock", "config.json.tmp", "config.json"])
+@pytest.mark.parametrize("entry", [".lock", "inputs.json", "inputs.json.tmp", "config.json.tmp", "config.json"])
 def test_a_link_or_pipe_in_a_new_runs_folder_is_refused(tmp_path, outside, capsys, entry, kind):
-    """A new run takes a folder holding what a run killed before its config.json leaves (.lock,
+    """A new run takes a folder holding what a run killed before its config.json leaves (.lock, inputs.json,
     config.json.tmp), checked as files; one holding a config.json is a run's folder, checked whole."""
     run = tmp_path / "run"
     run.mkdir()
@@ -244,6 +245,8 @@ ONE_STEP = overridden(RUN, "train.steps=1")
 # that steps 5-6 are rolled back), its extra settings, the exit code, the words of the stop or warning.
 DURING = [
     (".lock", "open", "new", [], EXIT_WRITE, "could not write to the run folder"),
+    ("inputs.json", "open", "new", [], EXIT_WRITE, "could not write to the run folder"),
+    ("inputs.json.tmp", "open", "new", [], EXIT_WRITE, "could not write to the run folder"),
     ("config.json", "open", "new", [], EXIT_WRITE, "could not write to the run folder"),
     ("config.json.tmp", "open", "new", [], EXIT_WRITE, "could not write to the run folder"),
     ("metrics.jsonl", "build", "new", [], EXIT_WRITE, "metrics.jsonl (step 1)"),

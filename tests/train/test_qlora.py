@@ -94,17 +94,22 @@ def test_planned_parameter_bytes_are_what_the_quantized_model_holds(tmp_path, so
     assert nf4_weight_bytes(64 * 64) == 2048 + 64 + 4 + 16 * 4 + 256 * 4 + 4  # codes, absmax, nested, tables
 
 
-def test_saved_activations_are_lora_s():
-    # bitsandbytes' 4-bit matmul keeps no activation of its own: the plan's LoRA formula holds.
+@pytest.mark.parametrize("fused", [False, True], ids=["peft", "fused-lora"])
+def test_saved_activations_are_lora_s(fused):
+    # bitsandbytes' 4-bit matmul keeps no activation of its own: the plan's LoRA formula holds, fused or not.
+    from oomb.surgery.lora import use_fused_lora
+
     model = tiny_model("llama").to(torch.bfloat16)
     quantize_linears(model, torch.bfloat16)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     model.is_loaded_in_4bit = True
     model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=list(targets))).get_base_model()
+    if fused:
+        assert use_fused_lora(model)
     model.train()
     ids = torch.randint(0, model.config.vocab_size, (2, 96))
     per_layer, per_model = saved_bytes_per_token(ModelShape.from_config(model.config), torch.bfloat16,
-                                                 LoraShape(8, targets, torch.float32))
+                                                 LoraShape(8, targets, torch.float32, fused=fused))
     assert measure_saved_activations(model, ids) == 2 * 96 * (model.config.num_hidden_layers * per_layer + per_model)
 
 

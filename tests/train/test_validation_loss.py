@@ -163,7 +163,7 @@ def test_chat_validation_scores_the_assistant_tokens_of_held_out_conversations(t
 
     chat_tokenizer(PLAIN_TEMPLATE).save_pretrained(tmp_path / "tokenizer")
     rows = [{"prompt": f"tell me {' '.join(['one', 'two', 'three'][: 1 + i % 3])} {i % 7}",
-             "completion": f"{'yes' if i % 2 else 'no'} ."} for i in range(50)]
+             "completion": f" {'yes' if i % 2 else 'no'} ."} for i in range(50)]  # plain text, as TRL reads it
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["data.seq_len=64", "data.task=chat", f"data.paths=[{tmp_path / 'chat.jsonl'}]",
             f"data.tokenizer={tmp_path / 'tokenizer'}", "data.val_fraction=0.2", "train.val_batches=2"]
@@ -174,7 +174,7 @@ def test_chat_validation_scores_the_assistant_tokens_of_held_out_conversations(t
     tokenizer = inputs.tokenizer
     for batch in validation.batches:  # loss only on what the assistant says, nothing on the prompts
         targets = batch.labels[batch.labels != -100].tolist()
-        assert targets and set(tokenizer.convert_ids_to_tokens(targets)) <= {"yes", "no", ".", "<|end|>"}
+        assert targets and set(tokenizer.convert_ids_to_tokens(targets)) <= {"yes", "no", ".", "</s>"}
 
 
 def test_validation_runs_in_one_process_only():

@@ -28,6 +28,8 @@ dataset NAME --local-dir DIR``, then ``DIR:train``).
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,3 +260,45 @@ def _dataset_commit(name: str, key: str) -> str:
 
     with _hub_errors(name, "dataset", key):
         return HfApi().dataset_info(name).sha
+
+
+# --- local paths, made absolute ---------------------------------------------------------------------
+
+
+def absolute_path(name: str | None) -> str | None:
+    """``name`` made absolute where it is a local file or folder (``~`` expanded); a hub id, a path that does
+    not exist (its error names it as given) and None unchanged."""
+    if name is None or not Path(name).expanduser().exists():
+        return name
+    return os.path.abspath(Path(name).expanduser())
+
+
+def absolute_data_paths(paths: list[str] | None) -> list[str] | None:
+    """data.paths entries made absolute: files and folders that exist, glob patterns, and the folder of a local
+    dataset repository read with its split (``./folder:train``); hub ids and missing paths unchanged."""
+    if paths is None:
+        return None
+    found = []
+    for text in paths:
+        if glob.has_magic(text) and not Path(text).expanduser().exists():
+            text = os.path.abspath(Path(text).expanduser())
+        elif not Path(text).expanduser().exists() and (ref := parse_dataset_ref(text)) is not None:
+            if Path(ref.name).is_dir():
+                text = str(dataclasses.replace(ref, name=os.path.abspath(ref.name)))
+        else:
+            text = absolute_path(text)
+        found.append(text)
+    return found
+
+
+def make_paths_absolute(cfg) -> None:
+    """model.path, data.tokenizer, data.paths, data.val_paths and a data.chat_template file made absolute in
+    ``cfg`` (a oomb.train.config.settings.Config), so the config.json a run records reads the same files from
+    any working directory (a resume elsewhere, ``oomb eval``)."""
+    cfg.model.path = absolute_path(cfg.model.path)
+    d = cfg.data
+    d.tokenizer = absolute_path(d.tokenizer)
+    d.paths, d.val_paths = absolute_data_paths(d.paths), absolute_data_paths(d.val_paths)
+    template = d.chat_template
+    if template is not None and "{{" not in template and "{%" not in template and Path(template).expanduser().is_file():
+        d.chat_template = absolute_path(template)

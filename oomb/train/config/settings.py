@@ -52,6 +52,10 @@ class ModelConfig:
     A resumed run takes it from the command line only: a run folder's config.json never turns it on."""
     rope: RopeConfig = field(default_factory=RopeConfig)
     """RoPE base and scaling (context extension), written into the model's config and the export's."""
+    accept_changed: bool = False
+    """resume=RUN only: go on although the base model's weight files differ from those the run recorded when it
+    started (<run>/inputs.json: names, sizes, fingerprints; or another hub id or preset); the record then follows
+    them. Taken from the command line only, for that one resume."""
 
 
 @dataclass
@@ -65,6 +69,8 @@ class LoraConfig:
     all-linear (peft's name: every linear layer but the LM head)."""
     merge_on_export: bool = True
     """Export the base model with the adapters merged in (a 4-bit base dequantized first), else the adapter folder."""
+    fused: bool = True
+    """Run peft's LoRA layers fused: the adapter added inside the frozen layer's matmul (same step); false: peft's."""
 
 
 @dataclass
@@ -109,6 +115,10 @@ class DataConfig:
     """data.task=text or chat: held-out data for the validation loss, in data.paths' forms (e.g. owner/name:test)."""
     val_fraction: float = 0.0
     """data.task=text or chat: hold out this fraction of data.paths' rows (the same in every run) for validation."""
+    accept_changed: bool = False
+    """resume=RUN only: go on although files of data.paths or data.val_paths differ from those the run recorded
+    when it started (<run>/inputs.json: sizes and fingerprints; missing, new or other files); the record then
+    follows them. Taken from the command line only, for that one resume."""
 
 
 @dataclass

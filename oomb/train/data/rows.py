@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import codecs
+import os
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from oomb.train.config.bounded import TooDeep, loads_json, quoted
 from oomb.train.data.corpus import DataError, Source, find_sources
+from oomb.train.data.identity import check_file, check_folder
 
 # ~64K tokens: one tokenizer call, whose Python list of ids (8 B a token) and int64 copy are the largest
 # objects packing makes, whatever the document's size.
@@ -50,7 +52,9 @@ class TextFile:
 
     def piece(self, start: int) -> tuple[str, int, bool]:
         """The text from byte ``start``: about PIECE_CHARS bytes, cut after a line break; the byte after
-        it; and whether the file ends there."""
+        it; and whether the file ends there. A file the run watches that changed since it started is refused
+        (oomb.train.data.identity)."""
+        check_file(self.path)
         try:
             with open(self.path, "rb") as f:
                 f.seek(start)
@@ -132,8 +136,10 @@ class _JsonlRows:
         except OSError as e:
             raise DataError(f"{path} cannot be read: {e}") from e
         with f:
+            check_file(path, os.fstat(f.fileno()))  # a file the run watches, changed since it started: refused
             f.seek(self._byte)
             for raw in f:
+                check_file(path, os.fstat(f.fileno()))  # rows appended or rewritten while it is read too
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
@@ -172,12 +178,14 @@ class _TableRows:
         if kind == "parquet":
             import pyarrow.parquet as pq
 
+            check_file(path)
             table = pq.ParquetFile(path)
             self.columns = table.schema_arrow.names
             return table
         if kind == "dataset":
             import datasets
 
+            check_folder(path)  # its arrow files
             table = datasets.load_from_disk(str(path))
             if isinstance(table, datasets.DatasetDict):
                 raise DataError(f"{path} holds a DatasetDict with splits {list(table)}; name one split's folder "

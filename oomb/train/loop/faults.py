@@ -6,10 +6,12 @@ scripts which failure it was. docs/failures.md shows each message and what to do
 
     exit code   meaning
     0           done
-    2           refused before any work (config, paths, a damaged checkpoint to resume from)
+    2           refused before any work (config, paths, a damaged checkpoint to resume from, a resumed run
+                whose data files or base model changed)
     3           stopped: non-finite loss or gradient (train.on_nonfinite=stop)
     4           stopped: out of memory inside a step
     5           stopped: a checkpoint or another file of the run could not be written (a full disk)
+    6           stopped: the data of a step could not be read, or a data file changed during the run
     75          stopped by SIGINT/SIGTERM after writing a checkpoint
     130         Ctrl-C before the first step (nothing trained, nothing left behind)
     130, 143    killed by a second SIGINT/SIGTERM (the default action of the signal)

@@ -56,6 +56,7 @@ def planned_step(cfg: Config, device_type: str, dtype: torch.dtype) -> tuple[Ste
     options = dataclasses.replace(step_options(cfg), offload=t.offload and gpu, offload_gpu_bytes=0)
     shape = RunShape(seq_len=cfg.data.seq_len, batch_size=t.batch_size, dtype=dtype, device_type=device_type,
                      lora_r=cfg.lora.r, lora_targets=lora_target_names(cfg),  # the targets "lora.r=16" is offered with
+                     lora_fused=cfg.lora.fused,
                      quantize=cfg.model.quantize, optimizer=t.optimizer,
                      master_weights=wants_master_weights(t.master_weights, torchrun=_under_torchrun(cfg)),
                      tensor_parallel=t.tensor_parallel, layer_checkpointing=t.layer_checkpointing,

@@ -10,6 +10,7 @@ from oomb.surgery.adapters import ALL_LINEAR, UnknownLoraTargets, lora_config
 from oomb.surgery.fused_ops import run_mode as fused_ops_run_mode
 from oomb.surgery.fused_ops import use_fused_ops
 from oomb.surgery.grad_accumulation import fused_grad_accumulation_applies, use_fused_grad_accumulation
+from oomb.surgery.lora import use_fused_lora
 from oomb.train.config.hub import model_folder
 from oomb.train.config.presets import build_model
 from oomb.train.config.rope import pin_dynamic_rope
@@ -109,6 +110,9 @@ def prepare_for_training(model: torch.nn.Module, cfg: Config, ctx, console) -> t
         linears = use_fused_grad_accumulation(model)
         if linears:
             console.print(f"weight gradients added into .grad by their matmuls in {len(linears)} linear layers")
+    if cfg.lora.r > 0 and cfg.lora.fused:  # peft's layers, the adapter added in the frozen matmul (oomb.surgery.lora)
+        adapted = use_fused_lora(model, into_grad=fuses_grad_accumulation(model, cfg, ctx))
+        console.print(f"LoRA adapters fused into their base layers' matmuls in {len(adapted)} layers")
     if ctx.tensor_parallel > 1:
         model = distributed.split_model(model, ctx)
     if ctx.data_parallel > 1:  # over the groups of tensor parallel ranks, if any

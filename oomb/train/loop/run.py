@@ -20,6 +20,7 @@ from oomb.engine.diagnose import locate_nonfinite
 from oomb.train.config.settings import Config
 from oomb.train.config.step import step_options
 from oomb.train.data.corpus import DataError
+from oomb.train.data.identity import DataChanged, changed_files
 from oomb.train.loop import distributed
 from oomb.train.loop.faults import (
     EXIT_DATA,
@@ -130,6 +131,24 @@ class Run:
             Console(stderr=True).print(f"warning: could not delete an old checkpoint: {e}", highlight=False)
         return ckpt
 
+    def checkpoint(self, step: int) -> None:
+        """Write checkpoint ``step`` once the run's data files are checked (oomb.train.data.identity): a file
+        that changed during the run (on any rank) stops it, exit code 6, after this checkpoint is written."""
+        changed = changed_files()
+        if not distributed.any_rank(self.ctx, bool(changed)):
+            self.save(step)
+            return
+        ckpt = self.save(step)
+        files = "\n  ".join(changed or ["a data file of another rank (it names the file)"])
+        raise RunStopped(f"a data file changed during the run (found when checkpoint {step} was due):\n  "
+                         f"{files}\nThe model and optimizer after step {step} were saved to {ckpt}.\n"
+                         f"{self._changed_data_advice()}", EXIT_DATA)
+
+    def _changed_data_advice(self) -> str:
+        return (f"Put the file back as it was (the run resumes at the same row), then continue with:\n  "
+                f"{resume_command(self.out)}\nor go on with the data as it is now with:\n  "
+                f"{resume_command(self.out, 'data.accept_changed=true')}")
+
     def write_failed(self, what: str, step: int, error: BaseException):
         """A run file other than a checkpoint (metrics, config) could not be written: stop, nothing lost on disk."""
         lost = (f"Step {step} was trained but is not saved; " if self.saved_step != step else "")
@@ -173,10 +192,10 @@ class Run:
             kept = f"Step {step} is not saved (under torchrun one rank cannot save alone); {self.newest_checkpoint()}."
         else:
             kept = f"The model and optimizer after step {step} were saved to {self.save(step, data_state)}."
-        raise RunStopped(
-            f"could not read the data of step {step + 1}: {error}\n{kept}\nFix what the message names, keeping the "
-            f"data as it was (the run resumes at the same row), then continue with:\n  {resume_command(self.out)}",
-            EXIT_DATA)
+        advice = (self._changed_data_advice() if isinstance(error, DataChanged) else
+                  "Fix what the message names, keeping the data as it was (the run resumes at the same row), then "
+                  f"continue with:\n  {resume_command(self.out)}")
+        raise RunStopped(f"could not read the data of step {step + 1}: {error}\n{kept}\n{advice}", EXIT_DATA)
 
     def stop_out_of_memory(self, step: int, where: str, error: str, use, *, model_intact: bool = True,
                            data_state: dict | None = None):

@@ -24,8 +24,10 @@ from oomb.engine import store_for_model
 from oomb.kernels import get_backend
 from oomb.offload import OffloadedKVStore
 from oomb.train.config.checks import check_config, check_model, resolve_dtype
+from oomb.train.config.hub import make_paths_absolute
 from oomb.train.config.settings import Config, ConfigError
 from oomb.train.config.step import offload_selection_note
+from oomb.train.data.identity import unwatch, watch
 from oomb.train.data.inputs import build_inputs, model_config, pin_run_inputs, position_notes
 from oomb.train.eval.retrieval_report import final_retrieval
 from oomb.train.eval.validation import build_validation, validate_if_due
@@ -48,6 +50,7 @@ from oomb.train.loop.reporting import Reports
 from oomb.train.loop.run import Run
 from oomb.train.loop.schedule import build_scheduler, continue_schedule, keep_started_steps, resolve_schedule
 from oomb.train.runfolder.checkpoint import CheckpointError, checkpoint_state, load_checkpoint, rng_state, set_rng_state
+from oomb.train.runfolder.inputs_record import InputsCheck, check_inputs
 from oomb.train.runfolder.rundir import (
     METRICS,
     MetricsLog,
@@ -59,6 +62,7 @@ from oomb.train.runfolder.rundir import (
     prepare_out_dir,
     record_resumed_config,
     roll_back_metrics,
+    run_dir_of,
 )
 
 
@@ -75,13 +79,14 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     try:
         return _train(cfg, console, ctx)
     finally:
+        unwatch()  # the run's data files (oomb.train.data.identity), watched from its start
         distributed.teardown(ctx)
 
 
 def _train(cfg: Config, console: Console | None, ctx: DistributedContext) -> Path:
     main_rank = ctx.is_main  # the rank that prints and writes the run's files
     console = (console or Console()) if main_rank else Console(quiet=True)
-    resume_from = _check_before_work(cfg, ctx)
+    resume_from, recorded = _check_before_work(cfg, ctx)
     device = ctx.device
     dtype = resolve_dtype(cfg.model.dtype, device)
     check_optimizer(cfg.train.optimizer, device)
@@ -98,14 +103,14 @@ def _train(cfg: Config, console: Console | None, ctx: DistributedContext) -> Pat
     out, created = distributed.prepare_out_dir(ctx, cfg, prepare_out_dir)
     if cfg.resume is None:
         cfg.out_dir = str(out)
-    lock = open_run_folder(cfg, out, created, main_rank)
+    lock = open_run_folder(cfg, out, created, main_rank, recorded.record if recorded.write else None)
     reports = Reports(cfg, out, console, enabled=main_rank)
     failed, run = True, None
     try:
         _start_wandb(reports, ctx)
         run = _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, f"{schedule}, {step_choice}")
         run.validation = validation
-        for note in (*inputs.notes, *(validation.notes if validation else ())):  # e.g. chat samples kept, dropped
+        for note in (*recorded.notes, *inputs.notes, *(validation.notes if validation else ())):  # e.g. chat samples
             console.print(note, highlight=False)
         if plan is not None:
             console.print(plan.summary() + " (oomb plan prints the breakdown)")
@@ -144,19 +149,25 @@ def _start_wandb(reports: Reports, ctx: DistributedContext) -> None:
         raise error
 
 
-def _check_before_work(cfg: Config, ctx: DistributedContext) -> Path | None:
-    """Model folder, run folder and the checkpoint to resume from; returns that checkpoint."""
+def _check_before_work(cfg: Config, ctx: DistributedContext) -> tuple[Path | None, InputsCheck]:
+    """Model folder, run folder, the checkpoint to resume from, and the run's data files and base model as they
+    are (a resumed run's compared with its record); returns that checkpoint and what they are. The data files
+    are watched from now on: one that changes stops the run (oomb.train.data.identity)."""
+    make_paths_absolute(cfg)  # config.json records them so: a resume from another folder reads the same files
     check_model(cfg)  # its folder, and its architecture: a model oomb cannot train exactly is refused, naming why
     keep_started_steps(cfg)  # resumed with train.epochs: the steps the run counted, for check_paths
     resume_from = check_paths(cfg)
     if resume_from is None:  # a new run's hub commits and RoPE factor as they resolve now; config.json records them
         pin_run_inputs(cfg)
-        return None
-    try:
-        distributed.check_checkpoint_format(resume_from, ctx)
-    except CheckpointError as e:
-        raise ConfigError(f"cannot resume: {e}") from e
-    return resume_from
+    else:
+        try:
+            distributed.check_checkpoint_format(resume_from, ctx)
+        except CheckpointError as e:
+            raise ConfigError(f"cannot resume: {e}") from e
+    run = None if cfg.resume is None else run_dir_of(resume_from) if resume_from is not None else Path(cfg.resume)
+    recorded = check_inputs(cfg, run, trained=resume_from is not None)
+    watch(recorded.files)
+    return resume_from, recorded
 
 
 def _build_inputs(cfg: Config, ctx: DistributedContext, console: Console):
@@ -292,7 +303,7 @@ def _train_steps(run: Run, console: Console, main_rank: bool, reports: Reports) 
                                   f"{record['tokens_per_s']:,.0f} tok/s")
                 last = step + 1 == cfg.train.steps
                 if last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
-                    run.save(step + 1)
+                    run.checkpoint(step + 1)  # the data files checked first: one changed stops the run
                 if distributed.any_rank(run.ctx, stop.requested) and not last:
                     run.stop_on_signal(stop, step + 1)
     finally:

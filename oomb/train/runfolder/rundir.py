@@ -3,6 +3,7 @@
     <out_dir>/
       .lock                  held (flock) by the process training in the folder; names it
       config.json            the resolved config (config.before-step-N.json: one a resume replaced)
+      inputs.json            its data files and base model, compared on resume (oomb.train.runfolder.inputs_record)
       metrics.jsonl          one line per step (metrics.rolled-back.jsonl: lines of steps run again)
       checkpoints/ export/   oomb.train.runfolder.checkpoint
 
@@ -44,6 +45,7 @@ from oomb.train.runfolder.checkpoint import (
     verify_checkpoint,
     write_text_atomic,
 )
+from oomb.train.runfolder.inputs_record import INPUTS, write_inputs
 from oomb.train.runfolder.runfiles import WANDB_DIR, RunPathError, check, check_tree, open_file, read_text
 
 LOCK = ".lock"
@@ -51,7 +53,7 @@ CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 ROLLED_BACK = "metrics.rolled-back.jsonl"
 # What a run killed before it wrote its config.json leaves: a folder holding only these takes a new run.
-UNSTARTED = (LOCK, CONFIG + ".tmp")
+UNSTARTED = (LOCK, INPUTS, INPUTS + ".tmp", CONFIG + ".tmp")
 IN_PLACE = (LOCK, METRICS, ROLLED_BACK)  # written in place, not replaced by a rename: no hard link may name them
 
 
@@ -63,15 +65,18 @@ def load_run_config(config_path: str | None, overrides: list[str]) -> Config:
     """The run's config; with resume=... and no config file, the resumed run's config.json is the base.
 
     A run folder may come from anyone: its config.json never turns on running the model folder's
-    code; ``model.trust_remote_code=true`` must be given again on the command line.
+    code, nor accepts changed inputs; ``model.trust_remote_code=true``, ``data.accept_changed=true`` and
+    ``model.accept_changed=true`` must be given on the command line.
     """
     cfg = load_config(config_path, overrides)
     if cfg.resume is not None and config_path is None:
         run_dir, _ = resume_target(cfg)
         cfg = load_config(run_dir / CONFIG, overrides)
         given = {item.partition("=")[0] for item in overrides}
-        if "model.trust_remote_code" not in given:
-            cfg.model.trust_remote_code = False
+        for key in ("model.trust_remote_code", "model.accept_changed", "data.accept_changed"):
+            if key not in given:
+                section, name = key.split(".")
+                setattr(getattr(cfg, section), name, False)
     if cfg.resume is not None:
         _keep_started_schedule(cfg)
     return cfg
@@ -243,7 +248,7 @@ def remove_unstarted_run(out: Path, created: bool) -> str:
             return f"{out} is kept: it holds a trained step"
     except OSError:
         return f"{out} is kept"
-    for name in (CONFIG, CONFIG + ".tmp", METRICS, LOCK, WANDB_RUN):
+    for name in (CONFIG, CONFIG + ".tmp", INPUTS, INPUTS + ".tmp", METRICS, LOCK, WANDB_RUN):
         try:
             (out / name).unlink(missing_ok=True)
         except OSError:
@@ -401,13 +406,17 @@ class MetricsLog:
 # ---------------------------------------------------------------------------------- stops before the loop
 
 
-def open_run_folder(cfg: Config, out: Path, created: bool, main_rank: bool) -> RunLock | None:
-    """Lock the run folder and, for a new run, write its config.json (before the model is built)."""
+def open_run_folder(cfg: Config, out: Path, created: bool, main_rank: bool,
+                    inputs: dict | None = None) -> RunLock | None:
+    """Lock the run folder and write ``inputs`` (inputs.json: a new run's, or a resumed run's where it changed)
+    and, for a new run, its config.json (before the model is built)."""
     if not main_rank:
         return None
     lock = None
     try:
         lock = RunLock(out).acquire()
+        if inputs is not None:
+            write_inputs(out, inputs)
         if cfg.resume is None:
             write_config(out, cfg)
     except OSError as e:
