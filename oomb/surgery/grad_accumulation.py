@@ -47,15 +47,20 @@ class _LinearIntoGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx = dy @ weight if ctx.needs_input_grad[0] else None
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        if weight.grad is None:
-            weight.grad = dy2.t() @ x2
-        else:
-            weight.grad.addmm_(dy2.t(), x2)  # .grad += dY^T X, one kernel
+        add_product_into_grad(weight, dy2.t(), x2)
         db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, None, db
 
 
-def _writes_grad_directly(weight: torch.Tensor) -> bool:
+def add_product_into_grad(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> None:
+    """param.grad += alpha * a @ b, the add inside the matmul (beta = 1, one kernel); the product where no .grad."""
+    if param.grad is None:
+        param.grad = torch.mm(a, b) if alpha == 1.0 else torch.mm(a, b).mul_(alpha)
+    else:
+        param.grad.addmm_(a, b, alpha=alpha)
+
+
+def writes_grad_directly(weight: torch.Tensor) -> bool:
     """Whether adding into ``weight.grad`` from the backward is what AccumulateGrad would do (module docstring)."""
     if not (weight.requires_grad and weight.is_leaf) or type(weight.data) is not torch.Tensor:
         return False
@@ -68,7 +73,7 @@ class GradAccumulatingLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose backward adds the weight's gradient into ``.grad`` inside the matmul."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and _writes_grad_directly(self.weight):
+        if torch.is_grad_enabled() and writes_grad_directly(self.weight):
             return _LinearIntoGrad.apply(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 

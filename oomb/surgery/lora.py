@@ -37,30 +37,13 @@ named by ``fusion_refusal``): dropout > 0, DoRA or another LoRA variant, a bias 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from oomb.surgery.grad_accumulation import add_product_into_grad, writes_grad_directly
+
 _PLAIN: dict[type, type] = {}  # fused class -> the peft class it extends
 _FUSED: dict[type, type] = {}  # peft class -> its fused subclass
-
-
-def _adds_into_grad(param: torch.Tensor) -> bool:
-    """Whether adding into ``param.grad`` from the backward is what AccumulateGrad would do (a plain leaf
-    without hooks, in one process: grad_accumulation's rule)."""
-    if not (param.requires_grad and param.is_leaf) or type(param.data) is not torch.Tensor:
-        return False
-    if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None):
-        return False
-    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-
-
-def _add_grad(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
-    """param.grad += alpha * a @ b, in the matmul (beta = 1)."""
-    if param.grad is None:
-        param.grad = torch.mm(a, b) if alpha == 1.0 else torch.mm(a, b).mul_(alpha)
-    else:
-        param.grad.addmm_(a, b, alpha=alpha)
 
 
 def _adapter_grads(ctx, dy2, x2, xa, A, B):
@@ -70,9 +53,9 @@ def _adapter_grads(ctx, dy2, x2, xa, A, B):
     dA = dB = None
     if ctx.into_grad:
         if ctx.needs_A:
-            _add_grad(A, dxa.t(), x2, 1.0)
+            add_product_into_grad(A, dxa.t(), x2)
         if ctx.needs_B:
-            _add_grad(B, dy2.t(), xa, s)
+            add_product_into_grad(B, dy2.t(), xa, s)
     else:
         dA = torch.mm(dxa.t(), x2).to(A.dtype) if ctx.needs_A else None
         dB = torch.mm(dy2.t(), xa).to(B.dtype).mul_(s) if ctx.needs_B else None
@@ -81,7 +64,7 @@ def _adapter_grads(ctx, dy2, x2, xa, A, B):
 
 def _flags(ctx, A, B, dt, into_grad):
     ctx.needs_A, ctx.needs_B = A.requires_grad, B.requires_grad
-    ctx.into_grad = into_grad and A.dtype == B.dtype == dt and _adds_into_grad(A) and _adds_into_grad(B)
+    ctx.into_grad = into_grad and A.dtype == B.dtype == dt and writes_grad_directly(A) and writes_grad_directly(B)
 
 
 class _LoraLinear(torch.autograd.Function):

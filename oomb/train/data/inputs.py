@@ -144,14 +144,17 @@ class TextInputs:
     def batches(self, step: int) -> list:
         return [self.corpus.batch(self.batch_size) for _ in range(self.grad_accum)]
 
+    STATE_KEY, TASK = "corpus", "text"  # where a checkpoint keeps the position, and the task that writes it
+
     def state_dict(self) -> dict:
-        return {"corpus": self.corpus.state_dict()}
+        return {self.STATE_KEY: self.corpus.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if "corpus" not in state:
-            raise ConfigError("the checkpoint holds no text-data position (was it written by a data.task=text run?)")
+        if self.STATE_KEY not in state:
+            raise ConfigError(f"the checkpoint holds no {self.TASK}-data position (was it written by a "
+                              f"data.task={self.TASK} run?)")
         try:
-            self.corpus.load_state_dict(state["corpus"])
+            self.corpus.load_state_dict(state[self.STATE_KEY])
         except DataError as e:
             raise ConfigError(str(e)) from e
 
@@ -159,20 +162,11 @@ class TextInputs:
 class ChatInputs(TextInputs):
     """Conversations packed whole; the position in them is the state a checkpoint keeps."""
 
+    STATE_KEY, TASK = "chat", "chat"
+
     def __init__(self, corpus: ChatCorpus, batch_size: int, grad_accum: int, tokenizer) -> None:
         super().__init__(corpus, batch_size, grad_accum, tokenizer)
         self.notes = (corpus.counts.summary(corpus.seq_len),)
-
-    def state_dict(self) -> dict:
-        return {"chat": self.corpus.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if "chat" not in state:
-            raise ConfigError("the checkpoint holds no chat-data position (was it written by a data.task=chat run?)")
-        try:
-            self.corpus.load_state_dict(state["chat"])
-        except DataError as e:
-            raise ConfigError(str(e)) from e
 
 
 def loss_on(cfg: Config) -> str:
