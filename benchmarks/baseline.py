@@ -57,7 +57,8 @@ def build_stack(preset: str, stack: str, trainable: str = "all"):
                                     fused_linear_cross_entropy=False)
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for p in set_trainable(model, trainable):  # bf16 gradients held, as a trainer holds them
+    model, trained = set_trainable(model, trainable)
+    for p in trained:  # bf16 gradients held, as a trainer holds them
         p.grad = torch.zeros_like(p)
     loss_fn = LigerFusedLinearCrossEntropyLoss()
     head = model.get_output_embeddings()
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="qwen2.5-7b")
     p.add_argument("--lengths", type=int_list, required=True)
     p.add_argument("--trainable", choices=TRAINABLE, default="all",
-                   help="parameters trained: all, or the attention layers' only (benchmarks.common.set_trainable)")
+                   help="parameters trained: all, the attention layers' only, or peft LoRA r=16 on every linear layer "
+                        "(lora and lora-unfused alike: a stack runs peft's own; benchmarks.common.set_trainable)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile-lengths", type=int_list, default=[],
                    help="at these lengths, one more step under torch.profiler: where its GPU time goes")

@@ -62,29 +62,46 @@ def add_grad_accumulation_argument(parser) -> None:
                              "the records measured without it)")
 
 
+def bench_adds_into_grad(model, args) -> bool:
+    """Whether --grad-accumulation asks for weight gradients added by their matmuls where `oomb train` would add
+    them so (one process, so where ``fused_grad_accumulation_applies``)."""
+    from oomb.surgery.grad_accumulation import fused_grad_accumulation_applies
+
+    return args.grad_accumulation == "fused" and fused_grad_accumulation_applies(model, args.fused_ops)
+
+
 def use_bench_grad_accumulation(model, args) -> list[str]:
-    """Weight gradients added by their matmuls where `oomb train` would add them so (one process, so where
-    ``fused_grad_accumulation_applies``) and --grad-accumulation asks; returns the swapped linear layers' names."""
-    from oomb.surgery.grad_accumulation import fused_grad_accumulation_applies, use_fused_grad_accumulation
+    """Weight gradients added by their matmuls where ``bench_adds_into_grad``; returns the swapped linear layers'
+    names."""
+    from oomb.surgery.grad_accumulation import use_fused_grad_accumulation
 
-    if args.grad_accumulation != "fused" or not fused_grad_accumulation_applies(model, args.fused_ops):
-        return []
-    return use_fused_grad_accumulation(model)
+    return use_fused_grad_accumulation(model) if bench_adds_into_grad(model, args) else []
 
 
-# What a row trains (--trainable): every parameter, or only the attention layers' (their q/k/v/o projections,
-# biases, norms inside attention and GPT-OSS's sinks) where a model's weights and their gradients do not fit the
-# card in bf16 (GPT-OSS-20B: 2 x 39 GiB).
-TRAINABLE = ("all", "attention")
+# What a row trains (--trainable): every parameter; only the attention layers' (their q/k/v/o projections, biases,
+# norms inside attention and GPT-OSS's sinks) where a model's weights and their gradients do not fit the card in
+# bf16 (GPT-OSS-20B: 2 x 39 GiB); or peft LoRA adapters of rank LORA_RANK on every linear layer (experts too), as
+# `oomb train lora.r=16 lora.targets=all-linear` trains them — oomb's rows with its fused LoRA layers ("lora") or
+# peft's own ("lora-unfused"); a stack always runs peft's own.
+TRAINABLE = ("all", "attention", "lora", "lora-unfused")
+LORA_RANK = 16
 
 
-def set_trainable(model, which: str) -> list[torch.nn.Parameter]:
-    """Freezes what ``which`` (TRAINABLE) leaves out; returns the parameters left trainable."""
+def set_trainable(model, which: str) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+    """Freezes what ``which`` (TRAINABLE) leaves out; returns the model (peft's wrapper for LoRA) and the
+    parameters left trainable. Call it before swapping in fused ops, as `oomb train` adds its adapters first."""
     if which not in TRAINABLE:
         raise ValueError(f"--trainable {which!r}: choose one of {', '.join(TRAINABLE)}")
-    for name, p in model.named_parameters():
-        p.requires_grad_(which == "all" or ".self_attn." in name)
-    return [p for p in model.parameters() if p.requires_grad]
+    if which.startswith("lora"):
+        import peft
+
+        from oomb.surgery.adapters import ALL_LINEAR, lora_config
+
+        model = peft.get_peft_model(model, lora_config(model, LORA_RANK, 2 * LORA_RANK, ALL_LINEAR))
+    else:
+        for name, p in model.named_parameters():
+            p.requires_grad_(which == "all" or ".self_attn." in name)
+    return model, [p for p in model.parameters() if p.requires_grad]
 
 
 def ask_fa4_block_sparse(on: bool) -> None:

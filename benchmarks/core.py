@@ -38,6 +38,7 @@ from benchmarks.common import (
     GpuClocks,
     add_grad_accumulation_argument,
     ask_fa4_block_sparse,
+    bench_adds_into_grad,
     command_line,
     int_list,
     library_versions,
@@ -59,6 +60,7 @@ from oomb.sparse import DEFAULT_SCORE, SCORES, PageSelection
 from oomb.surgery.fused_ops import MODES as FUSED_OPS_MODES
 from oomb.surgery.fused_ops import plain_rope, use_fused_ops
 from oomb.surgery.grad_accumulation import plain_linears
+from oomb.surgery.lora import plain_lora, use_fused_lora
 from oomb.train.config.presets import build_model, preset_config
 
 
@@ -166,7 +168,12 @@ def auto_settings(args) -> dict[int, dict]:
         cfg = load_config(None, [f"model.preset={args.preset}", f"data.seq_len={n}", "train.device=cuda"])
         check_config(cfg)
         gpu, host = available_memory(torch.device("cuda"))
-        resolve_auto_settings(cfg, "cuda", torch.bfloat16, gpu_bytes=gpu, host_bytes=host)
+        plan, _ = resolve_auto_settings(cfg, "cuda", torch.bfloat16, gpu_bytes=gpu, host_bytes=host)
+        if not plan.fits:  # `oomb train` refuses such a run before it starts: no row, and the refusal recorded
+            picked[n] = {"refused": f"`oomb train` refuses {n} tokens on this card: its plan needs "
+                                    f"{plan.gpu_bytes / 2**30:.1f} GiB of GPU and {plan.host_bytes / 2**30:.1f} GiB "
+                                    f"of host memory (AdamW states included)"}
+            continue
         picked[n] = {"chunk_size": cfg.train.chunk_size, "page_size": cfg.train.page_size,
                      "cache_attention": cfg.train.cache_attention, "fused_ops": cfg.train.fused_ops,
                      "recompute": cfg.train.recompute}
@@ -254,7 +261,7 @@ def oomb_rows(args, auto: dict) -> list[tuple]:
                    for cap in caps]
     return ([(n, "oomb-auto", False, {"chunk_size": a["chunk_size"], "page_size": a["page_size"],
                                       "cache_attention": a["cache_attention"], "recompute": a["recompute"]})
-             for n, a in auto.items()]
+             for n, a in auto.items() if "refused" not in a]
             + [(n, "oomb", False, {}) for n in args.lengths]
             + [(n, "oomb+layer-ckpt", True, {}) for n in args.ckpt_lengths]
             + [(n, "oomb+cached-attn", False, {"cache_attention": True}) for n in args.cache_lengths]
@@ -281,20 +288,24 @@ def run(args) -> dict:
     if args.baseline_from:
         baseline += earlier_baselines(Path(args.baseline_from))
     auto = auto_settings(args) if args.auto_lengths else {}
+    for a in auto.values():
+        if "refused" in a:
+            print(a["refused"], flush=True)
     model = build_model(args.preset, dtype=torch.bfloat16, device=device)
     model.train()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model, trained = set_trainable(model, args.trainable)  # LoRA's adapters first, as `oomb train` adds them
     plain_modules = dict(model.named_modules())
     fused = use_fused_ops(model, args.fused_ops)  # oomb's rows; transformers' rows get the plain modules back
     linears = use_bench_grad_accumulation(model, args)
+    lora_fused = use_fused_lora(model, into_grad=bench_adds_into_grad(model, args)) if args.trainable == "lora" else []
     fused_record = {"fused_ops_modules": len(fused) - ("rope" in fused), "fused_rope": "rope" in fused,
-                    "fused_grad_accumulation": len(linears)}
+                    "fused_grad_accumulation": len(linears), "fused_lora_layers": len(lora_fused)}
     tiles = dict(CANDIDATES)[args.tiles]
     if tiles:  # a tune_attention candidate instead of the default tiles, for oomb's rows
         default_tiles = kernel_tiles.choose_tiles
         kernel_tiles.choose_tiles = lambda *a: dataclasses.replace(default_tiles(*a), **tiles)  # noqa: E731
     cfg = model.config
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    trained = set_trainable(model, args.trainable)
     grad_bytes = sum(p.numel() * p.element_size() for p in trained)
     for p in trained:  # bf16 gradients, allocated up front as a trainer would hold them
         p.grad = torch.zeros_like(p)
@@ -364,6 +375,7 @@ def run(args) -> dict:
             model.set_submodule(name, plain_modules[name])
     plain_rope()
     plain_linears(model)
+    plain_lora(model)
     if args.hf_lengths:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for n in args.hf_lengths:
@@ -471,8 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="qwen2.5-7b")
     p.add_argument("--lengths", type=int_list, default=[16384, 32768, 65536])
     p.add_argument("--trainable", choices=TRAINABLE, default="all",
-                   help="parameters trained in every row, the stacks' too: all, or the attention layers' only (a "
-                        "model whose weights and gradients do not fit the card: GPT-OSS-20B)")
+                   help="parameters trained in every row, the stacks' too: all; the attention layers' only (a model "
+                        "whose weights and gradients do not fit the card: GPT-OSS-20B); LoRA r=16 on every linear "
+                        "layer, oomb's rows with fused LoRA (lora) or peft's own layers (lora-unfused)")
     p.add_argument("--ckpt-lengths", type=int_list, default=[],
                    help="also time oomb with per-layer checkpointing inside chunks at these lengths")
     p.add_argument("--cache-lengths", type=int_list, default=[],

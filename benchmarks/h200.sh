@@ -100,7 +100,25 @@ job train-gpt-oss-20b-lora 'python3 -m benchmarks.train_steps --preset gpt-oss-2
 job core-gpt-oss-20b-vs-transformers-64k "$C --preset gpt-oss-20b --trainable attention --lengths '' \
   --cache-host-lengths 65536 --baseline-lengths 65536 --baseline-stacks fa4 --chunk 16384 --recompute layer-host \
   --warm-each --repeats 2 --backend fa4"
-part models 'train-gpt-oss-20b-lora core-gpt-oss-20b-vs-transformers-64k'
+# Each preset against the FA4 stack at 64K, all weights trained, no optimizer (a full fine-tune's AdamW states do
+# not fit an 80 GB card beside an 8B model at 64K: `oomb plan` says so): layer-host, chunks of 16384, the attention
+# cache on the GPU (the fast setting, what `oomb train` picks for Qwen2.5-7B) and in host memory (the lean one).
+# Run on an H100.
+VS64='--lengths "" --cache-lengths 65536 --cache-host-lengths 65536 --baseline-lengths 65536 --baseline-stacks fa4 \
+  --chunk 16384 --recompute layer-host --warm-each --repeats 2 --backend fa4'
+for preset in llama-3-8b qwen3-8b granite-3.3-8b gemma-3-12b; do
+  job "core-$preset-vs-transformers-64k" "$C --preset $preset $VS64"
+done
+# LoRA r=16 on every linear layer of Llama-3-8B at 64K in the lean setting, oomb's fused LoRA layers (with the
+# stack running peft's own beside) and peft's own layers, each in its own process; the full-gradient step in the
+# same setting is the lean row of core-llama-3-8b-vs-transformers-64k.
+LORA64='--preset llama-3-8b --lengths "" --cache-host-lengths 65536 --chunk 16384 --recompute layer-host \
+  --warm-each --repeats 2 --backend fa4'
+job core-llama-3-8b-lora-64k "$C $LORA64 --trainable lora --baseline-lengths 65536 --baseline-stacks fa4"
+job core-llama-3-8b-lora-unfused-64k "$C $LORA64 --trainable lora-unfused"
+part models 'train-gpt-oss-20b-lora core-gpt-oss-20b-vs-transformers-64k core-llama-3-8b-vs-transformers-64k
+  core-llama-3-8b-lora-64k core-llama-3-8b-lora-unfused-64k core-qwen3-8b-vs-transformers-64k
+  core-granite-3.3-8b-vs-transformers-64k core-gemma-3-12b-vs-transformers-64k'
 
 # memory: GPU memory against context, 16K to 256K (where transformers runs out).
 job core-7b-memory "$C --lengths 16384,32768,65536,131072 --ckpt-lengths 65536 --hf-lengths 16384,32768 --fused-ops none"
@@ -292,10 +310,10 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # Each step below is skipped where an earlier call on the same machine did it (a warm machine keeps /tmp).
 if ls .whl/*.whl >/dev/null 2>&1; then
-  wanted=$(ls .whl/*.whl | xargs -n1 basename | sort | tr '\n' ' ')
-  if [ "$(cat /tmp/site/.oomb-wheels 2>/dev/null)" != "$wanted" ]; then
+  wheels=$(ls .whl/*.whl | xargs -n1 basename | sort | tr "\n" " ")
+  if [ "$(cat /tmp/site/.oomb-wheels 2>/dev/null)" != "$wheels" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl && echo "$wanted" > /tmp/site/.oomb-wheels
+      .whl/*.whl && echo "$wheels" > /tmp/site/.oomb-wheels
   fi
 fi
 [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site

@@ -44,3 +44,16 @@ def test_sparse_rows_once_per_cap_on_a_chunks_pages():
     with pytest.raises(ValueError, match="at least page_budget"):  # the selection refuses a cap under the budget
         args.chunk_pages = [16]
         oomb_rows(args, {})
+
+
+def test_a_length_oomb_train_refuses_gets_no_auto_row():
+    import argparse
+
+    from benchmarks.core import oomb_rows
+
+    args = argparse.Namespace(chunk_pages=[None], budget=32, select_score="bound", lengths=[], ckpt_lengths=[],
+                              cache_lengths=[], cache_host_lengths=[65536], sparse_lengths=[], sparse_cache_lengths=[])
+    auto = {32768: {"chunk_size": 8192, "page_size": 128, "cache_attention": True, "recompute": "layer-host"},
+            65536: {"refused": "`oomb train` refuses 65536 tokens on this card"}}
+    rows = oomb_rows(args, auto)
+    assert [(n, name) for n, name, _, _ in rows] == [(32768, "oomb-auto"), (65536, "oomb+host-cached-attn")]
