@@ -38,14 +38,15 @@ class EvalResult:
     ``nll[b, t]`` is -log p(target | tokens 0..t) in fp32, NaN where position t has no
     target (label -100, and always the last position); ``correct[b, t]`` says whether the
     argmax of the logits equals the target (False where there is none); ``targets[b, t]``
-    is the target id or -100; ``entropy[b, t]`` is the entropy of the predicted distribution in nats (what TRL's
-    SFTTrainer logs as ``entropy``), NaN where there is no target.
+    is the target id or -100; ``entropy[b, t]``, where asked for (``chunked_eval(entropy=True)``, else None), is
+    the entropy of the predicted distribution in nats (what TRL's SFTTrainer logs as ``entropy``), NaN where there
+    is no target.
     """
 
     nll: torch.Tensor  # [B, N] float32
     correct: torch.Tensor  # [B, N] bool
     targets: torch.Tensor  # [B, N] int64
-    entropy: torch.Tensor  # [B, N] float32
+    entropy: torch.Tensor | None = None  # [B, N] float32, where asked for
 
     @property
     def has_target(self) -> torch.Tensor:
@@ -64,9 +65,10 @@ def chunked_eval(
     doc_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     options: StepOptions | None = None,
+    entropy: bool = False,
     **step_keywords: Unpack[StepKeywords],
 ) -> EvalResult:
-    """Per-token NLL, argmax correctness and entropy of a long sequence, one chunk of activations at a time.
+    """Per-token NLL, argmax correctness (and entropy) of a long sequence, one chunk of activations at a time.
 
     Args:
         model: a transformers causal LM (or a peft model wrapping one).
@@ -83,6 +85,8 @@ def chunked_eval(
         options: the training step's ``oomb.engine.StepOptions`` instead of the keywords from
             ``chunk_size`` to ``offload_gpu_bytes`` (leave those at their defaults): the same store and
             the same attention as the step (its ``cache_attention`` and ``loss_impl`` do not apply).
+        entropy: also each target position's entropy of the predicted distribution (one more pass over the
+            logits of each block of rows on the head; off by default, as only TRL's metrics report it).
 
     Runs under ``torch.no_grad`` with the model in eval mode (its mode is restored after).
     Positions without a target skip the LM head, so an evaluation that scores a few
@@ -94,13 +98,14 @@ def chunked_eval(
     model.eval()  # no dropout: evaluation is deterministic
     check_model_architecture(model)
     try:
-        return _chunked_eval(model, input_ids, labels, doc_ids, attention_mask, options)
+        return _chunked_eval(model, input_ids, labels, doc_ids, attention_mask, options, entropy)
     finally:
         model.train(was_training)
 
 
 @torch.no_grad()
-def _chunked_eval(model, input_ids, labels, doc_ids, attention_mask, options: StepOptions) -> EvalResult:
+def _chunked_eval(model, input_ids, labels, doc_ids, attention_mask, options: StepOptions,
+                  with_entropy: bool) -> EvalResult:
     # The store keeps gradient pages too (as in training); sharing the training step's
     # store means evaluating between training steps reallocates nothing.
     prepared = prepare_step(model, input_ids, labels, doc_ids, options, forward_only=True,
@@ -112,7 +117,7 @@ def _chunked_eval(model, input_ids, labels, doc_ids, attention_mask, options: St
 
     nll = torch.full((batch, seq_len), float("nan"), dtype=torch.float32, device=device)
     correct = torch.zeros((batch, seq_len), dtype=torch.bool, device=device)
-    entropy = torch.full_like(nll, float("nan"))
+    entropy = torch.full_like(nll, float("nan")) if with_entropy else None
     try:
         with prepared.running():
             for start, end in prepared.bounds:
@@ -121,11 +126,12 @@ def _chunked_eval(model, input_ids, labels, doc_ids, attention_mask, options: St
                 chunk_targets = targets[:, start:end]
                 rows = (chunk_targets != IGNORE_INDEX).nonzero(as_tuple=True)  # host sync, once per chunk
                 if rows[0].numel():
-                    row_nll, row_correct, row_entropy = head_nll_and_argmax(
-                        hidden[rows], head.weight, head.bias, chunk_targets[rows], transform, entropy=True)
-                    nll[:, start:end][rows] = row_nll
-                    correct[:, start:end][rows] = row_correct
-                    entropy[:, start:end][rows] = row_entropy
+                    found = head_nll_and_argmax(hidden[rows], head.weight, head.bias, chunk_targets[rows], transform,
+                                                entropy=with_entropy)
+                    nll[:, start:end][rows] = found[0]
+                    correct[:, start:end][rows] = found[1]
+                    if with_entropy:
+                        entropy[:, start:end][rows] = found[2]
                 step.drop_page_lists(start)  # each chunk runs once: its page lists are not needed again
     finally:
         store.clear()  # pool usage returns to zero, also after an error

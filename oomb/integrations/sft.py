@@ -51,6 +51,8 @@ class OombSFTTrainer(OombTrainerMixin, SFTTrainer):
         self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return loss
 
+    oomb_eval_entropy = True  # eval_entropy, as TRL reports it
+
     def oomb_eval(self, model: torch.nn.Module, inputs: dict) -> EvalResult:
         result = super().oomb_eval(model, inputs)
         valid = result.has_target

@@ -91,11 +91,16 @@ class OombTrainerMixin:
         loss = result.nll[has_target].mean() if bool(has_target.any()) else torch.tensor(math.nan)
         return loss.to(self.args.device), None, None
 
+    # Whether evaluation reports each position's entropy (OombSFTTrainer's metrics, as TRL's); the loss alone
+    # does not need it.
+    oomb_eval_entropy = False
+
     def oomb_eval(self, model: torch.nn.Module, inputs: dict) -> EvalResult:
-        """The batch's per-token NLL, argmax correctness and entropy by ``chunked_eval``."""
+        """The batch's per-token NLL, argmax correctness (and entropy: ``oomb_eval_entropy``) by ``chunked_eval``."""
         batch = oomb_batch(self._prepare_inputs(inputs))
         return chunked_eval(self.accelerator.unwrap_model(model), batch.input_ids, batch.labels,
-                            doc_ids=batch.doc_ids, attention_mask=batch.attention_mask, options=self.oomb_options)
+                            doc_ids=batch.doc_ids, attention_mask=batch.attention_mask, options=self.oomb_options,
+                            entropy=self.oomb_eval_entropy)
 
 
 class OombTrainer(OombTrainerMixin, Trainer):

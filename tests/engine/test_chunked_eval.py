@@ -49,6 +49,21 @@ def test_equals_full_sequence_forward(family, attn):
     assert model.config._attn_implementation == attn  # restored
 
 
+def test_entropy_only_when_asked_and_equal_to_the_full_sequence_softmax_s():
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 150))
+    labels = ids.clone()
+    labels[0, :40] = -100
+    assert chunked_eval(model, ids, labels, chunk_size=32, page_size=16).entropy is None
+    out = chunked_eval(model, ids, labels, chunk_size=32, page_size=16, entropy=True)
+    with torch.no_grad():
+        log_p = torch.log_softmax(model.eval()(input_ids=ids).logits.double(), dim=-1)
+    want = -(log_p.exp() * log_p).sum(-1)
+    valid = out.has_target
+    assert torch.isnan(out.entropy[~valid]).all() and valid.sum() == 110  # positions 39..148 have a target
+    assert (out.entropy.double() - want)[valid].abs().max() <= 1e-5
+
+
 def test_default_labels_and_model_mode_restored():
     model = tiny_model("llama")
     model.train()

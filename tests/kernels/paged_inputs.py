@@ -106,3 +106,31 @@ def visibility_mask(b, h, c, kv_len, *, page_size, doc_start=None, page_select=N
         past_tok = past_tok.repeat_interleave(h // h_sel, dim=1)
         vis[..., : n_past * page_size] &= past_tok
     return vis
+
+
+def check_bf16_against_fp32(backend, pb: PagedProblem, kw: dict, kw32: dict | None = None) -> None:
+    """A bf16 backend's forward and backward on ``pb`` against the reference backend's in float32 (out and dq,
+    dk, dv within 1e-2 relative, lse within 1e-3, d_sinks within 1e-2 where ``kw`` has sinks). ``kw32``: the
+    reference's keywords where they differ (float32 sinks); gradients are added into zeroed float32 pools."""
+    from helpers import assert_close_rel
+
+    from oomb.kernels import reference
+
+    kw32 = kw if kw32 is None else kw32
+    q32, k32, v32 = pb.q.float(), pb.k_pool.float(), pb.v_pool.float()
+    out, lse = backend.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, pb.kv_len, **kw)
+    ref_out, ref_lse = reference.paged_attention_forward(q32, k32, v32, pb.page_table, pb.kv_len, **kw32)
+    assert_close_rel(out.float(), ref_out, 1e-2, "out")
+    assert_close_rel(lse, ref_lse, 1e-3, "lse")
+    d_out = torch.randn_like(pb.q)
+    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    ref_dk, ref_dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    dq, d_sinks = backend.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, pb.kv_len,
+                                   **kw)
+    ref_dq, ref_d_sinks = reference.paged_attention_backward(d_out.float(), q32, ref_out, ref_lse, k32, v32, ref_dk,
+                                                             ref_dv, pb.page_table, pb.kv_len, **kw32)
+    assert_close_rel(dq.float(), ref_dq, 1e-2, "dq")
+    assert_close_rel(dk, ref_dk, 1e-2, "dk")
+    assert_close_rel(dv, ref_dv, 1e-2, "dv")
+    if kw.get("sinks") is not None:
+        assert_close_rel(d_sinks, ref_d_sinks, 1e-2, "d_sinks")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from flash_standin import FallbackSpy, TorchFlash
 from helpers import assert_close_rel
-from paged_inputs import make_problem, random_doc_start, random_page_select
+from paged_inputs import check_bf16_against_fp32, make_problem, random_doc_start, random_page_select
 
 import oomb.kernels as kernels_package
 from oomb.kernels import AttentionBackend, flash4, flash4_calls, flash4_unavailable, get_backend, reference
@@ -227,23 +227,7 @@ def test_fa4_bf16_with_sinks_matches_the_reference_on_gpu(window):
     pb = make_problem(1, h, h_kv, c, kv_len, d, page, dtype=torch.bfloat16, device="cuda", sinks=True)
     sinks = (pb.sinks.float() * 3).to(torch.bfloat16)
     kw = dict(scale=d**-0.5, sliding_window=window, sinks=sinks)
-    fa4 = get_backend("fa4", "cuda")
-    q32, k32, v32 = pb.q.float(), pb.k_pool.float(), pb.v_pool.float()
-    kw32 = dict(kw, sinks=sinks.float())
-    out, lse = fa4.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
-    ref_out, ref_lse = reference.paged_attention_forward(q32, k32, v32, pb.page_table, kv_len, **kw32)
-    assert_close_rel(out.float(), ref_out, 1e-2, "out")
-    assert_close_rel(lse, ref_lse, 1e-3, "lse")
-    d_out = torch.randn_like(pb.q)
-    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
-    ref_dk, ref_dv = torch.zeros_like(k32), torch.zeros_like(v32)
-    dq, d_sinks = fa4.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len, **kw)
-    ref_dq, ref_d_sinks = reference.paged_attention_backward(d_out.float(), q32, ref_out, ref_lse, k32, v32, ref_dk,
-                                                             ref_dv, pb.page_table, kv_len, **kw32)
-    assert_close_rel(dq.float(), ref_dq, 1e-2, "dq")
-    assert_close_rel(dk, ref_dk, 1e-2, "dk")
-    assert_close_rel(dv, ref_dv, 1e-2, "dv")
-    assert_close_rel(d_sinks, ref_d_sinks, 1e-2, "d_sinks")
+    check_bf16_against_fp32(get_backend("fa4", "cuda"), pb, kw, dict(kw, sinks=sinks.float()))
 
 
 @pytest.mark.gpu
@@ -257,21 +241,7 @@ def test_fa4_bf16_matches_the_reference_on_gpu(c, kv_len, window, docs):
     kw = dict(scale=d**-0.5, sliding_window=window)
     if docs:
         kw["doc_start"] = random_doc_start(1, c, kv_len, docs, device="cuda")
-    fa4 = get_backend("fa4", "cuda")
-    q32, k32, v32 = pb.q.float(), pb.k_pool.float(), pb.v_pool.float()
-    out, lse = fa4.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, **kw)
-    ref_out, ref_lse = reference.paged_attention_forward(q32, k32, v32, pb.page_table, kv_len, **kw)
-    assert_close_rel(out.float(), ref_out, 1e-2, "out")
-    assert_close_rel(lse, ref_lse, 1e-3, "lse")
-    d_out = torch.randn_like(pb.q)
-    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
-    ref_dk, ref_dv = torch.zeros_like(k32), torch.zeros_like(v32)
-    dq, _ = fa4.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len, **kw)
-    ref_dq, _ = reference.paged_attention_backward(d_out.float(), q32, ref_out, ref_lse, k32, v32, ref_dk, ref_dv,
-                                                   pb.page_table, kv_len, **kw)
-    assert_close_rel(dq.float(), ref_dq, 1e-2, "dq")
-    assert_close_rel(dk, ref_dk, 1e-2, "dk")
-    assert_close_rel(dv, ref_dv, 1e-2, "dv")
+    check_bf16_against_fp32(get_backend("fa4", "cuda"), pb, kw)
 
 
 @pytest.mark.gpu
@@ -286,20 +256,7 @@ def test_fa4_bf16_in_key_segments_matches_the_reference_on_gpu():
     h, h_kv, d, page, c, kv_len = 28, 4, 128, 128, 4096, 32768
     pb = make_problem(1, h, h_kv, c, kv_len, d, page, dtype=torch.bfloat16, device="cuda")
     fa4 = Flash4Attention(FlashAttention4(), fallback=None, key_segment=8192)
-    q32, k32, v32 = pb.q.float(), pb.k_pool.float(), pb.v_pool.float()
-    out, lse = fa4.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, kv_len, scale=d**-0.5)
-    ref_out, ref_lse = reference.paged_attention_forward(q32, k32, v32, pb.page_table, kv_len, scale=d**-0.5)
-    assert_close_rel(out.float(), ref_out, 1e-2, "out")
-    assert_close_rel(lse, ref_lse, 1e-3, "lse")
-    d_out = torch.randn_like(pb.q)
-    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
-    ref_dk, ref_dv = torch.zeros_like(k32), torch.zeros_like(v32)
-    dq, _ = fa4.backward(d_out, pb.q, out, lse, pb.k_pool, pb.v_pool, dk, dv, pb.page_table, kv_len, scale=d**-0.5)
-    ref_dq, _ = reference.paged_attention_backward(d_out.float(), q32, ref_out, ref_lse, k32, v32, ref_dk, ref_dv,
-                                                   pb.page_table, kv_len, scale=d**-0.5)
-    assert_close_rel(dq.float(), ref_dq, 1e-2, "dq")
-    assert_close_rel(dk, ref_dk, 1e-2, "dk")
-    assert_close_rel(dv, ref_dv, 1e-2, "dv")
+    check_bf16_against_fp32(fa4, pb, dict(scale=d**-0.5))
 
 
 @pytest.mark.parametrize("dtype,d,offset", [(torch.bfloat16, 128, 0), (torch.bfloat16, 6, 0),
