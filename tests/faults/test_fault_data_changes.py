@@ -48,14 +48,21 @@ def change_after_checkpoint(monkeypatch, step: int, change) -> None:
     monkeypatch.setattr(Run, "save", save_then_change)
 
 
-def test_a_text_file_rewritten_during_the_run_stops_it_where_it_is_opened_and_it_resumes_exactly(
-        tmp_path, model, capsys, monkeypatch):
+def text_docs_run(tmp_path: Path, model: Path) -> tuple[Path, list[str]]:
+    """A folder of 40 text files (a file per document: each step opens files it has not read yet), the arguments of
+    a 4-step run on it, and that run made straight into tmp_path/straight (the losses a resume must reach)."""
     data = tmp_path / "data"
     data.mkdir()
-    for i in range(40):  # a file per document: each step opens files it has not read yet
+    for i in range(40):
         (data / f"doc{i:02d}.txt").write_text(f"document {i}: " + "the quick brown fox. " * (3 + i % 5))
     args = [f"model.path={model}", "data.task=text", f"data.paths=[{data}]", *overridden(RUN, "train.steps=4")]
     assert main(["train", f"out_dir={tmp_path / 'straight'}", *args]) == 0
+    return data, args
+
+
+def test_a_text_file_rewritten_during_the_run_stops_it_where_it_is_opened_and_it_resumes_exactly(
+        tmp_path, model, capsys, monkeypatch):
+    data, args = text_docs_run(tmp_path, model)
     saved = {p: p.read_bytes() for p in data.iterdir()}
 
     def rewrite():  # every file in place, the same size, other bytes: what a script rewriting the folder does
@@ -80,6 +87,27 @@ def test_a_text_file_rewritten_during_the_run_stops_it_where_it_is_opened_and_it
     assert f"{data / 'doc00.txt'}: other content at the same size" in out and "data.accept_changed=true" in out
     for path, text in saved.items():  # put back as it was
         path.write_bytes(text)
+    assert main(["train", f"resume={run}"]) == 0
+    assert losses(run) == losses(tmp_path / "straight")
+
+
+def test_data_that_goes_missing_during_the_run_stops_it_after_a_checkpoint_and_it_resumes_exactly(
+        tmp_path, model, capsys, monkeypatch):
+    """Files are read as the run goes: one removed mid-run stops it with the last step saved (exit 6)."""
+    data, args = text_docs_run(tmp_path, model)
+    saved = tmp_path / "saved"
+    shutil.copytree(data, saved)
+    change_after_checkpoint(monkeypatch, 2, lambda: shutil.rmtree(data))  # a disk unmounted, a folder cleaned up
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", f"out_dir={run}", "train.save_every=2", *args]) == EXIT_DATA
+    out = said(capsys)
+    assert "could not read the data of step 3:" in out and "cannot be read" in out
+    assert "The model and optimizer are as after step 2" in out and f"oomb train resume={run}" in out
+    assert find_checkpoint(run).name == "step-00000002" and sorted(losses(run)) == [1, 2]
+
+    monkeypatch.undo()
+    shutil.copytree(saved, data)  # the data back as it was
     assert main(["train", f"resume={run}"]) == 0
     assert losses(run) == losses(tmp_path / "straight")
 
