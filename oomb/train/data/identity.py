@@ -54,14 +54,21 @@ class FileId:
         return (st.st_size, st.st_mtime_ns, st.st_ino) == (self.size, self.mtime_ns, self.inode)
 
 
-def fingerprint(path: str | Path, size: int) -> str:
-    """The content fingerprint of the file ``path`` of ``size`` bytes (the module's docstring says how)."""
+def sha256_of(path: str | Path) -> str:
+    """The hex sha256 of a whole file, read a MiB at a time (also the checksums of a checkpoint's manifest)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        if size <= WHOLE_BYTES:
-            while data := f.read(1 << 20):
-                digest.update(data)
-            return digest.hexdigest()
+        while data := f.read(1 << 20):
+            digest.update(data)
+    return digest.hexdigest()
+
+
+def fingerprint(path: str | Path, size: int) -> str:
+    """The content fingerprint of the file ``path`` of ``size`` bytes (the module's docstring says how)."""
+    if size <= WHOLE_BYTES:
+        return sha256_of(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
         digest.update(size.to_bytes(8, "little"))
         last = size - SAMPLE_BYTES
         for i in range(SAMPLES):

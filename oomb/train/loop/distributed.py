@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from oomb.train.config.device import resolve_device
 from oomb.train.config.settings import Config, ConfigError
+from oomb.train.data.identity import sha256_of
 from oomb.train.loop.optim import wants_master_weights
 from oomb.train.runfolder.checkpoint import (
     CHECKPOINTS,
@@ -62,7 +63,6 @@ from oomb.train.runfolder.checkpoint import (
     publish_dir,
     rng_state,
     set_rng_state,
-    sha256_of,
     start_folder_write,
     write_export,
     write_text_atomic,

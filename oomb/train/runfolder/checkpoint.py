@@ -27,7 +27,6 @@ a checkpoint's folder or file belongs is refused, never followed (oomb.train.run
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -41,6 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from oomb.train.config.bounded import loads_json
 from oomb.train.config.hub import split_revision
+from oomb.train.data.identity import sha256_of
 from oomb.train.loop.optim import MASTER_WEIGHTS_KEY, MasterWeights
 from oomb.train.loop.quantize import is_quantized, merged_export_model
 from oomb.train.runfolder.runfiles import (
@@ -73,14 +73,6 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def rng_state() -> dict:
