@@ -203,6 +203,43 @@ def test_sparse_and_offloaded_evaluation(tmp_path, hf_dir):
         c["answer_mean_nll"] for c in dense["retrieval"]["cells"]]  # 2 of 7 past pages: not the dense result
     mean = grid("mean", "--page-budget", "2", "--select-block", "32", "--select-score", "mean")
     assert mean["settings"]["select_score"] == "mean" and sparse["settings"]["select_score"] == "bound"
+    # a chunk's blocks choose among page_budget pages by default, as train.chunk_pages=auto trains; none: any
+    free = grid("free", "--page-budget", "2", "--select-block", "32", "--chunk-pages", "none")
+    assert sparse["settings"]["chunk_pages"] == 2 and free["settings"]["chunk_pages"] is None
+    assert [c["answer_mean_nll"] for c in free["retrieval"]["cells"]] != [
+        c["answer_mean_nll"] for c in sparse["retrieval"]["cells"]]
+    kept = grid("kept", "--page-budget", "3", "--select-block", "32", "--sink-pages", "1", "--local-pages", "1",
+                "--select-per-head")
+    assert {k: kept["settings"][k] for k in ("sink_pages", "local_pages", "select_per_head", "chunk_pages")} == {
+        "sink_pages": 1, "local_pages": 1, "select_per_head": True, "chunk_pages": 3}
+
+
+def test_sparse_as_trained_evaluates_with_the_run_s_own_selection(tmp_path, capsys):
+    sparse_keys = ["train.page_budget=2", "train.select_block=32", "train.local_pages=1"]
+    common = ["train.steps=1", "data.seq_len=256", "train.chunk_size=64", "train.page_size=32", "data.task=needle"]
+    run = tmp_path / "run"
+    assert main(["train", f"out_dir={run}", *common, *sparse_keys]) == 0
+
+    def evaluate(name, model, *extra):
+        out = tmp_path / name
+        code = main(["eval", str(model), "--retrieval", "--lengths", "256", "--depths", "0.5", "--samples", "1",
+                     "--chunk-size", "64", "--page-size", "32", "--out", str(out), *extra])
+        return code, (json.loads((out / "results.json").read_text()) if code == 0 else None)
+
+    _, as_trained = evaluate("as-trained", run, "--sparse-as-trained")
+    _, given = evaluate("given", run, "--page-budget", "2", "--select-block", "32", "--local-pages", "1")
+    assert as_trained["settings"] == given["settings"] and as_trained["settings"]["local_pages"] == 1
+    assert as_trained["retrieval"]["cells"] == given["retrieval"]["cells"]
+    capsys.readouterr()
+    assert evaluate("both", run, "--sparse-as-trained", "--page-budget", "2")[0] == 2
+    assert "drop --page-budget" in capsys.readouterr().out
+    dense = tmp_path / "dense"
+    assert main(["train", f"out_dir={dense}", *common]) == 0
+    capsys.readouterr()
+    assert evaluate("dense-run", dense, "--sparse-as-trained")[0] == 2
+    assert "trained with dense attention" in " ".join(capsys.readouterr().out.split())
+    assert evaluate("no-run", "tiny", "--sparse-as-trained")[0] == 2
+    assert "is not a run's checkpoint" in " ".join(capsys.readouterr().out.split())
 
 
 def test_checkpoint_loads_the_trained_weights(tmp_path):
@@ -252,6 +289,10 @@ def test_checkpoint_loads_the_trained_weights(tmp_path):
         (["{hf}", "--perplexity", "{docs}", "--ppl-length", "2048"], "max_position_embeddings=1024"),
         (["{hf}", "--perplexity", "{docs}", "--buckets", "pow3"], "pow2' or a positive number"),
         (["tiny", "--retrieval", "--page-budget", "0"], "--page-budget and --select-block must be positive"),
+        (["tiny", "--retrieval", "--select-block", "32"], "--select-block only apply to page-sparse attention"),
+        (["tiny", "--retrieval", "--page-budget", "4", "--chunk-pages", "lots"], "give a number of pages"),
+        (["tiny", "--retrieval", "--page-budget", "4", "--chunk-pages", "2"], "chunk_pages .2. must be at least"),
+        (["tiny", "--retrieval", "--page-budget", "2", "--sink-pages", "2", "--local-pages", "1"], "--sink-pages"),
         (["tiny", "--retrieval", "--offload-gpu-memory", "1GiB"], "add --offload"),
         (["tiny", "--retrieval", "--offload", "--offload-gpu-memory", "lots"], "not a memory size"),
     ],
@@ -287,5 +328,6 @@ def test_help_lists_every_option(capsys):
     for option in ("--perplexity", "--ppl-length", "--ppl-docs", "--buckets", "--text-field", "--tokenizer",
                    "--retrieval", "--task", "--lengths", "--depths", "--samples", "--digits", "--seed", "--out",
                    "--chunk-size", "--page-size", "--batch-size", "--device", "--dtype", "--page-budget",
-                   "--select-block", "--select-score", "--offload", "--offload-gpu-memory"):
+                   "--select-block", "--select-score", "--chunk-pages", "--sink-pages", "--local-pages",
+                   "--select-per-head", "--sparse-as-trained", "--offload", "--offload-gpu-memory"):
         assert option in text, option

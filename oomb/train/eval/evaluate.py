@@ -112,6 +112,19 @@ def add_arguments(parser) -> None:
     g.add_argument("--select-score", default=DEFAULT_SCORE, choices=SCORES,
                    help=f"with --page-budget: rank pages by the upper bound over their keys (bound) or by their mean "
                         f"key (mean, the paper's); default {DEFAULT_SCORE}")
+    g.add_argument("--chunk-pages", default="auto", metavar="N|auto|none",
+                   help="with --page-budget: the most distinct past pages one chunk's blocks choose among; auto "
+                        "(default) = --page-budget, as train.chunk_pages=auto trains; none = no cap")
+    g.add_argument("--sink-pages", type=int, default=0, metavar="N",
+                   help="with --page-budget: the sequence's first pages, always attended (default 0)")
+    g.add_argument("--local-pages", type=int, default=0, metavar="N",
+                   help="with --page-budget: the pages just before each chunk, always attended (default 0)")
+    g.add_argument("--select-per-head", action="store_true",
+                   help="with --page-budget: one page list per KV head instead of one for all heads")
+    g.add_argument("--sparse-as-trained", action="store_true",
+                   help="a run's checkpoint or export: page-sparse attention with the run's own train.page_budget, "
+                        "select_block, select_score, chunk_pages, sink_pages, local_pages and select_per_head "
+                        "(instead of giving them; refused for a run that trained dense)")
     g.add_argument("--offload", action="store_true", help="keep the K/V pages in host memory (docs/offload.md)")
     g.add_argument("--offload-gpu-memory", default="0", metavar="SIZE",
                    help="with --offload: GPU memory for keeping whole layers' pages on the GPU, e.g. 40GiB "
@@ -125,18 +138,79 @@ def add_arguments(parser) -> None:
                         "float32 on CPU")
 
 
-def _engine_options(args) -> dict:
-    """chunked_eval's keywords for --page-budget/--select-block and --offload/--offload-gpu-memory."""
+# The --page-budget companions, as (option, its default): given without --page-budget they would change nothing.
+SELECTION_OPTIONS = (("select_block", 128), ("select_score", DEFAULT_SCORE), ("chunk_pages", "auto"),
+                     ("sink_pages", 0), ("local_pages", 0), ("select_per_head", False))
+
+
+def _selection(args):
+    """The PageSelection of --page-budget and its companions (None: dense); raises EvalError."""
     from oomb.sparse import PageSelection
+
+    given = [f"--{name.replace('_', '-')}" for name, default in SELECTION_OPTIONS if getattr(args, name) != default]
+    if args.sparse_as_trained:
+        if args.page_budget is not None or given:
+            raise EvalError(f"--sparse-as-trained takes every selection setting from the run: drop "
+                            f"{', '.join((['--page-budget'] if args.page_budget is not None else []) + given)}")
+        return None  # settled once the run's config is read (_run_selection)
+    if args.page_budget is None:
+        if given:
+            raise EvalError(f"{', '.join(given)} only apply to page-sparse attention: add --page-budget N (e.g. the "
+                            "run's train.page_budget), or --sparse-as-trained for a run's checkpoint")
+        return None
+    if args.page_budget < 1 or args.select_block < 1:
+        raise EvalError("--page-budget and --select-block must be positive")
+    chunk_pages = args.chunk_pages.strip().lower()
+    if chunk_pages == "auto":
+        cap = args.page_budget
+    elif chunk_pages == "none":
+        cap = None
+    else:
+        try:
+            cap = int(chunk_pages)
+        except ValueError:
+            raise EvalError(f"--chunk-pages {args.chunk_pages!r}: give a number of pages, auto or none") from None
+    try:
+        return PageSelection(page_budget=args.page_budget, block=args.select_block, score=args.select_score,
+                             chunk_pages=cap, sink_pages=args.sink_pages, local_pages=args.local_pages,
+                             per_head=args.select_per_head)
+    except ValueError as e:
+        raise EvalError(f"--page-budget / --select-block / --chunk-pages / --sink-pages / --local-pages: {e}") from e
+
+
+def _run_selection(loaded):
+    """--sparse-as-trained: the selection the run trained with; raises EvalError where there is none."""
+    from oomb.train.config.step import page_selection
+
+    run = loaded.run_config
+    if run is None:
+        raise EvalError(f"--sparse-as-trained reads the selection from a training run, but {loaded.source} is not a "
+                        "run's checkpoint or export: give --page-budget N and its companions instead")
+    selection = page_selection(run)
+    if selection is None:
+        raise EvalError("--sparse-as-trained: this run trained with dense attention (train.page_budget is null); "
+                        "drop the option to evaluate it dense, as it was trained")
+    return selection
+
+
+def _selection_settings(selection) -> dict:
+    """results.json's record of the attention: page_budget null for dense, else every selection setting."""
+    if selection is None:
+        return {"page_budget": None, "select_block": None, "select_score": None}
+    return {"page_budget": selection.page_budget, "select_block": selection.block, "select_score": selection.score,
+            "chunk_pages": selection.chunk_pages, "sink_pages": selection.sink_pages,
+            "local_pages": selection.local_pages, "select_per_head": selection.per_head}
+
+
+def _engine_options(args) -> dict:
+    """chunked_eval's keywords for --page-budget and its companions and --offload/--offload-gpu-memory."""
     from oomb.train.config.settings import ConfigError
     from oomb.train.loop.memory import parse_bytes
 
     engine: dict = {}
-    if args.page_budget is not None:
-        if args.page_budget < 1 or args.select_block < 1:
-            raise EvalError("--page-budget and --select-block must be positive")
-        engine["selection"] = PageSelection(page_budget=args.page_budget, block=args.select_block,
-                                            score=args.select_score)
+    selection = _selection(args)
+    if selection is not None:
+        engine["selection"] = selection
     try:
         gpu_bytes = parse_bytes(args.offload_gpu_memory)
     except ConfigError as e:
@@ -184,6 +258,8 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
     model_config = base_config(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     run = loaded.run_config
+    if args.sparse_as_trained:
+        engine["selection"] = _run_selection(loaded)
     seed = args.seed if args.seed is not None else (run.train.seed if run is not None else 0)
     digits = args.digits if args.digits is not None else (run.data.passkey_digits if run is not None else 5)
     for n in lengths:
@@ -228,8 +304,7 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
                   "max_position_embeddings": getattr(model_config, "max_position_embeddings", None),
                   "rope_scaled": rope_is_scaled(model_config)},
         "settings": {"chunk_size": args.chunk_size, "page_size": args.page_size, "batch_size": args.batch_size,
-                     "page_budget": args.page_budget, "select_block": args.select_block if args.page_budget else None,
-                     "select_score": args.select_score if args.page_budget else None,
+                     **_selection_settings(engine.get("selection")),
                      "offload": args.offload, "offload_gpu_bytes": engine.get("offload_gpu_bytes", 0)},
     }
     common = dict(batch_size=args.batch_size, chunk_size=args.chunk_size, page_size=args.page_size, engine=engine)
