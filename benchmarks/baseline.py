@@ -63,9 +63,13 @@ def build_stack(preset: str, stack: str, trainable: str = "all"):
     loss_fn = LigerFusedLinearCrossEntropyLoss()
     head = model.get_output_embeddings()
 
-    def step(ids: torch.Tensor) -> None:
-        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-        targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    def step(ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> None:
+        """One forward and backward: next-token loss on ``labels`` (default ``ids``; -100: no loss); packed
+        documents by ``position_ids`` restarting at each one (transformers' flash attention then attends within
+        each, as DataCollatorWithFlattening's batches do)."""
+        hidden = model.get_decoder()(input_ids=ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        labels = ids if labels is None else labels
+        targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
         loss = loss_fn(head.weight, hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1))
         loss.backward()
 

@@ -116,6 +116,12 @@ LORA64='--preset llama-3-8b --lengths "" --cache-host-lengths 65536 --chunk 1638
   --warm-each --repeats 2 --backend fa4'
 job core-llama-3-8b-lora-64k "$C $LORA64 --trainable lora --baseline-lengths 65536 --baseline-stacks fa4"
 job core-llama-3-8b-lora-unfused-64k "$C $LORA64 --trainable lora-unfused"
+# packed: tokens per second on packed chat data at 4K, 16K and 32K, `oomb train` (its own settings, AdamW) against
+# the FA4 stack (packed by position_ids, fused AdamW), full fine-tune and LoRA r=16 of Qwen2.5-7B; a job per length.
+for n in 4096 16384 32768; do
+  job "packed-7b-$((n / 1024))k" "python3 -m benchmarks.packed --preset qwen2.5-7b --lengths $n"
+done
+part packed 'packed-7b-4k packed-7b-16k packed-7b-32k'
 part models 'train-gpt-oss-20b-lora core-gpt-oss-20b-vs-transformers-64k core-llama-3-8b-vs-transformers-64k
   core-llama-3-8b-lora-64k core-llama-3-8b-lora-unfused-64k core-qwen3-8b-vs-transformers-64k
   core-granite-3.3-8b-vs-transformers-64k core-gemma-3-12b-vs-transformers-64k'

@@ -45,6 +45,8 @@ def record_of(run: Path, log: Path, seq_len: int) -> dict:
     return {
         "seq_len": seq_len,
         "chunk_size": cfg["train"]["chunk_size"],
+        "batch_size": cfg["train"].get("batch_size", 1),  # sequences of seq_len tokens a step (times grad_accum)
+        "grad_accum": cfg["train"].get("grad_accum", 1),
         "cache_attention": cfg["train"]["cache_attention"],
         "master_weights": cfg["train"]["master_weights"],
         "recompute": cfg["train"].get("recompute"),
