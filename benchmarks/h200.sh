@@ -109,6 +109,18 @@ VS64='--lengths "" --cache-lengths 65536 --cache-host-lengths 65536 --baseline-l
 for preset in llama-3-8b qwen3-8b granite-3.3-8b gemma-3-12b; do
   job "core-$preset-vs-transformers-64k" "$C --preset $preset $VS64"
 done
+# Each preset under `oomb train` in its sensible mode on an 80 GB card (LoRA r=16 on every linear layer: an 8B
+# model's full fine-tune with AdamW does not fit beside 64K tokens), at 64K and 128K, then the longest length its
+# memory plan allows (one step: the plan's peak prediction checked where it is tightest); each record has the
+# plan's GPU peak over the measured one. Qwen2.5-7B's full fine-tune: train-7b-auto.
+for preset in llama-3-8b qwen3-8b granite-3.3-8b gemma-3-12b gpt-oss-20b; do
+  job "train-$preset-lora-64k-128k" "python3 -m benchmarks.train_steps --preset $preset --lengths 65536,131072 \
+    --steps 2,2 --timeout 200 --keys 'lora.r=16 lora.targets=all-linear'"
+  job "train-$preset-lora-longest" "python3 -m benchmarks.train_steps --preset $preset --lengths '' --steps '' \
+    --longest --timeout 540 --keys 'lora.r=16 lora.targets=all-linear'"
+done
+part presets "$(for p in llama-3-8b qwen3-8b granite-3.3-8b gemma-3-12b gpt-oss-20b; do
+  printf 'train-%s-lora-64k-128k train-%s-lora-longest ' "$p" "$p"; done)"
 # LoRA r=16 on every linear layer of Llama-3-8B at 64K in the lean setting, oomb's fused LoRA layers (with the
 # stack running peft's own beside) and peft's own layers, each in its own process; the full-gradient step in the
 # same setting is the lean row of core-llama-3-8b-vs-transformers-64k.

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import shlex
 import signal
 import subprocess
@@ -34,6 +35,32 @@ import time
 from pathlib import Path
 
 from benchmarks.common import command_line, int_list, machine_description
+
+_PLAN_LINE = re.compile(r"^memory plan: GPU ([\d.,]+) (KiB|MiB|GiB|TiB)", re.MULTILINE)
+_UNIT_GIB = {"KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0, "TiB": 2**10}
+
+
+def planned_against_measured(log_text: str, metrics: list[dict]) -> dict:
+    """The GPU peak `oomb train`'s memory plan predicted (its startup line "memory plan: GPU X of Y") and that
+    over the largest peak its steps reported (the issue's bound: within 5%); empty where the log has no plan."""
+    found = _PLAN_LINE.search(log_text)
+    if found is None:
+        return {}
+    planned = float(found.group(1).replace(",", "")) * _UNIT_GIB[found.group(2)]
+    peaks = [m["peak_gpu_gib"] for m in metrics if m.get("peak_gpu_gib")]
+    return {"planned_gpu_gib": round(planned, 2),
+            "planned_over_measured_peak": round(planned / max(peaks), 4) if peaks else None}
+
+
+def longest_planned(preset: str, keys: str) -> int | None:
+    """The longest data.seq_len `oomb plan` says fits this machine with these keys (its JSON), None where the plan
+    cannot say."""
+    proc = subprocess.run([sys.executable, "-m", "oomb.cli", "plan", f"model.preset={preset}", *shlex.split(keys),
+                           "--json"], capture_output=True, text=True)
+    try:
+        return int(json.loads(proc.stdout)["largest_seq_len"]) or None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def record_of(run: Path, log: Path, seq_len: int) -> dict:
@@ -56,8 +83,9 @@ def record_of(run: Path, log: Path, seq_len: int) -> dict:
         "steps": [{k: m.get(k) for k in ("step", "seconds", "loss", "peak_gpu_gib")} for m in metrics],
         "warm_step_s": sum(warm) / len(warm) if warm else None,  # the steps after the first
         "startup": [line for line in log.read_text().splitlines()
-                    if line.startswith(("oomb train", "note:", "fused", "weight gradients"))
+                    if line.startswith(("oomb train", "note:", "fused", "weight gradients", "memory plan:"))
                     or "chosen by the memory plan" in line],
+        **planned_against_measured(log.read_text(), metrics),
     }
 
 
@@ -100,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keys", default="", metavar="KEYS",
                    help='oomb train keys of every run, e.g. "train.fused_grad_accumulation=false" (a job reproducing '
                         'a record made before a default changed)')
+    p.add_argument("--longest", action="store_true",
+                   help="one more row per variant at the longest data.seq_len `oomb plan` says fits this machine with "
+                        "its keys, one step logged (its peak: the plan's prediction checked where it is tightest)")
     p.add_argument("--from-runs", nargs="+", metavar="RUN=LOG", default=None,
                    help="build the record from run folders and their logs made earlier (no training)")
     args = p.parse_args(argv)
@@ -117,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         variants = [tuple(v) for v in args.variant] if args.variant is not None else [None]
         rows = [run_length(args.preset, n, k, folder, args.timeout, variant, args.keys)
                 for n, k in zip(args.lengths, args.steps, strict=True) for variant in variants]
+        for variant in variants if args.longest else []:
+            keys = f"{args.keys} {variant[1] if variant else ''}"
+            n = longest_planned(args.preset, keys)
+            rows.append({**run_length(args.preset, n, 1, folder, args.timeout, variant, args.keys), "longest": True}
+                        if n else {"seq_len": None, "longest": True, "warm_step_s": None,
+                                   "error": ["oomb plan gave no longest length"]})
         machine = machine_description()
     else:
         pairs = [item.split("=", 1) for item in args.from_runs]
@@ -130,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = f"{r['warm_step_s']:.2f} s" if r["warm_step_s"] is not None else "not reached"
         what = (f"chunk {r['chunk_size']}, cache {r['cache_attention']}, step after the first {warm}"
                 if "error" not in r else f"failed: {' / '.join(r['error'])}")
-        print(f"{r.get('variant', ''):>8}{r['seq_len']:>9} tokens: {what}")
+        print(f"{r.get('variant', ''):>8}{r['seq_len'] or '-':>9} tokens: {what}")
     return 0
 
 

@@ -45,3 +45,23 @@ def test_a_variant_adds_its_keys_to_the_run_and_a_refused_one_is_recorded(tmp_pa
     assert "base in NF4" in row["startup"][0]  # the startup line of `oomb train`
     refused = run_length("tiny", 256, 2, tmp_path, 120, ("nolora", f"{cpu} model.quantize=nf4"))
     assert refused["warm_step_s"] is None and "lora.r" in " ".join(refused["error"])
+
+
+def test_the_plan_s_prediction_is_read_from_the_startup_line_and_set_against_the_peak():
+    from benchmarks.train_steps import planned_against_measured
+
+    log = "oomb train: llama-3-8b\nmemory plan: GPU 66.00 GiB of 78.50 GiB, host 20.00 GiB of 120.00 GiB (oomb...)\n"
+    metrics = [{"step": 1, "peak_gpu_gib": 62.5}, {"step": 2, "peak_gpu_gib": 64.0}]
+    assert planned_against_measured(log, metrics) == {"planned_gpu_gib": 66.0, "planned_over_measured_peak": 1.0312}
+    assert planned_against_measured(log.replace("66.00 GiB", "512.00 MiB"), metrics)["planned_gpu_gib"] == 0.5
+    assert planned_against_measured("memory plan: host 2.00 GiB of 8.00 GiB\n", metrics) == {}  # a CPU run
+    assert planned_against_measured(log, [{"step": 1}])["planned_over_measured_peak"] is None
+
+
+def test_the_longest_length_is_the_plan_s():
+    from benchmarks.train_steps import longest_planned
+
+    cpu = "train.device=cpu train.page_size=64 train.chunk_size=128"
+    n = longest_planned("tiny", cpu)
+    assert isinstance(n, int) and n > 256
+    assert longest_planned("tiny", f"{cpu} no.such.key=1") is None  # a refused config: no length, no crash
