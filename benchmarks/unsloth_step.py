@@ -129,11 +129,12 @@ def longest_search(run: Callable[[list[int], float], list[dict]], *, start: int,
 
     ``run(lengths, timeout_s)`` runs the lengths in order in one process and returns a row for each it tried, up
     to the first that failed (a row with "error"); it adds a row for a length whose process died or ran out of
-    time. Doubling from ``start`` (or from ``known_fits``) until a try fails (each length a process of its own, or
-    the whole doubling in one with ``grow_in_one_process``: it stops at its first failure), halving instead while
-    nothing fits, then bisection between the longest that fit and the shortest that failed until they are at most
-    ``resolution`` apart; lengths are multiples of ``align``. A try is not started with less than ``min_try_s``
-    seconds of ``budget_s`` left, nor when ``estimate_try_s`` says it would not end in time.
+    time. Doubling from ``start`` (or past ``known_fits`` where start is not longer) until a try fails (each
+    length a process of its own, or the whole doubling in one with ``grow_in_one_process``: it stops at its first
+    failure), halving instead while nothing fits, then bisection between the longest that fit and the shortest that
+    failed until they are at most ``resolution`` apart; lengths are multiples of ``align``. A try is not started
+    with less than ``min_try_s`` seconds of ``budget_s`` left, nor when ``estimate_try_s`` says it would not end
+    in time.
 
     Returns ``longest_ok``, ``shortest_failed`` (None where none), ``stopped`` (why the search ended: resolved,
     max_length, budget, timeout, error or nothing_fits), ``stop_detail``, every try's rows (``tries``, each with
@@ -179,8 +180,8 @@ def longest_search(run: Callable[[list[int], float], list[dict]], *, start: int,
         return None
 
     stopped = None
-    # Doubling (from the longest known to fit), while no try has failed.
-    n = start if lo is None else lo * factor
+    # Doubling (from start, or past the longest known to fit), while no try has failed.
+    n = start if lo is None or start > lo else lo * factor
     while stopped is None and hi is None:
         if n > max_length:
             stopped, detail = "max_length", f"every length tried up to {max_length} fits"
@@ -207,6 +208,23 @@ def longest_search(run: Callable[[list[int], float], list[dict]], *, start: int,
         stopped, detail = "resolved", f"{lo} tokens fit, {hi} fail"
     return {"longest_ok": lo, "shortest_failed": hi, "stopped": stopped, "stop_detail": detail,
             "resolution": resolution, "budget_s": budget_s, "elapsed_s": clock() - t0, "tries": tries}
+
+
+def memory_fit(rows: list[dict], capacity_gib: float | None) -> dict | None:
+    """Peak GPU memory against length, a least-squares line through the completed rows (a step's activations grow
+    linearly with its length: Unsloth's checkpointing, chunked loss, flash-style attention), and the length at which
+    it reaches ``capacity_gib`` (the card's memory): where to start --longest. None with fewer than two lengths."""
+    points = sorted({r["seq_len"]: r["peak_gpu_gib"] for r in rows
+                     if "error" not in r and r.get("peak_gpu_gib") is not None}.items())
+    if len(points) < 2:
+        return None
+    xs, ys = zip(*points, strict=True)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
+    base = my - slope * mx
+    reach = (capacity_gib - base) / slope if capacity_gib is not None and slope > 0 else None
+    return {"gib_per_1k_tokens": slope * 1024, "base_gib": base, "capacity_gib": capacity_gib,
+            "reaches_capacity_at": int(reach) if reach is not None else None, "lengths": list(xs)}
 
 
 # --- arguments -----------------------------------------------------------------------------------------------------
@@ -284,7 +302,8 @@ def build_record(args, rows: list[dict], *, complete: bool, setup: dict | None =
                  longest: dict | None = None) -> dict:
     """The JSON record, as the other benchmarks write theirs: bench, command, date, machine, versions, settings,
     the rows (``results``); ``unsloth``: what the step process found (load time, attention kernels, environment);
-    ``longest``: the search's outcome (its tries are the rows)."""
+    ``memory_fit``: peak memory against length and where it reaches the card's memory; ``longest``: the search's
+    outcome (its tries are the rows)."""
     from benchmarks.common import command_line, library_versions, machine_description
 
     record = {
@@ -299,6 +318,8 @@ def build_record(args, rows: list[dict], *, complete: bool, setup: dict | None =
         "unsloth": setup or {},
         "results": rows,
     }
+    capacity = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
+    record["memory_fit"] = memory_fit(rows, capacity)
     if longest is not None:
         record["longest"] = {k: v for k, v in longest.items() if k != "tries"}
     return record

@@ -153,7 +153,11 @@ def test_known_bounds_go_straight_to_the_bisection():
     grown = FakeRunner(limit=300_000)
     us.longest_search(grown, start=65536, max_length=1 << 20, resolution=8192, align=1024, budget_s=1e9,
                       known_fits=131072)
-    assert grown.calls[0][0] == [262144]
+    assert grown.calls[0][0] == [262144]  # past what fits, the start being shorter
+    aimed = FakeRunner(limit=300_000)
+    us.longest_search(aimed, start=290816, max_length=1 << 20, resolution=8192, align=1024, budget_s=1e9,
+                      known_fits=131072)
+    assert aimed.calls[0][0] == [290816]  # a start aimed past it (memory_fit's guess) is tried first
     with pytest.raises(ValueError):
         us.longest_search(grown, start=1, max_length=2, resolution=1, align=1, budget_s=1, known_fits=4, known_fails=2)
 
@@ -249,10 +253,20 @@ def test_the_record_has_the_shape_of_the_other_benchmarks():
     assert record["command"] == "python -m benchmarks.unsloth_step --lengths 16384,32768 --out x.json"
     assert {"torch", "transformers", "unsloth", "unsloth_zoo", "bitsandbytes", "peft", "trl"} <= set(
         record["versions"])
-    assert "longest" not in record
+    assert "longest" not in record and record["memory_fit"] is None  # one completed length: no line
     result = {"longest_ok": 1, "shortest_failed": 2, "stopped": "resolved", "tries": rows}
     longest = us.build_record(args, rows, complete=True, longest=result)["longest"]
     assert longest == {"longest_ok": 1, "shortest_failed": 2, "stopped": "resolved"}  # the tries are the results
+
+
+def test_the_memory_fit_says_where_the_peak_reaches_the_card():
+    rows = [{"seq_len": 16384, "peak_gpu_gib": 10.0}, {"seq_len": 65536, "peak_gpu_gib": 22.0},
+            {"seq_len": 65536, "error": "out of memory: x"}, {"seq_len": 131072, "error": "RuntimeError"}]
+    fit = us.memory_fit(rows, capacity_gib=79.0)
+    assert fit["gib_per_1k_tokens"] == pytest.approx(12.0 / 48) and fit["base_gib"] == pytest.approx(6.0)
+    assert fit["reaches_capacity_at"] == 299008 and fit["lengths"] == [16384, 65536]
+    assert us.memory_fit(rows, None)["reaches_capacity_at"] is None
+    assert us.memory_fit(rows[:1], 79.0) is None
 
 
 def test_the_model_folder_is_written_whole_then_marked(tmp_path):

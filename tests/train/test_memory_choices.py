@@ -206,6 +206,10 @@ def test_the_cpu_default_keeps_its_chunk_and_cache(capsys):
     main(["plan", "model.preset=qwen2.5-7b", "data.seq_len=65536", "train.chunk_size=2048", "train.offload=true",
           "--gpu-memory", "141GiB", "--host-memory", "125GiB"])
     assert "step: chunk 2048, attention cache off (not with train.offload)" in _printed(capsys)
+    # a full fine-tune of an 8B model at 64K on 80 GB: no choice fits, and the step line says so
+    assert main(["plan", "model.preset=llama-3-8b", "data.seq_len=65536", "--gpu-memory", "78.5GiB",
+                 "--host-memory", "120GiB"]) == 1
+    assert "step: none of the choices fits (the plan above is the one that needs least: chunk 128," in _printed(capsys)
 
 
 def test_under_torchrun_every_rank_takes_the_smallest_chunk(monkeypatch):

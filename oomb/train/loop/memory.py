@@ -484,7 +484,10 @@ def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memo
         print_plan(plan, longest, console,
                    gpu_source="--gpu-memory" if gpu_memory is not None else f"free on {device}",
                    host_source="--host-memory" if host_memory is not None else "available on this machine")
-        console.print(f"step: {describe_step_choice(cfg, auto, planned=True)}", highlight=False, soft_wrap=True)
+        step = describe_step_choice(cfg, auto, planned=True)
+        if not plan.fits:  # the plan shown is the choice that needs least: no step runs with it here
+            step = f"none of the choices fits (the plan above is the one that needs least: {step})"
+        console.print(f"step: {step}", highlight=False, soft_wrap=True)
         for line in _needs_and_time_lines(cfg, needs_and_time(asked, plan, device.type, dtype, config)):
             console.print(line, highlight=False, soft_wrap=True)
         if (advice := offload_selection_note(cfg)) is not None:
