@@ -121,6 +121,22 @@ for preset in llama-3-8b qwen3-8b granite-3.3-8b gemma-3-12b gpt-oss-20b; do
 done
 part presets "$(for p in llama-3-8b qwen3-8b granite-3.3-8b gemma-3-12b gpt-oss-20b; do
   printf 'train-%s-lora-64k-128k train-%s-lora-longest ' "$p" "$p"; done)"
+# unsloth: Unsloth beside oomb (issue 41), QLoRA r=32 on every linear layer of a random-init Llama-3-8B: Unsloth as
+# its docs run it (benchmarks.unsloth_step; its wheels from .unsloth/carry, dev/unsloth-device.md, on a path of
+# their own without flash-attn-4), and `oomb train` with the same adapters, 4-bit base and 8-bit AdamW. Each about
+# 8 minutes; the longest searches in calls of their own (the docstrings say how to go on).
+U='PYTHONPATH=$PWD:/tmp/unsloth_site python3 -m benchmarks.unsloth_step'
+job unsloth-llama-3-8b "$U --lengths 16384,65536 --out \"\$OUT/unsloth-llama-3-8b.json\""
+job unsloth-llama-3-8b-128k "$U --lengths 131072 --out \"\$OUT/unsloth-llama-3-8b-128k.json\""
+job unsloth-llama-3-8b-longest "$U --longest --known-fits 131072 --resolution 32768 --budget-s 540 --work-dir \"\$OUT/longest\" \\
+  --out \"\$OUT/unsloth-llama-3-8b-longest.json\""
+QLORA32='model.quantize=nf4 lora.r=32 lora.alpha=32 lora.targets=all-linear train.optimizer=adamw8bit'
+job train-llama-3-8b-qlora-r32 "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 16384,65536,131072 \
+  --steps 2,2,2 --timeout 200 --keys '$QLORA32'"
+job train-llama-3-8b-qlora-r32-longest "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths '' --steps '' \
+  --longest --timeout 540 --keys '$QLORA32'"
+part unsloth 'unsloth-llama-3-8b unsloth-llama-3-8b-128k unsloth-llama-3-8b-longest train-llama-3-8b-qlora-r32
+  train-llama-3-8b-qlora-r32-longest'
 # LoRA r=16 on every linear layer of Llama-3-8B at 64K in the lean setting, oomb's fused LoRA layers (with the
 # stack running peft's own beside) and peft's own layers, each in its own process; the full-gradient step in the
 # same setting is the lean row of core-llama-3-8b-vs-transformers-64k.
@@ -348,6 +364,14 @@ if [ ! -d /tmp/site/nvidia_cutlass_dsl/cu13 ] && ls .whl/cu13.part.* .whl2/cu13.
 fi
 if [ -d /tmp/site/nvidia_cutlass_dsl/cu13 ]; then
   export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages  # pip --target skips its .pth
+fi
+# Unsloth's wheels (unsloth, unsloth_zoo, trl, datasets, dill, multiprocess; pyarrow where the image's is missing
+# or older than 21) unpacked into /tmp/unsloth_site, checked against their sums; only its jobs put it on their path.
+if [ ! -f /tmp/unsloth_site/.done ] && [ -f .unsloth/carry/unsloth-site.tar.xz ]; then
+  (cd .unsloth/carry && sha256sum -c --quiet SHA256SUMS) && mkdir -p /tmp/unsloth_site \
+    && for t in unsloth-site bnb; do xz -dc ".unsloth/carry/$t.tar.xz" | tar x -C /tmp/unsloth_site; done \
+    && { python3 -c 'import pyarrow as p, sys; sys.exit(int(p.__version__.split(".")[0]) < 21)' 2>/dev/null \
+         || xz -dc .unsloth/carry/pyarrow.tar.xz | tar x -C /tmp/unsloth_site; } && touch /tmp/unsloth_site/.done
 fi
 # bitsandbytes for QLoRA (the image lacks it): its wheel unpacked with the CUDA 13 libraries only (7 MB of 43).
 if [ ! -d /tmp/site/bitsandbytes ] && [ -f .whl2/bnb.tar.xz ]; then xz -dc .whl2/bnb.tar.xz | tar x -C /tmp/site; fi
