@@ -106,8 +106,13 @@ job core-gpt-oss-20b-vs-transformers-64k "$C --preset gpt-oss-20b --trainable at
 # Run on an H100.
 VS64='--lengths "" --cache-lengths 65536 --cache-host-lengths 65536 --baseline-lengths 65536 --baseline-stacks fa4 \
   --chunk 16384 --recompute layer-host --warm-each --repeats 2 --backend fa4'
+# At 128K the stack runs out of memory on an 80 GB card for these models (Llama-3-8B did, 2026-12-06): its row
+# records that, and oomb's lean row the step time and memory.
+VS128='--lengths "" --cache-host-lengths 131072 --baseline-lengths 131072 --baseline-stacks fa4 --chunk 16384 \
+  --recompute layer-host --warm-each --repeats 2 --backend fa4'
 for preset in llama-3-8b qwen3-8b granite-3.3-8b gemma-3-12b; do
   job "core-$preset-vs-transformers-64k" "$C --preset $preset $VS64"
+  job "core-$preset-vs-transformers-128k" "$C --preset $preset $VS128"
 done
 # Each preset under `oomb train` in its sensible mode on an 80 GB card (LoRA r=16 on every linear layer: an 8B
 # model's full fine-tune with AdamW does not fit beside 64K tokens), at 64K and 128K, then the longest length its
@@ -155,9 +160,17 @@ part packed 'packed-7b-4k packed-7b-16k packed-7b-32k'
 job core-gpt-oss-20b-fast-64k "$C --preset gpt-oss-20b --trainable attention --lengths '' --cache-lengths 65536 \
   --baseline-lengths 65536 --baseline-stacks fa4 --chunk 16384 --recompute layer-host --warm-each --repeats 2 \
   --backend fa4 --profile-lengths 65536"
-part models 'train-gpt-oss-20b-lora core-gpt-oss-20b-vs-transformers-64k core-gpt-oss-20b-fast-64k core-llama-3-8b-vs-transformers-64k
-  core-llama-3-8b-lora-64k core-llama-3-8b-lora-unfused-64k core-qwen3-8b-vs-transformers-64k
-  core-granite-3.3-8b-vs-transformers-64k core-gemma-3-12b-vs-transformers-64k'
+# GPT-OSS-20B at 128K as the seed trains it (issue 39 item 3): dense (lean) against page-sparse in its
+# full-attention layers at `oomb train`'s selection (64 pages a block, a chunk's blocks among 64; its sliding layers
+# keep their window), attention weights trained; the stack's row records whether it fits.
+job core-gpt-oss-20b-sparse-128k "$C --preset gpt-oss-20b --trainable attention --lengths '' \
+  --cache-host-lengths 131072 --sparse-lengths 131072 --budget 64 --chunk-pages 64 --baseline-lengths 131072 \
+  --baseline-stacks fa4 --chunk 16384 --recompute layer-host --warm-each --repeats 2 --backend fa4"
+part models 'train-gpt-oss-20b-lora core-gpt-oss-20b-vs-transformers-64k core-gpt-oss-20b-fast-64k
+  core-gpt-oss-20b-sparse-128k core-llama-3-8b-vs-transformers-64k core-llama-3-8b-lora-64k
+  core-llama-3-8b-lora-unfused-64k core-qwen3-8b-vs-transformers-64k core-granite-3.3-8b-vs-transformers-64k
+  core-gemma-3-12b-vs-transformers-64k core-llama-3-8b-vs-transformers-128k core-qwen3-8b-vs-transformers-128k
+  core-granite-3.3-8b-vs-transformers-128k core-gemma-3-12b-vs-transformers-128k'
 
 # memory: GPU memory against context, 16K to 256K (where transformers runs out).
 job core-7b-memory "$C --lengths 16384,32768,65536,131072 --ckpt-lengths 65536 --hf-lengths 16384,32768 --fused-ops none"
