@@ -34,6 +34,7 @@ import torch
 
 import oomb
 from benchmarks.common import (
+    LORA_RANK,
     TRAINABLE,
     GpuClocks,
     add_grad_accumulation_argument,
@@ -154,6 +155,11 @@ def earlier_baselines(record: Path) -> list[dict]:
     return rows
 
 
+# The `oomb train` keys that train what --trainable says (attention-only training is a bench's, not oomb train's).
+TRAINED_BY_KEYS = {"all": [], "lora": [f"lora.r={LORA_RANK}", "lora.targets=all-linear"],
+                   "lora-unfused": [f"lora.r={LORA_RANK}", "lora.targets=all-linear", "lora.fused=false"]}
+
+
 def auto_settings(args) -> dict[int, dict]:
     """What `oomb train model.preset=P data.seq_len=N` picks on this GPU: chunk, cache, fused ops.
 
@@ -165,14 +171,15 @@ def auto_settings(args) -> dict[int, dict]:
 
     picked = {}
     for n in args.auto_lengths:
-        cfg = load_config(None, [f"model.preset={args.preset}", f"data.seq_len={n}", "train.device=cuda"])
+        cfg = load_config(None, [f"model.preset={args.preset}", f"data.seq_len={n}", "train.device=cuda",
+                                 *TRAINED_BY_KEYS[args.trainable]])
         check_config(cfg)
         gpu, host = available_memory(torch.device("cuda"))
         plan, _ = resolve_auto_settings(cfg, "cuda", torch.bfloat16, gpu_bytes=gpu, host_bytes=host)
         if not plan.fits:  # `oomb train` refuses such a run before it starts: no row, and the refusal recorded
             picked[n] = {"refused": f"`oomb train` refuses {n} tokens on this card: its plan needs "
                                     f"{plan.gpu_bytes / 2**30:.1f} GiB of GPU and {plan.host_bytes / 2**30:.1f} GiB "
-                                    f"of host memory (AdamW states included)"}
+                                    f"of host memory (its optimizer's states included)"}
             continue
         picked[n] = {"chunk_size": cfg.train.chunk_size, "page_size": cfg.train.page_size,
                      "cache_attention": cfg.train.cache_attention, "fused_ops": cfg.train.fused_ops,
@@ -282,8 +289,9 @@ def _caps(text: str) -> list[int | None]:
 def run(args) -> dict:
     device = torch.device("cuda")
     ask_fa4_block_sparse(args.fa4_block_sparse)
-    if args.auto_lengths and args.trainable != "all":
-        raise SystemExit("--auto-lengths times what `oomb train` picks for a full fine-tune: give --trainable all")
+    if args.auto_lengths and args.trainable not in TRAINED_BY_KEYS:
+        raise SystemExit("--auto-lengths times what `oomb train` picks for a full fine-tune or LoRA: give "
+                         f"--trainable {' or '.join(TRAINED_BY_KEYS)}")
     baseline = run_baselines(args) if args.baseline_lengths else []
     if args.baseline_from:
         baseline += earlier_baselines(Path(args.baseline_from))

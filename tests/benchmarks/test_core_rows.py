@@ -57,3 +57,18 @@ def test_a_length_oomb_train_refuses_gets_no_auto_row():
             65536: {"refused": "`oomb train` refuses 65536 tokens on this card"}}
     rows = oomb_rows(args, auto)
     assert [(n, name) for n, name, _, _ in rows] == [(32768, "oomb-auto"), (65536, "oomb+host-cached-attn")]
+
+
+def test_auto_settings_are_oomb_train_s_for_the_trained_parameters(monkeypatch):
+    import argparse
+
+    import oomb.train.loop.memory as memory
+    from benchmarks.core import auto_settings
+
+    monkeypatch.setattr(memory, "available_memory", lambda device: (int(78.5 * 2**30), 120 * 2**30))
+    args = argparse.Namespace(preset="llama-3-8b", auto_lengths=[65536], trainable="all")
+    refused = auto_settings(args)[65536]
+    assert "`oomb train` refuses 65536 tokens" in refused["refused"]  # AdamW's states beside an 8B model
+    args.trainable = "lora"
+    picked = auto_settings(args)[65536]
+    assert "refused" not in picked and picked["recompute"] == "layer-host" and picked["chunk_size"] >= 8192
