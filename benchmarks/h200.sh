@@ -165,11 +165,12 @@ for n in 4096 16384 32768; do
   job "packed-7b-$((n / 1024))k" "python3 -m benchmarks.packed --preset qwen2.5-7b --lengths $n"
 done
 part packed 'packed-7b-4k packed-7b-16k packed-7b-32k'
-# The same with the attention cache on the GPU (the fast setting), both rows and the stack's profiled: where the
-# step's time goes against the stack's (issue 39: 0.95x its time). Run on an H100.
+# The same with the attention cache on the GPU (the fast setting), in chunks of 16384 and in one chunk of 64K (with
+# layer-host a chunk's activations are one layer's: fewer, longer expert matmuls), every row and the stack's
+# profiled: where the step's time goes against the stack's (issue 39: 0.95x its time). Run on an H100.
 job core-gpt-oss-20b-fast-64k "$C --preset gpt-oss-20b --trainable attention --lengths '' --cache-lengths 65536 \
-  --baseline-lengths 65536 --baseline-stacks fa4 --chunk 16384 --recompute layer-host --warm-each --repeats 2 \
-  --backend fa4 --profile-lengths 65536"
+  --baseline-lengths 65536 --baseline-stacks fa4 --chunk 16384,65536 --recompute layer-host --warm-each \
+  --repeats 2 --backend fa4 --profile-lengths 65536"
 # GPT-OSS-20B at 128K as the seed trains it (issue 39 item 3): dense (lean) against page-sparse in its
 # full-attention layers at `oomb train`'s selection (64 pages a block, a chunk's blocks among 64; its sliding layers
 # keep their window), attention weights trained; the stack's row records whether it fits.
