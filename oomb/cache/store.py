@@ -63,6 +63,9 @@ class StoreSpec:
     grad_dtype: torch.dtype
     device: torch.device
     key_summary: str = "mean"  # per-page key summary for page selection: "mean", or "bounds" (mean | min | max)
+    # Gradient pages (dK, dV) beside K and V: a training step's store has them; a forward-only pass that allocates
+    # its own store (an evaluation) does without, half the K/V bytes.
+    gradients: bool = True
 
     def __post_init__(self) -> None:
         if self.key_summary not in KEY_SUMMARIES:
@@ -102,10 +105,14 @@ class StoreSpec:
         """Last dimension of a layer's per-page key summary: D_k (the mean key), or 3 D_k (mean | min | max)."""
         return self.layers[layer_idx].key_dim * (3 if self.key_summary == "bounds" else 1)
 
+    @property
+    def _bytes_per_element(self) -> int:
+        """Bytes of one K/V element with its gradient's (where the store has gradient pages)."""
+        return self.dtype.itemsize + (self.grad_dtype.itemsize if self.gradients else 0)
+
     def bytes_per_token(self) -> int:
         """K, V and their gradient pages, all layers (the memory that grows with the context)."""
-        per_elem = self.dtype.itemsize + self.grad_dtype.itemsize
-        return sum(s.kv_heads * (s.key_dim + s.value_dim) * per_elem for s in self.layers)
+        return sum(s.kv_heads * (s.key_dim + s.value_dim) * self._bytes_per_element for s in self.layers)
 
     def summary_bytes_per_page(self) -> int:
         """The key summaries of one page id, all layers (in K's dtype)."""
@@ -118,8 +125,7 @@ class StoreSpec:
     def layer_bytes(self, pages: int) -> int:
         """``pages`` pages of one layer: K, V, dK, dV and mean keys (what offload keeps per layer; one shape)."""
         s = self.shape
-        per_elem = self.dtype.itemsize + self.grad_dtype.itemsize
-        page = s.kv_heads * (s.key_dim + s.value_dim) * per_elem * self.page_size
+        page = s.kv_heads * (s.key_dim + s.value_dim) * self._bytes_per_element * self.page_size
         return pages * (page + s.kv_heads * self.summary_dim() * self.dtype.itemsize)
 
 
@@ -305,14 +311,15 @@ class PagedKVStore(ChunkLedger):
     def _allocate_pools(self, num_pages: int) -> None:
         s = self.spec
         self._layers = []
+        grad_pages = num_pages if s.gradients else 0  # without gradient pages: empty pools of the right shape
         for i, layer in enumerate(s.layers):
             keys = (num_pages, layer.kv_heads, s.page_size, layer.key_dim)
             values = (num_pages, layer.kv_heads, s.page_size, layer.value_dim)
             self._layers.append(LayerPools(
                 k=torch.empty(keys, dtype=s.dtype, device=s.device),
                 v=torch.empty(values, dtype=s.dtype, device=s.device),
-                dk=torch.empty(keys, dtype=s.grad_dtype, device=s.device),
-                dv=torch.empty(values, dtype=s.grad_dtype, device=s.device),
+                dk=torch.empty((grad_pages, *keys[1:]), dtype=s.grad_dtype, device=s.device),
+                dv=torch.empty((grad_pages, *values[1:]), dtype=s.grad_dtype, device=s.device),
                 mean_k=torch.empty((num_pages, layer.kv_heads, s.summary_dim(i)), dtype=s.dtype, device=s.device),
             ))
 
@@ -321,8 +328,9 @@ class PagedKVStore(ChunkLedger):
         old = self._layers
         self._allocate_pools(num_pages)
         n = self._allocator.num_pages
+        names = ("k", "v", "dk", "dv", "mean_k") if self.spec.gradients else ("k", "v", "mean_k")
         for new_l, old_l in zip(self._layers, old, strict=True):
-            for name in ("k", "v", "dk", "dv", "mean_k"):
+            for name in names:
                 getattr(new_l, name)[:n].copy_(getattr(old_l, name))
         self._allocator.grow(num_pages)
 
@@ -356,7 +364,7 @@ class PagedKVStore(ChunkLedger):
         ids_t = ids_t.to(s.device, non_blocking=cuda)
         self.page_table[:, first_page : first_page + n_pages] = ids_t
         ids_long = ids_t.view(-1).long()
-        for pools in self._layers:
+        for pools in self._layers if s.gradients else ():
             pools.dk.index_fill_(0, ids_long, 0)
             pools.dv.index_fill_(0, ids_long, 0)
         record = ChunkRecord(
@@ -398,6 +406,8 @@ class PagedKVStore(ChunkLedger):
     def fetch(self, layer_idx: int, past_pages: PastPages | None, *, grads: bool) -> tuple[LayerPools, torch.Tensor]:
         """Pools and block table through which a kernel reads ``past_pages`` (sequence page indices
         before the newest chunk; None = all of them) and the newest chunk of one layer."""
+        if grads:
+            self._check_gradients("fetch(grads=True)")
         return self._layers[layer_idx], self.page_table
 
     def needs_page_list(self, layer_idx: int) -> bool:
@@ -446,8 +456,13 @@ class PagedKVStore(ChunkLedger):
 
     def read_grad(self, layer_idx: int, record: ChunkRecord) -> tuple[torch.Tensor, torch.Tensor]:
         """The gradient pages of one chunk as dense [B, H_kv, T, D] tensors."""
+        self._check_gradients("read_grad()")
         pools = self._layers[layer_idx]
         return self._gather(pools.dk, record.start, record.end), self._gather(pools.dv, record.start, record.end)
+
+    def _check_gradients(self, what: str) -> None:
+        if not self.spec.gradients:
+            raise RuntimeError(f"{what}: this store was made for forward-only passes and has no gradient pages")
 
     def _gather(self, pool: torch.Tensor, start: int, end: int) -> torch.Tensor:
         if not 0 <= start < end <= self.num_tokens:

@@ -17,6 +17,7 @@ store and the model as they were, with a message that says what to change.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
@@ -89,7 +90,7 @@ def prepare_step(
     device = input_ids.device
     backend = get_backend(options.backend, device.type)
     batch, seq_len = input_ids.shape
-    store = _store_for(model, support, device, options)
+    store = _store_for(model, support, device, options, forward_only=forward_only)
     store.reserve(batch, seq_len)
     cache = bool(options.cache_attention) and not forward_only
     context = StepContext(store=store, backend=backend, stage="fill", doc_start=doc_start,
@@ -127,8 +128,11 @@ def store_for_model(model: torch.nn.Module) -> KVStore | None:
     return _STORES.get(unwrap_peft(model))
 
 
-def _store_for(model: PreTrainedModel, support: ModelSupport, device: torch.device, options: StepOptions) -> KVStore:
-    """The model's store for these options: the kept one where its spec and kind match, else a new one."""
+def _store_for(model: PreTrainedModel, support: ModelSupport, device: torch.device, options: StepOptions, *,
+               forward_only: bool = False) -> KVStore:
+    """The model's store for these options: the kept one where its spec and kind match, else a new one. A
+    forward-only pass reuses a training step's store where one matches (a validation between steps reallocates
+    nothing), else takes one without gradient pages (half the K/V bytes; not with offload)."""
     selection = options.selection
     dtype = model.get_input_embeddings().weight.dtype
     # One layer per attention call, shaped as the probe saw it (a tensor parallel rank: its own KV heads).
@@ -137,6 +141,8 @@ def _store_for(model: PreTrainedModel, support: ModelSupport, device: torch.devi
                      key_summary=store_key_summary(selection.score if selection is not None else None))
     kind = OffloadedKVStore if options.offload else PagedKVStore
     store = _STORES.get(model)
+    if forward_only and not options.offload and (store is None or store.spec != spec or type(store) is not kind):
+        spec = dataclasses.replace(spec, gradients=False)
     if store is None or store.spec != spec or type(store) is not kind:
         release_memory(model)  # free the old pools before allocating new ones
         store = kind(spec)

@@ -70,6 +70,9 @@ class OffloadedKVStore(ChunkLedger):
         if num_slots < 2:
             raise ValueError(f"offload needs at least 2 device slots (compute one layer, fetch the next), "
                              f"got {num_slots}")
+        if not spec.gradients:
+            raise ValueError("the offloaded store keeps gradient pages (StoreSpec.gradients=True): a forward-only "
+                             "pass offloads a training step's store")
         self.spec = spec
         spec.shape  # noqa: B018 -- raises where layers differ in shape: one allocation per kind holds every layer
         self.num_slots = num_slots

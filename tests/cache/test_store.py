@@ -148,6 +148,36 @@ def test_bytes_per_token_matches_qwen25_7b():
     assert spec.bytes_per_token() == 112 * 1024  # DESIGN.md: K+V 56 KiB/token, with gradients 112 KiB
 
 
+def test_a_store_without_gradient_pages_holds_half_and_refuses_gradient_reads():
+    import dataclasses
+
+    from oomb.offload import OffloadedKVStore
+
+    spec = StoreSpec.uniform(num_layers=28, num_kv_heads=4, head_dim=128, page_size=128, dtype=torch.bfloat16,
+                             grad_dtype=torch.bfloat16, device=torch.device("cpu"))
+    forward = dataclasses.replace(spec, gradients=False)
+    assert forward.bytes_per_token() == 56 * 1024 and forward != spec  # K and V alone
+    assert forward.layer_bytes(10) * 2 - spec.layer_bytes(10) == 10 * 4 * forward.summary_dim() * 2  # summaries
+    store = PagedKVStore(dataclasses.replace(_spec(page_size=2), gradients=False))
+    store.reserve(1, 4)
+    assert store.layer(0).dk.shape[0] == 0 and store.layer(0).k.shape[0] == 2
+    store.append_chunk(4)
+    k = torch.randn(1, 2, 4, 8)
+    store.write(0, k, 2 * k)
+    store.append_chunk(6)  # grows past the reservation, keeping K and V
+    rk, rv = store.read(0, 0, 4)
+    torch.testing.assert_close(rk, k, rtol=0, atol=0)
+    torch.testing.assert_close(rv, 2 * k, rtol=0, atol=0)
+    assert store.nbytes() == store.capacity_pages * store.spec.bytes_per_page()
+    store.fetch(0, None, grads=False)
+    with pytest.raises(RuntimeError, match="no gradient pages"):
+        store.fetch(0, None, grads=True)
+    with pytest.raises(RuntimeError, match="no gradient pages"):
+        store.read_grad(0, store.last_chunk())
+    with pytest.raises(ValueError, match="keeps gradient pages"):
+        OffloadedKVStore(forward)
+
+
 def test_release_frees_the_pools():
     store = PagedKVStore(_spec())
     store.reserve(1, 16)

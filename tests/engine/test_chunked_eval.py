@@ -4,6 +4,7 @@ import pytest
 import torch
 from tiny_models import VOCAB, tiny_model
 
+import oomb
 import oomb.engine.evaluate as evaluate
 from oomb.engine import chunked_eval, store_for_model
 
@@ -62,6 +63,28 @@ def test_entropy_only_when_asked_and_equal_to_the_full_sequence_softmax_s():
     valid = out.has_target
     assert torch.isnan(out.entropy[~valid]).all() and valid.sum() == 110  # positions 39..148 have a target
     assert (out.entropy.double() - want)[valid].abs().max() <= 1e-5
+
+
+def test_an_evaluation_allocates_no_gradient_pages_but_reuses_a_training_step_s_store():
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 150))
+    alone = chunked_eval(model, ids, chunk_size=32, page_size=16)
+    store = store_for_model(model)
+    assert not store.spec.gradients and store.layer(0).dk.numel() == 0  # K and V alone: half the pages' bytes
+    # a training step then gets a store with gradient pages, and its gradients are a fresh model's
+    fresh = tiny_model("llama")
+    oomb.chunked_backward(fresh, ids, chunk_size=32, page_size=16)
+    oomb.chunked_backward(model, ids, chunk_size=32, page_size=16)
+    trained = store_for_model(model)
+    assert trained.spec.gradients and trained is not store
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    # an evaluation after it (a validation between steps) reuses that store: nothing reallocated
+    after = chunked_eval(model, ids, chunk_size=32, page_size=16)
+    assert store_for_model(model) is trained
+    assert torch.equal(after.nll.isnan(), alone.nll.isnan())
+    valid = ~alone.nll.isnan()
+    assert torch.equal(after.nll[valid], alone.nll[valid])
 
 
 def test_default_labels_and_model_mode_restored():
