@@ -70,9 +70,8 @@ class OffloadedKVStore(ChunkLedger):
         if num_slots < 2:
             raise ValueError(f"offload needs at least 2 device slots (compute one layer, fetch the next), "
                              f"got {num_slots}")
-        if not spec.gradients:
-            raise ValueError("the offloaded store keeps gradient pages (StoreSpec.gradients=True): a forward-only "
-                             "pass offloads a training step's store")
+        if not spec.gradients:  # a forward-only pass offloads a training step's store
+            raise ValueError("the offloaded store keeps gradient pages: give it a StoreSpec with gradients=True")
         self.spec = spec
         spec.shape  # noqa: B018 -- raises where layers differ in shape: one allocation per kind holds every layer
         self.num_slots = num_slots
@@ -85,10 +84,9 @@ class OffloadedKVStore(ChunkLedger):
         self.moved_bytes = {"to_device": 0, "to_host": 0}
         self._dev: dict[str, torch.Tensor] = {}  # kind -> [resident_layers, B, max_pages, H_kv, P, D] (mean: no P)
         self._cuda = spec.device.type == "cuda"
-        # High priority: the copy kernel (sparse pages) needs multiprocessors, and at normal priority its
-        # blocks queue behind a running matrix product's, so the next layer finds its pages late.
-        # (Measured on the H200 at normal priority: +16% on a sparse 128K step; the priority itself is
-        # not measured yet: docs/offload.md.)
+        # High priority: the copy kernel (sparse pages) needs multiprocessors; at normal priority its blocks queue
+        # behind a running matrix product's and the next layer finds its pages late (measured on the H200 at
+        # normal priority: +16% on a sparse 128K step; the priority itself not yet: docs/offload.md).
         self._copy_stream = torch.cuda.Stream(spec.device, priority=-1) if self._cuda else None
         self._host: dict[str, torch.Tensor] = {}
         self._slots = [DeviceSlot() for _ in range(num_slots)]
@@ -391,8 +389,7 @@ class OffloadedKVStore(ChunkLedger):
         slot.ensure_mean(s, (self.batch_size, self._max_pages, s.num_kv_heads, s.summary_dim()), self._synchronize)
 
     def _page_nbytes(self) -> int:
-        """Bytes of one page of one kind (K, V, dK or dV) of one layer, the mean of K's and V's (gradients in
-        their own dtype may differ: counted at the K/V size, which they are by default)."""
+        """Bytes of one page of one kind of one layer: the mean of K's and V's (gradients counted at that size)."""
         s = self.spec
         return s.num_kv_heads * s.page_size * (s.shape.key_dim + s.shape.value_dim) // 2 * s.dtype.itemsize
 
