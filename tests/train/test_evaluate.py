@@ -240,6 +240,10 @@ def test_sparse_as_trained_evaluates_with_the_run_s_own_selection(tmp_path, caps
     assert "trained with dense attention" in " ".join(capsys.readouterr().out.split())
     assert evaluate("no-run", "tiny", "--sparse-as-trained")[0] == 2
     assert "is not a run's checkpoint" in " ".join(capsys.readouterr().out.split())
+    out = tmp_path / "other-pages"
+    assert main(["eval", str(run), "--retrieval", "--lengths", "256", "--chunk-size", "128", "--out", str(out),
+                 "--sparse-as-trained"]) == 2  # pages of 128 tokens against the run's 32
+    assert "add --page-size 32" in " ".join(capsys.readouterr().out.split()) and not out.exists()
 
 
 def test_checkpoint_loads_the_trained_weights(tmp_path):

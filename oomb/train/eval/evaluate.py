@@ -178,8 +178,9 @@ def _selection(args):
         raise EvalError(f"--page-budget / --select-block / --chunk-pages / --sink-pages / --local-pages: {e}") from e
 
 
-def _run_selection(loaded):
-    """--sparse-as-trained: the selection the run trained with; raises EvalError where there is none."""
+def _run_selection(loaded, page_size: int):
+    """--sparse-as-trained: the selection the run trained with; raises EvalError where there is none or where the
+    pages differ from the run's (its budgets count pages)."""
     from oomb.train.config.step import page_selection
 
     run = loaded.run_config
@@ -190,6 +191,9 @@ def _run_selection(loaded):
     if selection is None:
         raise EvalError("--sparse-as-trained: this run trained with dense attention (train.page_budget is null); "
                         "drop the option to evaluate it dense, as it was trained")
+    if run.train.page_size != page_size:
+        raise EvalError(f"--sparse-as-trained: the run trained with pages of {run.train.page_size} tokens, and its "
+                        f"page budgets count those: add --page-size {run.train.page_size}")
     return selection
 
 
@@ -259,7 +263,7 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
     vocab = model.get_input_embeddings().weight.shape[0]
     run = loaded.run_config
     if args.sparse_as_trained:
-        engine["selection"] = _run_selection(loaded)
+        engine["selection"] = _run_selection(loaded, args.page_size)
     seed = args.seed if args.seed is not None else (run.train.seed if run is not None else 0)
     digits = args.digits if args.digits is not None else (run.data.passkey_digits if run is not None else 5)
     for n in lengths:
