@@ -162,7 +162,7 @@ job core-llama-3-8b-lora-unfused-64k "$C $LORA64 --trainable lora-unfused"
 # packed: tokens per second on packed chat data at 4K, 16K and 32K, `oomb train` (its own settings, AdamW) against
 # the FA4 stack (packed by position_ids, fused AdamW), full fine-tune and LoRA r=16 of Qwen2.5-7B; a job per length.
 for n in 4096 16384 32768; do
-  job "packed-7b-$((n / 1024))k" "python3 -m benchmarks.packed --preset qwen2.5-7b --lengths $n"
+  job "packed-7b-$((n / 1024))k" "python3 -m benchmarks.packed --preset qwen2.5-7b --lengths $n --one-chunk"
 done
 part packed 'packed-7b-4k packed-7b-16k packed-7b-32k'
 # The same with the attention cache on the GPU (the fast setting), in chunks of 16384 and in one chunk of 64K (with

@@ -12,7 +12,8 @@ each conversation).
 Rows, each (length, variant) in a process of its own, one after the other on one GPU:
 - ``oomb train`` as a user runs it (``benchmarks.train_steps``): model.preset, data.task=chat and the data's
   keys, the variant's keys, everything else at its default (chunk, batch size, attention cache chosen by its
-  memory plan); AdamW included. Tokens per step: its batch size x grad_accum x length.
+  memory plan); AdamW included. Tokens per step: its batch size x grad_accum x length. With ``--one-chunk``
+  also with train.chunk_size = the length where its own chunk is shorter (whether one chunk a sequence wins).
 - the stack (``--stack``, default fa4: transformers + flash_attention_4, or sdpa): Liger's fused ops and fused
   linear cross-entropy, non-reentrant checkpointing, one packed sequence a step with position_ids restarting at
   each conversation (transformers' varlen flash attention), peft LoRA or every weight trained as the variant
@@ -148,14 +149,18 @@ def stack_row(args) -> dict:
     return row
 
 
-def oomb_row(args, n: int, variant: str, folder: Path) -> dict:
-    """`oomb train` at ``n`` for ``variant``, its own settings (benchmarks.train_steps.run_length)."""
+def oomb_row(args, n: int, variant: str, folder: Path, one_chunk: bool = False) -> dict:
+    """`oomb train` at ``n`` for ``variant``, its own settings (benchmarks.train_steps.run_length); ``one_chunk``:
+    with train.chunk_size=n (one chunk a sequence), the rest its own."""
     from benchmarks.train_steps import run_length
 
     data = Path(args.data)
-    row = run_length(args.preset, n, args.steps, folder, args.timeout, (variant, VARIANTS[variant][0]),
+    keys = VARIANTS[variant][0] + (f" train.chunk_size={n}" if one_chunk else "")
+    name = variant + ("-one-chunk" if one_chunk else "")  # its run folder's name
+    row = run_length(args.preset, n, args.steps, folder, args.timeout, (name, keys),
                      data_keys(data, data.with_name("chat.jinja")))
-    row["system"] = "oomb train"
+    row["variant"] = variant
+    row["system"] = "oomb train" + (", one chunk" if one_chunk else "")
     if row.get("warm_step_s"):
         row["tokens_per_step"] = n * row["batch_size"] * row["grad_accum"]
         row["tokens_per_s"] = row["tokens_per_step"] / row["warm_step_s"]
@@ -163,14 +168,15 @@ def oomb_row(args, n: int, variant: str, folder: Path) -> dict:
 
 
 def versus_stack(rows: list[dict]) -> list[dict]:
-    """oomb's tokens per second over the stack's, per length and variant where both ran."""
-    stack = {(r["seq_len"], r["variant"]): r for r in rows if r["system"] != "oomb train" and "tokens_per_s" in r}
+    """Each oomb row's tokens per second over the stack's, per length and variant where both ran."""
+    stack = {(r["seq_len"], r["variant"]): r for r in rows
+             if not r["system"].startswith("oomb") and "tokens_per_s" in r}
     out = []
     for r in rows:
         b = stack.get((r["seq_len"], r.get("variant")))
-        if r["system"] == "oomb train" and r.get("tokens_per_s") and b is not None:
-            out.append({"seq_len": r["seq_len"], "variant": r["variant"], "baseline": b["system"],
-                        "throughput_ratio": r["tokens_per_s"] / b["tokens_per_s"]})
+        if r["system"].startswith("oomb") and r.get("tokens_per_s") and b is not None:
+            out.append({"system": r["system"], "seq_len": r["seq_len"], "variant": r["variant"],
+                        "baseline": b["system"], "throughput_ratio": r["tokens_per_s"] / b["tokens_per_s"]})
     return out
 
 
@@ -197,9 +203,11 @@ def run(args) -> dict:
                             {"system": f"transformers-{args.stack}-liger-ckpt", "variant": variant, "seq_len": n,
                              "error": f"exit {proc.returncode}"})
             rows.append(oomb_row(args, n, variant, folder))
+            if args.one_chunk and rows[-1].get("chunk_size") != n:  # its own choice was not one chunk already
+                rows.append(oomb_row(args, n, variant, folder, one_chunk=True))
             if args.out:
                 write_report(args.out, report())
-            for r in rows[-2:]:
+            for r in rows[-3 if args.one_chunk else -2:]:
                 print(json.dumps({k: v for k, v in r.items() if k not in ("steps", "startup", "step_times_s")}),
                       flush=True)
     return report()
@@ -222,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="oomb train steps logged per row (the first warms up)")
     p.add_argument("--repeats", type=int, default=3, help="timed stack steps per row, after one warm-up step")
     p.add_argument("--timeout", type=float, default=240, help="seconds allowed per oomb train row")
+    p.add_argument("--one-chunk", action="store_true",
+                   help="also run oomb train with train.chunk_size = the length (one chunk a sequence) where its own "
+                        "choice is shorter: whether one chunk wins")
     p.add_argument("--conversations", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="a chat.jsonl with chat.jinja beside it (default: written anew)")

@@ -52,8 +52,12 @@ def test_versus_stack_pairs_length_and_variant():
             {"system": "oomb train", "variant": "lora", "seq_len": 4096, "tokens_per_s": 10000.0},
             {"system": "transformers-fa4-liger-ckpt", "variant": "full", "seq_len": 4096, "error": "out of memory"},
             {"system": "oomb train", "variant": "full", "seq_len": 4096, "tokens_per_s": 5000.0}]
-    assert versus_stack(rows) == [{"seq_len": 4096, "variant": "lora", "baseline": "transformers-fa4-liger-ckpt",
-                                   "throughput_ratio": 1.25}]
+    rows.append({"system": "oomb train, one chunk", "variant": "lora", "seq_len": 4096, "tokens_per_s": 6000.0})
+    assert versus_stack(rows) == [
+        {"system": "oomb train", "seq_len": 4096, "variant": "lora", "baseline": "transformers-fa4-liger-ckpt",
+         "throughput_ratio": 1.25},
+        {"system": "oomb train, one chunk", "seq_len": 4096, "variant": "lora",
+         "baseline": "transformers-fa4-liger-ckpt", "throughput_ratio": 0.75}]
 
 
 def test_variants_are_checked():
