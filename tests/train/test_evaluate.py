@@ -335,3 +335,16 @@ def test_help_lists_every_option(capsys):
                    "--select-block", "--select-score", "--chunk-pages", "--sink-pages", "--local-pages",
                    "--select-per-head", "--sparse-as-trained", "--offload", "--offload-gpu-memory"):
         assert option in text, option
+
+
+def test_an_evaluation_whose_pages_cannot_fit_the_gpu_is_refused_before_work():
+    from oomb.train.config.presets import preset_config
+    from oomb.train.eval.evaluate import pages_shortfall
+
+    config = preset_config("qwen2.5-7b")  # 28 layers x 4 KV heads x 128: 56 KiB of K and V a token
+    gib = 2**30
+    assert pages_shortfall(config, 128, torch.bfloat16, 1, 1 << 20, 80 * gib) is None  # 1M tokens: 56 GiB + summaries
+    why = pages_shortfall(config, 128, torch.bfloat16, 2, 1 << 20, 80 * gib)
+    assert why.startswith("2 x 1,048,576 tokens need 112.") and "80.00 GiB free" in why
+    assert "--offload" in why and "--batch-size 1" in why
+    assert "--batch-size" not in pages_shortfall(config, 128, torch.bfloat16, 1, 2 << 20, 80 * gib)

@@ -197,6 +197,26 @@ def _run_selection(loaded, page_size: int):
     return selection
 
 
+def pages_shortfall(model_config, page_size: int, dtype, batch_size: int, tokens: int, free_bytes: int) -> str | None:
+    """Why ``batch_size`` sequences of ``tokens`` cannot be evaluated on a GPU with ``free_bytes`` free (the model
+    loaded): their K/V pages alone (no gradient pages: an evaluation's store) need more; None where they fit. The
+    pages are a lower bound of what the pass needs, so no evaluation that would fit is refused."""
+    import dataclasses
+
+    from oomb.cache import PagedKVStore
+    from oomb.engine.sizes import store_spec
+    from oomb.planning.plan import format_bytes
+
+    spec = dataclasses.replace(store_spec(model_config, page_size=page_size, dtype=dtype, grad_dtype=None,
+                                          device="cpu"), gradients=False)
+    need = PagedKVStore.bytes_for(spec, batch_size, tokens).device
+    if need <= free_bytes:
+        return None
+    return (f"{batch_size} x {tokens:,} tokens need {format_bytes(need)} of K/V pages, but the GPU has "
+            f"{format_bytes(free_bytes)} free beside the model: add --offload (the pages in host memory), or "
+            "evaluate shorter lengths" + (" or with --batch-size 1" if batch_size > 1 else ""))
+
+
 def _selection_settings(selection) -> dict:
     """results.json's record of the attention: page_budget null for dense, else every selection setting."""
     if selection is None:
@@ -270,6 +290,15 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
         check_positions(model_config, n, "retrieval length")
     if ppl_on:
         check_positions(model_config, args.ppl_length, "--ppl-length")
+    if device.type == "cuda" and not args.offload:
+        import torch
+
+        longest = max([*lengths, args.ppl_length if ppl_on else 0])
+        dtype = model.get_input_embeddings().weight.dtype
+        why = pages_shortfall(model_config, args.page_size, dtype, args.batch_size, longest,
+                              torch.cuda.mem_get_info(device)[0])
+        if why is not None:
+            raise EvalError(why)
     task_name = args.task or _default_task(loaded, args)
     if task_name != "text":
         _check_text_options(args, task_name)
