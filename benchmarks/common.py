@@ -124,17 +124,21 @@ RECORDED_DISTRIBUTIONS = ("torch", "triton", "transformers", "oomb", "flash-attn
                           "nvidia-cutlass-dsl")
 
 
-def library_versions() -> dict[str, str | None]:
-    """Each of RECORDED_DISTRIBUTIONS' installed version, None where it is not installed; torch as it reports
-    itself (with its CUDA build, as `torch.__version__`)."""
+def installed_versions(names) -> dict[str, str | None]:
+    """Each distribution's installed version, None where it is not installed."""
     versions: dict[str, str | None] = {}
-    for name in RECORDED_DISTRIBUTIONS:
+    for name in names:
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
-    versions["torch"] = torch.__version__
     return versions
+
+
+def library_versions() -> dict[str, str | None]:
+    """Each of RECORDED_DISTRIBUTIONS' installed version, None where it is not installed; torch as it reports
+    itself (with its CUDA build, as `torch.__version__`)."""
+    return {**installed_versions(RECORDED_DISTRIBUTIONS), "torch": torch.__version__}
 
 
 def machine_description() -> str:

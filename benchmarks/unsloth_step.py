@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import itertools
 import json
 import os
@@ -288,23 +287,13 @@ def system_name(args) -> str:
     return f"unsloth-qlora-r{args.rank}" + ("-tiled-mlp" if args.tiled_mlp else "")
 
 
-def distribution_versions(names=UNSLOTH_DISTRIBUTIONS) -> dict[str, str | None]:
-    versions: dict[str, str | None] = {}
-    for name in names:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
 def build_record(args, rows: list[dict], *, complete: bool, setup: dict | None = None,
                  longest: dict | None = None) -> dict:
     """The JSON record, as the other benchmarks write theirs: bench, command, date, machine, versions, settings,
     the rows (``results``); ``unsloth``: what the step process found (load time, attention kernels, environment);
     ``memory_fit``: peak memory against length and where it reaches the card's memory; ``longest``: the search's
     outcome (its tries are the rows)."""
-    from benchmarks.common import command_line, library_versions, machine_description
+    from benchmarks.common import command_line, installed_versions, library_versions, machine_description
 
     record = {
         "bench": "unsloth",
@@ -313,7 +302,7 @@ def build_record(args, rows: list[dict], *, complete: bool, setup: dict | None =
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_description(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "versions": {**library_versions(), **distribution_versions()},
+        "versions": {**library_versions(), **installed_versions(UNSLOTH_DISTRIBUTIONS)},
         "settings": settings(args),
         "unsloth": setup or {},
         "results": rows,
