@@ -15,6 +15,7 @@ from sparse_oracle import (
 from tiny_models import VOCAB, tiny_model
 
 import oomb
+from oomb.engine.step import check_model_architecture
 from oomb.sparse import PageSelection
 
 TOL = 1e-5  # fp32 on CPU: the chunked and the full run differ only in summation order
@@ -23,6 +24,10 @@ CHUNK, PAGE = 32, 8
 
 def _chunked_step(model, ids, labels, selection, doc_ids, **step_kw):
     model.zero_grad(set_to_none=True)
+    # The architecture check chunked_backward makes once per architecture in a process, first: its self-test runs
+    # chunked steps on the architecture's tiny copy, whose attention calls would join the recording (run alone,
+    # without an earlier test having checked the architecture, this file failed on them).
+    check_model_architecture(model)
     with record_page_lists() as record:
         loss = oomb.chunked_backward(model, ids, labels, selection=selection, doc_ids=doc_ids, **step_kw)
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
