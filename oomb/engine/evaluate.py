@@ -106,8 +106,8 @@ def chunked_eval(
 @torch.no_grad()
 def _chunked_eval(model, input_ids, labels, doc_ids, attention_mask, options: StepOptions,
                   with_entropy: bool) -> EvalResult:
-    # The store keeps gradient pages too (as in training); sharing the training step's
-    # store means evaluating between training steps reallocates nothing.
+    # A training step's store is shared where one matches (evaluating between steps reallocates nothing);
+    # else the pass gets a store of K and V alone (prepare._store_for).
     prepared = prepare_step(model, input_ids, labels, doc_ids, options, forward_only=True,
                             attention_mask=attention_mask)
     targets, store, step = prepared.targets, prepared.store, prepared.context

@@ -40,12 +40,16 @@ def settled_chunk_pages(cfg: Config) -> int | None:
     t = cfg.train
     if t.page_budget is None:
         return None
-    if t.chunk_pages == "auto":
-        return t.page_budget
-    if isinstance(t.chunk_pages, str):
+    if isinstance(t.chunk_pages, str) and t.chunk_pages != "auto":
         raise ConfigError(f"train.chunk_pages={t.chunk_pages!r}: use auto, null (no cap) or a number of pages "
                           f"of at least train.page_budget ({t.page_budget})")
-    return t.chunk_pages
+    return chunk_pages_cap(t.chunk_pages, t.page_budget)
+
+
+def chunk_pages_cap(chunk_pages: int | str | None, page_budget: int) -> int | None:
+    """PageSelection.chunk_pages of a chunk_pages setting: auto is the page budget (training's default, and oomb
+    eval's), None no cap, a number itself."""
+    return page_budget if chunk_pages == "auto" else chunk_pages
 
 
 def offload_selection_note(cfg: Config) -> str | None:

@@ -160,16 +160,17 @@ def _selection(args):
         return None
     if args.page_budget < 1 or args.select_block < 1:
         raise EvalError("--page-budget and --select-block must be positive")
-    chunk_pages = args.chunk_pages.strip().lower()
-    if chunk_pages == "auto":
-        cap = args.page_budget
-    elif chunk_pages == "none":
-        cap = None
-    else:
+    from oomb.train.config.step import chunk_pages_cap
+
+    setting = args.chunk_pages.strip().lower()  # auto, as train.chunk_pages takes it
+    if setting == "none":
+        setting = None
+    elif setting != "auto":
         try:
-            cap = int(chunk_pages)
+            setting = int(setting)
         except ValueError:
             raise EvalError(f"--chunk-pages {args.chunk_pages!r}: give a number of pages, auto or none") from None
+    cap = chunk_pages_cap(setting, args.page_budget)
     try:
         return PageSelection(page_budget=args.page_budget, block=args.select_block, score=args.select_score,
                              chunk_pages=cap, sink_pages=args.sink_pages, local_pages=args.local_pages,
