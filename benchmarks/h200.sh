@@ -118,7 +118,7 @@ done
 # beside its paged store (48 layers of 8 KV heads of 256: 768 KiB a token, 48 GiB at 64K) do not fit 80 GB.
 job core-gemma-3-12b-vs-transformers-64k "$C --preset gemma-3-12b --trainable lora --auto-lengths 65536 $VS64"
 # LoRA, the mode `oomb train` fits on an 80 GB card for the 8B models at 64K: what it picks against the stack with
-# peft's LoRA (issue 39: 0.95x the stack's time in the setting oomb train picks).
+# peft's LoRA.
 for preset in llama-3-8b qwen3-8b granite-3.3-8b; do
   job "core-$preset-lora-auto-64k" "$C --preset $preset --trainable lora --lengths '' --auto-lengths 65536 \
     --baseline-lengths 65536 --baseline-stacks fa4 --warm-each --repeats 2 --backend fa4"
@@ -136,7 +136,7 @@ for preset in llama-3-8b qwen3-8b granite-3.3-8b gemma-3-12b gpt-oss-20b; do
 done
 part presets "$(for p in llama-3-8b qwen3-8b granite-3.3-8b gemma-3-12b gpt-oss-20b; do
   printf 'train-%s-lora-64k-128k train-%s-lora-longest ' "$p" "$p"; done)"
-# unsloth: Unsloth beside oomb (issue 41), QLoRA r=32 on every linear layer of a random-init Llama-3-8B: Unsloth as
+# unsloth: Unsloth beside oomb, QLoRA r=32 on every linear layer of a random-init Llama-3-8B: Unsloth as
 # its docs run it (benchmarks.unsloth_step; its wheels from .unsloth/carry, dev/unsloth-device.md, on a path of
 # their own without flash-attn-4), and `oomb train` with the same adapters, 4-bit base and 8-bit AdamW. Each about
 # 8 minutes; the longest searches in calls of their own (the docstrings say how to go on).
@@ -167,11 +167,11 @@ done
 part packed 'packed-7b-4k packed-7b-16k packed-7b-32k'
 # The same with the attention cache on the GPU (the fast setting), in chunks of 16384 and in one chunk of 64K (with
 # layer-host a chunk's activations are one layer's: fewer, longer expert matmuls), every row and the stack's
-# profiled: where the step's time goes against the stack's (issue 39: 0.95x its time). Run on an H100.
+# profiled: where the step's time goes against the stack's. Run on an H100.
 job core-gpt-oss-20b-fast-64k "$C --preset gpt-oss-20b --trainable attention --lengths '' --cache-lengths 65536 \
   --baseline-lengths 65536 --baseline-stacks fa4 --chunk 16384,65536 --recompute layer-host --warm-each \
   --repeats 2 --backend fa4 --profile-lengths 65536"
-# GPT-OSS-20B at 128K as the seed trains it (issue 39 item 3): dense (lean) against page-sparse in its
+# GPT-OSS-20B at 128K as the seed trains it: dense (lean) against page-sparse in its
 # full-attention layers at `oomb train`'s selection (64 pages a block, a chunk's blocks among 64; its sliding layers
 # keep their window), attention weights trained; the stack's row records whether it fits.
 job core-gpt-oss-20b-sparse-128k "$C --preset gpt-oss-20b --trainable attention --lengths '' \
@@ -328,12 +328,12 @@ job longrun-0.5b-128k 'OUT="$OUT/longrun-0.5b-128k" DIGITS=1 CURRICULUM="128:64:
   cp "$OUT/longrun-0.5b-128k/longrun/long131072/training.png" "$OUT/longrun-0.5b-128k-training.png"'
 part longrun 'longrun-0.5b-128k'
 
-# sparse-long: issue 40's study (benchmarks/studies/sparse_long.py): dense against page-sparse training of a 194M-
-# parameter model extended to 256K (two seeds), the sparse one then to 1M, on the Python sources of the machine's
+# sparse-long: the sparse-training study (benchmarks/studies/sparse_long.py): dense against page-sparse training of
+# a 194M-parameter model extended to 256K (two seeds), the sparse one then to 1M, on the Python sources of the machine's
 # packages. Resumable: each call runs what fits in 520 s (run folders in /tmp/sparse-long, kept while the machine is
 # warm; on a fresh machine the steps whose inputs are gone run again) and copies state, record and tables to
-# $OUT/sparse-long; put the state.json that comes back at ./sparse-long-state.json for the next session. Call again
-# until sparse_long.md says every step is done: about 65 min of device time over three sessions (its docstring).
+# $OUT/sparse-long; put the state.json that comes back at ./sparse-long-state.json for the next machine. Call again
+# until sparse_long.md says every step is done: about 65 min of device time over three fresh machines (its docstring).
 job sparse-long 'python3 -m benchmarks.studies.sparse_long --out /tmp/sparse-long --budget-seconds 520 \
     --state-from sparse-long-state.json --copy-to "$OUT/sparse-long"
   cp "$OUT/sparse-long/sparse_long.json" "$OUT/sparse-long.json"'

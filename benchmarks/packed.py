@@ -21,7 +21,7 @@ Rows, each (length, variant) in a process of its own, one after the other on one
 
 Variants: ``full`` (every weight) and ``lora`` (r=16 on every linear layer, as `lora.r=16
 lora.targets=all-linear`). The record's ``versus_stack`` gives oomb's tokens per second over the stack's at each
-length and variant (the issue's target: at least 1.0).
+length and variant (oomb is meant to be at least 1.0).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ _UNIT_GIB = {"KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0, "TiB": 2**10}
 
 def planned_against_measured(log_text: str, metrics: list[dict]) -> dict:
     """The GPU peak `oomb train`'s memory plan predicted (its startup line "memory plan: GPU X of Y") and that
-    over the largest peak its steps reported (the issue's bound: within 5%); empty where the log has no plan."""
+    over the largest peak its steps reported (meant to be within 5%); empty where the log has no plan."""
     found = _PLAN_LINE.search(log_text)
     if found is None:
         return {}

@@ -1,4 +1,4 @@
-"""Page-sparse against dense training at 256K and 1M tokens on real text (issue 40), resumable across device calls.
+"""Page-sparse against dense training at 256K and 1M tokens on real text, resumable across device calls.
 
     python -m benchmarks.studies.sparse_long --out /tmp/sl --budget-seconds 520 --copy-to $OUT  # a device call
     python -m benchmarks.studies.sparse_long --out /tmp/sl --dry-run         # every command, with its estimate
@@ -19,7 +19,7 @@ random-init model (init_model.py: a preset's architecture, the corpus tokenizer'
            B-sparse-s1 on the same documents
 
 A step runs once every step before it is done; where a done step's output is gone (a fresh machine: a device
-session holds one machine for 30 minutes at most, and a 0.4 GB export cannot travel in a call's 64 MiB), it is run
+lease holds one machine for 30 minutes at most, and a 0.4 GB export cannot travel in a call's 64 MiB), it is run
 again before the step that reads it, and the record counts the attempts. With --budget-seconds, a build or eval
 starts only when its estimate fits, a training run when its start and one step do; a run still going
 ``save_reserve`` seconds before the end gets SIGTERM (oomb train saves its last finished step, exit 75) and the next
@@ -41,8 +41,8 @@ has 140 MB and 16 cores). `--dry-run` adds them up (a call of 520 s runs the ste
   group 1  ~24 min: corpus 1.5, init 0.3, A 5.7, B-dense-s1 8.4 + evals 2.6, B-sparse-s1 3.1 + evals 2.2
   group 2  ~16 min after group 1 on the same machine, ~24 min on a fresh one (corpus, init and A again)
   group 3  ~6.5 min after group 2, ~17 min on a fresh one (corpus, init, A, B-sparse-s1 again)
-  in all   ~65 min on three fresh machines (~70 with their starts) of the issue's 90; ~47 min on one. The preset's
-           24 layers (373M parameters) double every step: group 1 alone ~40 min, more than a session holds.
+  in all   ~65 min on three fresh machines (~70 with their starts) of the 90 it may take; ~47 min on one. The preset's
+           24 layers (373M parameters) double every step: group 1 alone ~40 min, more than a lease holds.
 """
 
 from __future__ import annotations

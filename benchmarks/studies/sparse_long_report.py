@@ -89,7 +89,7 @@ def markdown(s, state: dict, steps: list) -> str:
     done = sum(state["steps"].get(st.name, {}).get("status") == "done" for st in steps)
     model, corpus = state.get("model", {}), state.get("corpus", {})
     lines = ["# Page-sparse against dense training at 256K and 1M tokens on real text",
-             "", "`python -m benchmarks.studies.sparse_long` (issue 40); every command, seed and number in "
+             "", "`python -m benchmarks.studies.sparse_long`; every command, seed and number in "
              "sparse_long.json.", "",
              f"Steps done: {done} of {len(steps)}. Model: {s.preset} architecture, "
              f"{model.get('layers', '?')} layers, {model.get('parameters', 0) / 1e6:.3g}M parameters, vocabulary "

@@ -1,4 +1,4 @@
-"""benchmarks/studies/sparse_long.py (issue 40's study) and its corpus: on the CPU, small.
+"""benchmarks/studies/sparse_long.py (the sparse-training study) and its corpus: on the CPU, small.
 
 The corpus builder on two standard-library packages; the device plan's commands, parsed by oomb's own parsers; the
 time budget (a training run stopped by SIGTERM, then resumed) with a stand-in for `oomb train`; and the smoke: the
@@ -88,7 +88,7 @@ def test_every_device_command_parses_and_the_arms_differ_only_in_the_budget(tmp_
                                                     "train.page_budget=64"]
         assert f"train.seed={seed}" in dense and "model.rope.type=yarn" in dense and "model.rope.factor=16" in dense
     assert "model.rope.factor=64" in fresh["C-sparse-s1"] and "data.seq_len=1048576" in fresh["C-sparse-s1"]
-    # the issue's cap: three groups, each on a fresh machine (its inputs built again) started in 90 s
+    # the study's cap: three groups, each on a fresh machine (its inputs built again) started in 90 s
     total = sum(fresh + 90 for _, _, fresh in group_seconds(steps))
     assert total < 90 * 60
 
