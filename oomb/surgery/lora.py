@@ -176,8 +176,12 @@ def _adapter_refusal(layer: torch.nn.Module, adapter: str) -> str | None:
 
 def _peft_classes() -> tuple[type, ...]:
     """The peft LoRA layer classes the fused forward extends: Linear, and Linear4bit where peft defines it."""
-    from peft.tuners.lora import bnb, layer
+    from peft.tuners.lora import layer
 
+    try:  # peft's 4-bit layers import bitsandbytes, which a LoRA run without QLoRA need not have
+        from peft.tuners.lora import bnb
+    except ImportError:
+        return (layer.Linear,)
     return tuple(c for c in (layer.Linear, getattr(bnb, "Linear4bit", None)) if c is not None)
 
 

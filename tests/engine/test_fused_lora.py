@@ -249,3 +249,16 @@ def test_liger_s_swiglu_keeps_the_fused_lora_projections():
         mlp = model.base_model.model.model.layers[0].mlp
         assert type(mlp).__name__ == "LigerSwiGLUMLP" and len(names) == 14
         assert all(type(p).__name__ == "FusedLinear" for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+
+def test_lora_without_bitsandbytes_installed_still_fuses(monkeypatch):
+    # A LoRA run without QLoRA need not have bitsandbytes; peft's 4-bit module imports it, and a machine without it
+    # stopped use_fused_lora with ModuleNotFoundError (seen on the GPU machine, whose image lacks bitsandbytes).
+    import sys
+
+    model = _lora(tiny_model("llama"))  # first: peft caches whether bitsandbytes is there when it first asks
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
+    monkeypatch.delitem(sys.modules, "peft.tuners.lora.bnb", raising=False)
+    monkeypatch.delattr(peft.tuners.lora, "bnb", raising=False)  # so the next import runs the module again
+    names = use_fused_lora(model)
+    assert len(names) == 7 * model.config.num_hidden_layers
