@@ -5,9 +5,12 @@ from __future__ import annotations
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     GptOssConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    PhiConfig,
     Qwen2Config,
     Qwen3Config,
 )
@@ -40,9 +43,21 @@ def tiny_config(family: str):
         cfg = dict(_COMMON, intermediate_size=32)
         return GptOssConfig(**cfg, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=29,
                             layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False)
+    if family == "granite":
+        # Granite's multipliers on the embedding, residuals, attention scores and logits; biased MLP projections.
+        return GraniteConfig(**_COMMON, embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22,
+                             attention_multiplier=0.25, mlp_bias=True)
+    if family == "gemma3_text":
+        # Gemma-3's sandwich norms, q/k norms, GEGLU MLP; one sliding-window layer with its own RoPE base.
+        return Gemma3TextConfig(**_COMMON, head_dim=16, query_pre_attn_scalar=16, sliding_window=29,
+                                layer_types=["sliding_attention", "full_attention"])
+    if family == "phi":
+        # LayerNorms, a non-gated MLP and partial RoPE: nothing liger's fused ops compute (test_fused_ops).
+        return PhiConfig(**_COMMON)
     raise ValueError(family)
 
 
+# The families every engine test sweeps; tiny_config also builds granite, gemma3_text and phi (fused-ops tests).
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt_oss")
 
 
@@ -58,4 +73,10 @@ def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager", *
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_(0.0, 1.0)
+    if family == "gemma3_text":
+        # Random norm weights so the (1 + weight) scale matters (they start at zero).
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.5)
     return model

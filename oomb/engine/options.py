@@ -191,7 +191,7 @@ class RunShape:
     master_weights: bool = False  # the optimizer steps fp32 copies of 16-bit trainable parameters
     tensor_parallel: int = 1  # ranks the heads are split over
     layer_checkpointing: bool = False  # transformers' own, inside each chunk
-    fused_ops: bool = False  # liger's RMSNorm, SwiGLU and RoPE (oomb.surgery.fused_ops)
+    fused_ops: bool = False  # liger's RMSNorm, gated MLP and RoPE (oomb.surgery.fused_ops)
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "tensor_parallel"):

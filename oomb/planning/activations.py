@@ -47,8 +47,9 @@ from oomb.engine.sizes import ModelShape, itemsize
 TORCH_LOSS_LOGITS_BLOCK = 64 * 2**20
 
 
-# Model families whose norms and MLPs oomb.surgery.fused_ops swaps for liger's (gpt_oss keeps its own).
-FUSED_OPS_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Model families whose norms (and SwiGLU MLPs; gpt_oss: norms only, its experts stay) oomb.surgery.fused_ops swaps
+# for liger's, as these formulas count them. Gemma-3's fused norms and GEGLU are counted as transformers' (more).
+FUSED_OPS_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "gpt_oss")
 
 
 def _norm_bytes(h: int, s: int, family: str, trainable: bool = True, fused: bool = False) -> int:

@@ -229,9 +229,9 @@ class TrainConfig:
     block sparsity on Hopper (OOMB_FA4_BLOCK_SPARSE=0: the Triton kernels), folds GPT-OSS's sinks in around FA4, and
     hands what block sparsity cannot express to the Triton kernels; every choice computes the same attention."""
     fused_ops: str = "auto"
-    """Fused RMSNorm and SwiGLU kernels (liger-kernel) in place of transformers' own modules (Llama, Mistral, Qwen2,
-    Qwen3; same weights and results, fewer passes over memory): auto (on CUDA when liger-kernel is installed and
-    train.tensor_parallel is 1), liger (required) or none."""
+    """Fused RMSNorm, gated MLP and RoPE kernels (liger-kernel) in place of transformers' own (Llama, Mistral, Qwen2,
+    Qwen3, Granite, Gemma-3, GPT-OSS's norms and RoPE; same weights and results, fewer passes over memory): auto (on
+    CUDA when liger-kernel is installed and train.tensor_parallel is 1), liger (required) or none."""
     fused_grad_accumulation: bool = True
     """Add each weight gradient into .grad inside the matmul that computes it (one kernel instead of a matmul and an
     add per chunk; oomb.surgery.grad_accumulation) for the decoder layers' trained linear layers, on CUDA with

@@ -104,7 +104,7 @@ def prepare_for_training(model: torch.nn.Module, cfg: Config, ctx, console) -> t
     fused = use_fused_ops(model, fused_ops_run_mode(cfg.train.fused_ops, cfg.train.tensor_parallel))
     if fused:
         modules = [name for name in fused if name != "rope"]
-        console.print(f"fused ops: liger RMSNorm / SwiGLU in {len(modules)} modules"
+        console.print(f"fused ops: liger RMSNorm / gated MLP in {len(modules)} modules"
                       + (", liger RoPE" if "rope" in fused else ""))
     if fuses_grad_accumulation(model, cfg, ctx):
         linears = use_fused_grad_accumulation(model)
