@@ -73,6 +73,7 @@ class PagedAttention(torch.autograd.Function):
             # pages since then): reuse its output instead of attending again.
             out, lse = cached
             vis = visibility(step, layer_idx, q, sliding_window)
+            step.store.refill(layer_idx, k, v)  # K/V pages a sliding layer gave up after stage 1, for the backward
         else:
             out, lse, vis = _attend(step, layer_idx, q, k, v, sinks, scale, sliding_window)
         ctx.vis = vis

@@ -4,7 +4,8 @@ from oomb.cache.allocator import OutOfPagesError, PageAllocator
 from oomb.cache.interface import KVStore
 from oomb.cache.page_lists import PageLists
 from oomb.cache.past_pages import PastPages
-from oomb.cache.store import ChunkRecord, LayerPools, PagedKVStore, PageShape, StoreBytes, StoreSpec
+from oomb.cache.spec import PageShape, StoreBytes, StoreSpec
+from oomb.cache.store import ChunkRecord, LayerPools, PagedKVStore
 
 __all__ = [
     "ChunkRecord",

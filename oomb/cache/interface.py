@@ -4,11 +4,12 @@
 (oomb/offload/store.py: pages in host memory, a working set on the device) implement it.
 A step goes through it in this order::
 
-    reserve(B, N)
+    reserve(B, N, C)
     append_chunk(C)                                  stage 1, each chunk
         per layer: [mean_keys] fetch -> write -> kernels -> writeback, prefetch(next layer)
     append_chunk(C_last)                             stage 2, newest chunk first
-        per layer, forward: as in stage 1; backward: fetch(grads) -> kernels -> read_grad -> writeback
+        per layer, forward: as in stage 1 (refill where stage 1's output is reused);
+                   backward: fetch(grads) -> kernels -> read_grad -> writeback
         free_last_chunk()
     clear()
 """
@@ -20,7 +21,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from oomb.cache.past_pages import PastPages
-from oomb.cache.store import ChunkRecord, LayerPools, StoreSpec
+from oomb.cache.spec import StoreSpec
+from oomb.cache.store import ChunkRecord, LayerPools
 
 
 @runtime_checkable
@@ -35,8 +37,9 @@ class KVStore(Protocol):
     def nbytes(self) -> int:
         """Device bytes the store holds."""
 
-    def reserve(self, batch_size: int, num_tokens: int) -> None:
-        """Make room for ``batch_size`` sequences of ``num_tokens`` and start a new step (the store must be empty)."""
+    def reserve(self, batch_size: int, num_tokens: int, chunk_size: int | None = None) -> None:
+        """Make room for ``batch_size`` sequences of ``num_tokens`` in chunks of ``chunk_size`` (None: of any size) and
+        start a new step (the store must be empty)."""
 
     def append_chunk(self, num_tokens: int) -> ChunkRecord:
         """Allocate the pages of the next ``num_tokens`` tokens of every sequence (gradient pages zeroed)."""
@@ -73,6 +76,10 @@ class KVStore(Protocol):
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the newest chunk's keys and values [B, H_kv, T, D] of one layer into its pages."""
+
+    def refill(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the newest chunk's K/V again where the store gave up its pages since stage 1 wrote them (a sliding
+        layer's pages its window does not reach from later chunks); nothing where it kept them."""
 
     def writeback(self, layer_idx: int, *, grads: bool) -> None:
         """The layer's kernels are queued: new K/V (``grads=False``) or updated gradient pages may go home."""

@@ -1,6 +1,6 @@
 """The paged K/V store: per layer, K and V pages and their gradient pages.
 
-Layout (one set of pools per attention layer, page ids shared by all layers)::
+Layout (one set of pools per attention layer, page ids shared by all full-attention layers)::
 
     k_pool, dk_pool                  : [num_pages, H_kv, page_size, D_k]
     v_pool, dv_pool                  : [num_pages, H_kv, page_size, D_v]  (D_v = D_k but for latent attention)
@@ -32,135 +32,8 @@ import torch
 from oomb.cache.allocator import OutOfPagesError, PageAllocator
 from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
 from oomb.cache.past_pages import PastPages
-
-
-@dataclass(frozen=True)
-class PageShape:
-    """The K/V geometry of one attention layer's pages (latent attention: a key head size other than the value's)."""
-
-    kv_heads: int
-    key_dim: int  # head size of keys (and queries)
-    value_dim: int  # head size of values (and of the attention output)
-
-    def __post_init__(self) -> None:
-        for name in ("kv_heads", "key_dim", "value_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class StoreSpec:
-    """Shapes and dtypes of a store; two stores with equal specs are interchangeable.
-
-    ``layers``: one PageShape per attention layer of the store (an attention call of a chunk's forward: a
-    model that attends twice per decoder layer has two store layers per decoder layer). Most models give
-    every layer the same shape (``StoreSpec.uniform``).
-    """
-
-    layers: tuple[PageShape, ...]
-    page_size: int
-    dtype: torch.dtype
-    grad_dtype: torch.dtype
-    device: torch.device
-    key_summary: str = "mean"  # per-page key summary for page selection: "mean", or "bounds" (mean | min | max)
-    # Gradient pages (dK, dV) beside K and V: a training step's store has them; a forward-only pass that allocates
-    # its own store (an evaluation) does without, half the K/V bytes.
-    gradients: bool = True
-
-    def __post_init__(self) -> None:
-        if self.key_summary not in KEY_SUMMARIES:
-            raise ValueError(f"key_summary must be one of {KEY_SUMMARIES}, got {self.key_summary!r}")
-        if not self.layers:
-            raise ValueError("a store needs at least one layer")
-
-    @classmethod
-    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, *, value_dim: int | None = None,
-                **fields) -> StoreSpec:
-        """``num_layers`` layers of one shape (``value_dim`` defaults to ``head_dim``)."""
-        shape = PageShape(num_kv_heads, head_dim, head_dim if value_dim is None else value_dim)
-        return cls(layers=(shape,) * num_layers, **fields)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def shape(self) -> PageShape:
-        """The one shape of every layer; ValueError where layers differ (callers that need one shape)."""
-        first = self.layers[0]
-        if any(layer != first for layer in self.layers):
-            raise ValueError(f"the store's layers have different shapes ({sorted(set(self.layers), key=str)}): "
-                             "this part of oomb needs every attention layer to have the same K/V shape")
-        return first
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.shape.kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.shape.key_dim
-
-    def summary_dim(self, layer_idx: int = 0) -> int:
-        """Last dimension of a layer's per-page key summary: D_k (the mean key), or 3 D_k (mean | min | max)."""
-        return self.layers[layer_idx].key_dim * (3 if self.key_summary == "bounds" else 1)
-
-    @property
-    def _bytes_per_element(self) -> int:
-        """Bytes of one K/V element with its gradient's (where the store has gradient pages)."""
-        return self.dtype.itemsize + (self.grad_dtype.itemsize if self.gradients else 0)
-
-    def bytes_per_token(self) -> int:
-        """K, V and their gradient pages, all layers (the memory that grows with the context)."""
-        return sum(s.kv_heads * (s.key_dim + s.value_dim) * self._bytes_per_element for s in self.layers)
-
-    def summary_bytes_per_page(self) -> int:
-        """The key summaries of one page id, all layers (in K's dtype)."""
-        return sum(s.kv_heads * self.summary_dim(i) for i, s in enumerate(self.layers)) * self.dtype.itemsize
-
-    def bytes_per_page(self) -> int:
-        """One page id across all layers: K, V, dK, dV and the key summary (in K's dtype)."""
-        return self.bytes_per_token() * self.page_size + self.summary_bytes_per_page()
-
-    def layer_bytes(self, pages: int) -> int:
-        """``pages`` pages of one layer: K, V, dK, dV and mean keys (what offload keeps per layer; one shape)."""
-        s = self.shape
-        page = s.kv_heads * (s.key_dim + s.value_dim) * self._bytes_per_element * self.page_size
-        return pages * (page + s.kv_heads * self.summary_dim() * self.dtype.itemsize)
-
-
-KEY_SUMMARIES = ("mean", "bounds")
-
-
-def page_key_summary(tiles: torch.Tensor, valid: torch.Tensor | None, kind: str) -> torch.Tensor:
-    """Key tiles [n, H_kv, P, D] -> per-page summaries (fp32) over each page's ``valid`` [n] slots (None: every
-    slot holds a key): [n, H_kv, D] mean keys, or for ``kind="bounds"`` [n, H_kv, 3D] = mean | per-channel min |
-    max (what an upper bound of q . k over the page's keys needs: q+ . max + q- . min)."""
-    if valid is None:  # whole pages (a chunk ending on a page boundary): nothing to mask, half the kernels
-        mean = tiles.sum(dim=2, dtype=torch.float32).div_(tiles.shape[2])
-        if kind == "mean":
-            return mean
-        k_min, k_max = torch.aminmax(tiles, dim=2)  # exact in the keys' own dtype
-        return torch.cat([mean, k_min.float(), k_max.float()], dim=-1)
-    t = tiles.float()
-    mean = t.sum(dim=2) / valid.view(-1, 1, 1)  # padding slots are zero
-    if kind == "mean":
-        return mean
-    slots = torch.arange(t.shape[2], device=t.device)
-    pad = (slots.view(1, -1) >= valid.view(-1, 1)).view(t.shape[0], 1, t.shape[2], 1)
-    k_min = t.masked_fill(pad, float("inf")).amin(dim=2)
-    k_max = t.masked_fill(pad, float("-inf")).amax(dim=2)
-    return torch.cat([mean, k_min, k_max], dim=-1)
-
-
-@dataclass(frozen=True)
-class StoreBytes:
-    """Bytes a store allocates for one step: on the device, in host memory, and (offloaded) how many layers stay
-    whole on the device. What the memory planner adds up, from the stores' own ``bytes_for``."""
-
-    device: int
-    host: int = 0
-    resident_layers: int = 0
+from oomb.cache.spec import StoreBytes, StoreSpec, page_key_summary
+from oomb.cache.window_pages import ids_on_device, window_groups, window_page_ids
 
 
 @dataclass
@@ -233,6 +106,9 @@ class ChunkLedger:
             )
         return self.num_tokens // page_size, -(-num_tokens // page_size)
 
+    def refill(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Nothing to write again: a store that keeps every page it wrote (see ``PagedKVStore.refill``)."""
+
     def _check_write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> ChunkRecord:
         """The newest chunk, after checking ``k`` [B, H_kv, T, D_k] and ``v`` [B, H_kv, T, D_v] fit its pages."""
         s = self.spec
@@ -251,7 +127,9 @@ class PagedKVStore(ChunkLedger):
     """Preallocated K/V (+gradient) pools with a shared block table, all on the device.
 
     Implements ``oomb.cache.KVStore`` (what the engine and attention call); beside it ``layer``
-    (a layer's pools) and ``read`` (a chunk's K/V as dense tensors) serve tests and tools.
+    (a layer's pools) and ``read`` (a chunk's K/V as dense tensors) serve tests and tools. Layers with a
+    sliding window (``StoreSpec.windows``) take page ids of their own and keep only what their window reaches
+    (oomb/cache/window_pages.py); the shared table and allocator serve the full-attention layers.
     """
 
     def __init__(self, spec: StoreSpec) -> None:
@@ -259,8 +137,9 @@ class PagedKVStore(ChunkLedger):
             raise ValueError(f"page_size must be positive, got {spec.page_size}")
         self.spec = spec
         self._allocator = PageAllocator(0)
-        self._layers: list[LayerPools] = []
-        self._allocate_pools(0)
+        self._windows = window_groups(spec.windows)
+        self._window_of = {layer: group for group in self._windows for layer in group.layers}
+        self._layers: list[LayerPools] = [_empty_pools(spec, i, 0) for i in range(spec.num_layers)]
         self.batch_size = 0
         self.page_table = torch.zeros((0, 0), dtype=torch.int32, device=spec.device)
         self.num_tokens = 0
@@ -275,71 +154,99 @@ class PagedKVStore(ChunkLedger):
     def num_used_pages(self) -> int:
         return self._allocator.num_used
 
+    def window_pages_used(self) -> dict[int, int]:
+        """Per sliding window: page ids its layers hold now (the scratch page included)."""
+        return {group.window: group.allocator.num_used for group in self._windows}
+
     def pages_for(self, batch_size: int, num_tokens: int) -> int:
         return batch_size * -(-num_tokens // self.spec.page_size)
 
     @staticmethod
-    def bytes_for(spec: StoreSpec, batch_size: int, num_tokens: int) -> StoreBytes:
-        """What ``reserve(batch_size, num_tokens)`` allocates: every page's K, V, dK, dV and key summary, and the
-        block table (int32)."""
+    def bytes_for(spec: StoreSpec, batch_size: int, num_tokens: int, *, chunk_size: int | None = None) -> StoreBytes:
+        """What ``reserve(batch_size, num_tokens, chunk_size)`` allocates: every page's K, V, dK, dV and key summary of
+        the full-attention layers, what the sliding layers' windows keep, and the block tables (int32)."""
         pages = batch_size * -(-num_tokens // spec.page_size)
-        return StoreBytes(device=pages * spec.bytes_per_page() + pages * 4)
+        groups = window_groups(spec.windows)
+        windowed = {layer for group in groups for layer in group.layers}
+        total = pages * (sum(spec.layer_page_bytes(i) for i in range(spec.num_layers) if i not in windowed) + 4)
+        for group in groups:
+            ids = window_page_ids(group.window, batch_size=batch_size, num_tokens=num_tokens,
+                                  page_size=spec.page_size, chunk_size=chunk_size)
+            total += ids * sum(spec.layer_page_bytes(i) for i in group.layers) + pages * 4
+        return StoreBytes(device=total)
 
     def nbytes(self) -> int:
         """Bytes held by the pools (allocated capacity, used or not)."""
-        return self.capacity_pages * self.spec.bytes_per_page()
+        return sum(self.spec.layer_page_bytes(i) * pools.k.shape[0] for i, pools in enumerate(self._layers))
 
-    def reserve(self, batch_size: int, num_tokens: int) -> None:
-        """Make room for ``batch_size`` sequences of ``num_tokens`` and start a new step.
+    def reserve(self, batch_size: int, num_tokens: int, chunk_size: int | None = None) -> None:
+        """Make room for ``batch_size`` sequences of ``num_tokens`` in chunks of ``chunk_size`` (None: any; sliding
+        layers then get room for every page) and start a new step.
 
         The store must be empty. Growing an empty pool frees the old tensors before
         allocating new ones, so growth never holds two pools at once.
         """
         self._check_reserve(batch_size, num_tokens)
         needed = self.pages_for(batch_size, num_tokens)
-        if needed > self.capacity_pages:
+        window_needed = [window_page_ids(g.window, batch_size=batch_size, num_tokens=num_tokens,
+                                         page_size=self.spec.page_size, chunk_size=chunk_size) for g in self._windows]
+        if needed > self.capacity_pages or any(
+                n > g.allocator.num_pages for n, g in zip(window_needed, self._windows, strict=True)):
             # Drop the old pools first (peak memory = the new pools only); if the allocation
             # fails the store is left empty and consistent (capacity 0), not half-sized.
             self.release()
-            self._allocate_pools(needed)
-            self._allocator.reset(needed)
+            self._allocate_pools(needed, window_needed)
         max_pages = -(-num_tokens // self.spec.page_size)
         self.batch_size = batch_size
         self.page_table = torch.zeros((batch_size, max_pages), dtype=torch.int32, device=self.spec.device)
+        for group in self._windows:
+            group.start(batch_size, max_pages, self.spec.device)
         self.num_tokens = 0
 
-    def _allocate_pools(self, num_pages: int) -> None:
-        s = self.spec
-        self._layers = []
-        grad_pages = num_pages if s.gradients else 0  # without gradient pages: empty pools of the right shape
-        for i, layer in enumerate(s.layers):
-            keys = (num_pages, layer.kv_heads, s.page_size, layer.key_dim)
-            values = (num_pages, layer.kv_heads, s.page_size, layer.value_dim)
-            self._layers.append(LayerPools(
-                k=torch.empty(keys, dtype=s.dtype, device=s.device),
-                v=torch.empty(values, dtype=s.dtype, device=s.device),
-                dk=torch.empty((grad_pages, *keys[1:]), dtype=s.grad_dtype, device=s.device),
-                dv=torch.empty((grad_pages, *values[1:]), dtype=s.grad_dtype, device=s.device),
-                mean_k=torch.empty((num_pages, layer.kv_heads, s.summary_dim(i)), dtype=s.dtype, device=s.device),
-            ))
+    def _allocate_pools(self, num_pages: int, window_pages: list[int]) -> None:
+        """Every layer's pools (``num_pages`` shared ids; each window's own count), then allocators of those sizes
+        (an allocation that fails leaves the pools and allocators as they were)."""
+        pages = dict(zip(self._windows, window_pages, strict=True))
+        self._layers = [_empty_pools(self.spec, i, pages[self._window_of[i]] if i in self._window_of else num_pages)
+                        for i in range(self.spec.num_layers)]
+        self._allocator.reset(num_pages)
+        for group, n in pages.items():
+            group.allocator.reset(n)
 
-    def _grow(self, num_pages: int) -> None:
-        """Grow while holding data (append past the reservation): copy into larger pools."""
-        old = self._layers
-        self._allocate_pools(num_pages)
-        n = self._allocator.num_pages
+    def _grow(self, layers: list[int], num_pages: int) -> None:
+        """Grow the pools of ``layers`` while they hold data (appends past the reservation): copy into larger ones."""
         names = ("k", "v", "dk", "dv", "mean_k") if self.spec.gradients else ("k", "v", "mean_k")
-        for new_l, old_l in zip(self._layers, old, strict=True):
+        for i in layers:
+            old, new = self._layers[i], _empty_pools(self.spec, i, num_pages)
             for name in names:
-                getattr(new_l, name)[:n].copy_(getattr(old_l, name))
-        self._allocator.grow(num_pages)
+                getattr(new, name)[: getattr(old, name).shape[0]].copy_(getattr(old, name))
+            self._layers[i] = new
+
+    def _take(self, allocator: PageAllocator, want: int, layers: list[int]) -> list[int]:
+        """``want`` ids of ``allocator``, its layers' pools grown first where too few are free."""
+        if want > allocator.num_free:
+            pages = max(allocator.num_pages + want - allocator.num_free, allocator.num_pages * 3 // 2)
+            self._grow(layers, pages)
+            allocator.grow(pages)
+        try:
+            return allocator.allocate(want)
+        except OutOfPagesError as e:  # unreachable after growing; kept to name the store in the message
+            raise OutOfPagesError(f"paged store: {e}") from e
+
+    def _zero_grads(self, layers, ids: torch.Tensor) -> None:
+        # index_fill_ passes the 0 as a kernel argument (``pool[ids] = 0`` copies it from the host, once per layer)
+        ids_long = ids.reshape(-1).long()
+        for i in layers if self.spec.gradients else ():
+            self._layers[i].dk.index_fill_(0, ids_long, 0)
+            self._layers[i].dv.index_fill_(0, ids_long, 0)
 
     # ------------------------------------------------------------------ chunks
     def append_chunk(self, num_tokens: int) -> ChunkRecord:
         """Allocate pages for the next ``num_tokens`` tokens of every sequence.
 
         The previous chunk must have ended on a page boundary (only the last chunk of a
-        sequence may be ragged). Gradient pages of the new chunk are zeroed.
+        sequence may be ragged). Gradient pages of the new chunk are zeroed; sliding layers
+        keep of the previous chunk only the pages the new one's window reaches.
         """
         s = self.spec
         first_page, n_pages = self._check_append(num_tokens)
@@ -349,24 +256,19 @@ class PagedKVStore(ChunkLedger):
             )
             grown[:, : self.page_table.shape[1]] = self.page_table
             self.page_table = grown
-        want = self.batch_size * n_pages
-        if want > self._allocator.num_free:
-            self._grow(max(self.capacity_pages + want - self._allocator.num_free, self.capacity_pages * 3 // 2))
-        try:
-            ids = self._allocator.allocate(want)
-        except OutOfPagesError as e:  # unreachable after _grow; kept to name the store in the message
-            raise OutOfPagesError(f"paged store: {e}") from e
-        # The ids come from the host allocator. A pageable copy would wait for the stream (a host
-        # sync per chunk), and ``pool[ids] = 0`` copies its 0 from the host the same way, once per
-        # layer and kind: pinned + non_blocking, and index_fill_ (the value is a kernel argument).
-        cuda = s.device.type == "cuda"
-        ids_t = torch.tensor(ids, dtype=torch.int32, pin_memory=cuda).view(self.batch_size, n_pages)
-        ids_t = ids_t.to(s.device, non_blocking=cuda)
+        full_layers = [i for i in range(s.num_layers) if i not in self._window_of]
+        ids = self._take(self._allocator, self.batch_size * n_pages, full_layers)
+        ids_t = ids_on_device(ids, self.batch_size, s.device)
         self.page_table[:, first_page : first_page + n_pages] = ids_t
-        ids_long = ids_t.view(-1).long()
-        for pools in self._layers if s.gradients else ():
-            pools.dk.index_fill_(0, ids_long, 0)
-            pools.dv.index_fill_(0, ids_long, 0)
+        self._zero_grads(full_layers, ids_t)
+        for group in self._windows:
+            if self._chunks:
+                previous = self._chunks[-1]
+                group.trim_newest(previous.first_page, previous.end, s.page_size)
+            group.widen(first_page + n_pages)
+            window_ids = self._take(group.allocator, self.batch_size * n_pages, list(group.layers))
+            group.add(first_page, window_ids, self.batch_size)
+            self._zero_grads(group.layers, group.table[:, first_page : first_page + n_pages])
         record = ChunkRecord(
             start=self.num_tokens,
             end=self.num_tokens + num_tokens,
@@ -379,27 +281,42 @@ class PagedKVStore(ChunkLedger):
         return record
 
     def free_last_chunk(self) -> None:
-        """Free the newest chunk's pages (all layers); the store then ends where it began."""
+        """Free the newest chunk's pages (all layers); the store then ends where it began, and the chunk before it
+        has its whole pages again in every layer, for its recompute and backward."""
+        self._free_last(restore=True)
+
+    def _free_last(self, *, restore: bool) -> None:
         record = self.last_chunk()
         self._allocator.free(list(record.page_ids))
         self._chunks.pop()
         self.page_table[:, record.first_page : record.first_page + record.num_pages] = 0
         self.num_tokens = record.start
+        for group in self._windows:
+            group.free_newest(record.first_page, record.num_pages)
+            if restore and self._chunks and (missing := group.missing(self._chunks[-1].first_page)):
+                first = self._chunks[-1].first_page
+                ids = self._take(group.allocator, self.batch_size * missing, list(group.layers))
+                group.restore_newest(first, ids, self.batch_size)
+                self._zero_grads(group.layers, group.table[:, first : first + missing])
 
     def release(self) -> None:
         """Free every chunk and drop the pools' memory (capacity 0); the store stays usable."""
         self.clear()
-        self._allocate_pools(0)
-        self._allocator.reset(0)
+        self._allocate_pools(0, [0] * len(self._windows))
 
     def clear(self) -> None:
         """Free every chunk (after a step, or after an error inside one)."""
         while self._chunks:
-            self.free_last_chunk()
+            self._free_last(restore=False)  # nothing recomputes them: no pages given back
 
     # ------------------------------------------------------------------ data
     def layer(self, layer_idx: int) -> LayerPools:
         return self._layers[layer_idx]
+
+    def layer_table(self, layer_idx: int) -> torch.Tensor:
+        """The block table through which the layer's pools are read: its window's, else the shared one."""
+        group = self._window_of.get(layer_idx)
+        return self.page_table if group is None else group.table
 
     # The working-set protocol the attention function goes through. Everything lives on the
     # device here, so it is trivial; the offloaded store (oomb.offload) moves pages instead.
@@ -408,7 +325,7 @@ class PagedKVStore(ChunkLedger):
         before the newest chunk; None = all of them) and the newest chunk of one layer."""
         if grads:
             self._check_gradients("fetch(grads=True)")
-        return self._layers[layer_idx], self.page_table
+        return self._layers[layer_idx], self.layer_table(layer_idx)
 
     def needs_page_list(self, layer_idx: int) -> bool:
         """Whether ``fetch`` uses the list of past pages a sparse layer reads (to move only those).
@@ -430,9 +347,6 @@ class PagedKVStore(ChunkLedger):
         through ``page_table``."""
         return self._layers[layer_idx].mean_k
 
-    def _chunk_page_ids(self, record: ChunkRecord) -> torch.Tensor:
-        return self.page_table[:, record.first_page : record.first_page + record.num_pages].long()
-
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the newest chunk's keys and values [B, H_kv, T, D] of one layer into its pages.
 
@@ -442,34 +356,59 @@ class PagedKVStore(ChunkLedger):
         s = self.spec
         record = self._check_write(layer_idx, k, v)
         pools = self._layers[layer_idx]
-        ids = self._chunk_page_ids(record).reshape(-1)
+        table = self.layer_table(layer_idx)
+        ids = table[:, record.first_page : record.first_page + record.num_pages].reshape(-1).long()
         kp = tokens_to_tiles(k, s.page_size)
         pools.k[ids] = kp
         pools.v[ids] = tokens_to_tiles(v, s.page_size)
         valid = record.ragged_slots(s.page_size, k.device, self.batch_size)
         pools.mean_k[ids] = page_key_summary(kp, valid, s.key_summary).to(s.dtype)
 
+    def refill(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the newest chunk's K/V again where the store gave its pages up since stage 1 wrote them (a sliding
+        layer's pages outside the tail): a recompute that reuses stage 1's attention output writes nothing else."""
+        group = self._window_of.get(layer_idx)
+        if group is not None and group.refill_due:
+            self.write(layer_idx, k, v)
+
     def read(self, layer_idx: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of tokens [start, end) as [B, H_kv, end-start, D] (a copy)."""
+        """Keys and values of tokens [start, end) as [B, H_kv, end-start, D] (a copy). A sliding layer holds, of the
+        chunks before the newest, only the pages the newest one's window reaches."""
         pools = self._layers[layer_idx]
-        return self._gather(pools.k, start, end), self._gather(pools.v, start, end)
+        return self._gather(layer_idx, pools.k, start, end), self._gather(layer_idx, pools.v, start, end)
 
     def read_grad(self, layer_idx: int, record: ChunkRecord) -> tuple[torch.Tensor, torch.Tensor]:
         """The gradient pages of one chunk as dense [B, H_kv, T, D] tensors."""
         self._check_gradients("read_grad()")
         pools = self._layers[layer_idx]
-        return self._gather(pools.dk, record.start, record.end), self._gather(pools.dv, record.start, record.end)
+        return (self._gather(layer_idx, pools.dk, record.start, record.end),
+                self._gather(layer_idx, pools.dv, record.start, record.end))
 
     def _check_gradients(self, what: str) -> None:
         if not self.spec.gradients:
             raise RuntimeError(f"{what}: this store was made for forward-only passes and has no gradient pages")
 
-    def _gather(self, pool: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    def _gather(self, layer_idx: int, pool: torch.Tensor, start: int, end: int) -> torch.Tensor:
         if not 0 <= start < end <= self.num_tokens:
             raise ValueError(f"tokens [{start}, {end}) are not in the store (it holds {self.num_tokens})")
         ps = self.spec.page_size
         p0, p1 = start // ps, -(-end // ps)
-        ids = self.page_table[:, p0:p1].long()  # [B, n]
+        ids = self.layer_table(layer_idx)[:, p0:p1].long()  # [B, n]
         dense = tiles_to_tokens(pool[ids])  # [B, H_kv, n * page_size, D]
         return dense[:, :, start - p0 * ps : end - p0 * ps]
 
+
+def _empty_pools(spec: StoreSpec, layer_idx: int, num_pages: int) -> LayerPools:
+    """Uninitialised pools of ``num_pages`` pages for one layer (no gradient pages in a forward-only store)."""
+    layer = spec.layers[layer_idx]
+    keys = (num_pages, layer.kv_heads, spec.page_size, layer.key_dim)
+    values = (num_pages, layer.kv_heads, spec.page_size, layer.value_dim)
+    grad_pages = num_pages if spec.gradients else 0  # without gradient pages: empty pools of the right shape
+    return LayerPools(
+        k=torch.empty(keys, dtype=spec.dtype, device=spec.device),
+        v=torch.empty(values, dtype=spec.dtype, device=spec.device),
+        dk=torch.empty((grad_pages, *keys[1:]), dtype=spec.grad_dtype, device=spec.device),
+        dv=torch.empty((grad_pages, *values[1:]), dtype=spec.grad_dtype, device=spec.device),
+        mean_k=torch.empty((num_pages, layer.kv_heads, spec.summary_dim(layer_idx)), dtype=spec.dtype,
+                           device=spec.device),
+    )

@@ -91,7 +91,7 @@ def prepare_step(
     backend = get_backend(options.backend, device.type)
     batch, seq_len = input_ids.shape
     store = _store_for(model, support, device, options, forward_only=forward_only)
-    store.reserve(batch, seq_len)
+    store.reserve(batch, seq_len, options.chunk_size)
     cache = bool(options.cache_attention) and not forward_only
     context = StepContext(store=store, backend=backend, stage="fill", doc_start=doc_start,
                           selection=options.selection, cache_attention=cache, tp_group=tensor_parallel_group(model),
@@ -138,7 +138,8 @@ def _store_for(model: PreTrainedModel, support: ModelSupport, device: torch.devi
     # One layer per attention call, shaped as the probe saw it (a tensor parallel rank: its own KV heads).
     spec = StoreSpec(layers=support.page_shapes, page_size=options.page_size, dtype=dtype,
                      grad_dtype=options.grad_dtype or dtype, device=torch.device(device),
-                     key_summary=store_key_summary(selection.score if selection is not None else None))
+                     key_summary=store_key_summary(selection.score if selection is not None else None),
+                     windows=support.windows)
     kind = OffloadedKVStore if options.offload else PagedKVStore
     store = _STORES.get(model)
     if forward_only and not options.offload and (store is None or store.spec != spec or type(store) is not kind):

@@ -133,8 +133,21 @@ def store_spec(config, *, page_size: int, dtype: torch.dtype, grad_dtype: torch.
     return StoreSpec(
         layers=tuple(PageShape(s.kv_heads // tensor_parallel, s.key_dim, s.value_dim) for s in shapes),
         page_size=page_size, dtype=dtype, grad_dtype=grad_dtype or dtype, device=torch.device(device),
-        key_summary=key_summary,
+        key_summary=key_summary, windows=config_windows(config, calls_per_layer=calls_per_layer),
     )
+
+
+def config_windows(config, *, calls_per_layer: int = 1) -> tuple[int | None, ...] | None:
+    """Each attention call's sliding window, read from a decoder config as transformers' layers read it: a
+    ``layer_types`` entry "sliding_attention" attends ``sliding_window`` tokens back. None where the config lists
+    no layer types (the planned store then keeps every page: an upper bound of what the engine's store, shaped by
+    the model's own calls, holds); tests check the two agree for the families with windows."""
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "is_heterogeneous", False) or not types or not window or len(types) != config.num_hidden_layers:
+        return None
+    windows = tuple(window if kind == "sliding_attention" else None for kind in types for _ in range(calls_per_layer))
+    return windows if any(w is not None for w in windows) else None
 
 
 @dataclass(frozen=True)

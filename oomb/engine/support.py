@@ -84,6 +84,12 @@ class ModelSupport:
         return tuple(site.page for site in self.sites)
 
     @property
+    def windows(self) -> tuple[int | None, ...] | None:
+        """Each site's sliding window (None: full attention), or None where no site has one (StoreSpec.windows)."""
+        windows = tuple(site.sliding_window for site in self.sites)
+        return windows if any(w is not None for w in windows) else None
+
+    @property
     def site_layers(self) -> tuple[int, ...]:
         return tuple(site.layer for site in self.sites)
 

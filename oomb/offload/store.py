@@ -152,8 +152,8 @@ class OffloadedKVStore(ChunkLedger):
         """Layers in host memory move only the pages a sparse layer reads; resident ones move none."""
         return not self._resident(layer_idx)
 
-    def reserve(self, batch_size: int, num_tokens: int) -> None:
-        """Make room for ``batch_size`` sequences of ``num_tokens`` (host pools grow, never shrink)."""
+    def reserve(self, batch_size: int, num_tokens: int, chunk_size: int | None = None) -> None:
+        """Make room for ``batch_size`` sequences of ``num_tokens`` (host pools grow, never shrink; every page kept)."""
         self._check_reserve(batch_size, num_tokens)
         s = self.spec
         max_pages = -(-num_tokens // s.page_size)

@@ -11,7 +11,7 @@ What a step holds at its peak (stage 2, the recompute forward + backward of one 
 
     parameters + gradients + optimizer states          (fixed; a 4-bit base: oomb/surgery/quantize.py)
     + fp32 master weights of 16-bit parameters          (master_weights=True)
-    paged store: K, V, dK, dV pages + mean keys        (grows with the context: StoreSpec's page math)
+    paged store: K, V, dK, dV pages + mean keys        (grows with the context; sliding layers: their windows')
     sparse page lists of every chunk                   (kept from stage 1 to stage 2)
     saved activations of one chunk, all layers         (formula below, measured per family)
       recompute="layer": of one layer, and every layer's input of the whole sequence (GPU or host)
@@ -20,11 +20,10 @@ What a step holds at its peak (stage 2, the recompute forward + backward of one 
     attention cache and the kept layer inputs on the GPU)
     CUDA context allowance
 
-Each item is sized by the code that allocates it (the stores' and page lists' ``bytes_for``, the host
-stash's and kept inputs' ``nbytes``, FlashAttention-4's workspace), parameters on a meta-device copy of
-the model (oomb/engine/sizes.py), activations by the model of oomb/planning/activations.py (saved tensors
-per token, measured per family); this module adds them up for one configuration and searches the
-longest context that fits.
+Each item is sized by the code that allocates it (the stores' and page lists' ``bytes_for``, the host stash's and
+kept inputs' ``nbytes``, FlashAttention-4's workspace), parameters on a meta-device copy of the model (oomb/engine/
+sizes.py), activations by the model of oomb/planning/activations.py (saved tensors per token, measured per family);
+this module adds them up for one configuration and searches the longest context that fits.
 """
 
 from __future__ import annotations
@@ -297,7 +296,7 @@ def _weights(model_config, shape: RunShape) -> _Weights:
 def _store_bytes(spec: StoreSpec, options: StepOptions, shape: RunShape) -> StoreBytes:
     """The paged store's bytes, as the store the options choose allocates them."""
     if not options.offload:
-        return PagedKVStore.bytes_for(spec, shape.batch_size, shape.seq_len)
+        return PagedKVStore.bytes_for(spec, shape.batch_size, shape.seq_len, chunk_size=options.chunk_size)
     selection = options.selection
     listed = None
     if selection is not None:
@@ -384,8 +383,10 @@ def _step_items(model_config, model: ModelShape, spec: StoreSpec, options: StepO
                       if store.resident_layers else
                       "block tables, two layer slots (pages and mean keys of one layer each)", False)
     else:
+        windowed = sum(w is not None for w in spec.windows or ())
+        kept = f", of {windowed} sliding-window layers what their windows reach" if windowed else ""
         store_item = ("paged store", store.device, f"{batch} x {pages} pages x {spec.bytes_per_page():,} B "
-                      "(K, V, dK, dV, mean keys) + page table", False)
+                      f"(K, V, dK, dV, mean keys){kept} + page table", False)
     items = [
         store_item,
         ("sparse page lists", page_lists, "dense" if selection is None else

@@ -192,10 +192,10 @@ def test_failed_growth_leaves_an_empty_consistent_store(monkeypatch):
     store = PagedKVStore(_spec())
     store.reserve(1, 16)
 
-    def fail(num_pages):
+    def fail(num_pages, window_pages):
         if num_pages:
             raise torch.OutOfMemoryError("simulated")
-        original(num_pages)
+        original(num_pages, window_pages)
 
     original = store._allocate_pools
     monkeypatch.setattr(store, "_allocate_pools", fail)

@@ -132,7 +132,7 @@ def test_sparse_budget_changes_gradients_but_stays_close():
 def test_bound_score_finds_a_lone_matching_key_the_mean_misses():
     """One page holds one key along the query among keys against it; another page is mildly along it.
     The mean key ranks the mild page first; the upper bound ranks the page with the lone match first."""
-    from oomb.cache.store import page_key_summary
+    from oomb.cache.spec import page_key_summary
     from oomb.sparse import select_pages
 
     d, page = 8, 16
@@ -162,7 +162,7 @@ def test_bound_score_finds_a_lone_matching_key_the_mean_misses():
 
 
 def test_bound_summary_ignores_padding_slots():
-    from oomb.cache.store import page_key_summary
+    from oomb.cache.spec import page_key_summary
 
     tiles = torch.full((2, 1, 4, 2), 5.0)
     tiles[1, :, 2:] = 0.0  # a ragged last page: 2 valid slots, 2 zero-padded
@@ -200,7 +200,7 @@ def test_bad_selection_settings():
 def _random_summaries(n_past, h_kv=2, d=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(n_past, h_kv, 16, d, generator=g)
-    from oomb.cache.store import page_key_summary
+    from oomb.cache.spec import page_key_summary
 
     return page_key_summary(keys, torch.full((n_past,), 16.0), "bounds"), torch.arange(n_past, dtype=torch.int32)[None]
 
@@ -285,7 +285,7 @@ def test_triton_kernels_equal_torch_path_with_documents_and_pages():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_whole_pages_summarise_as_masked_ones_do(dtype):
     """A chunk that ends on a page boundary skips the padding mask (valid None): the same summaries."""
-    from oomb.cache.store import page_key_summary
+    from oomb.cache.spec import page_key_summary
 
     tiles = torch.randn(5, 2, 8, 4).to(dtype)
     full = torch.full((5,), 8.0)

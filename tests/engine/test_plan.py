@@ -271,8 +271,11 @@ def test_planned_store_is_the_store_the_engine_allocates():
     plan = plan_of(model.config, seq_len=300, batch_size=2, chunk_size=64, page_size=16, dtype=torch.float32,
                        device_type="cpu")
     assert store.spec == store_spec(model.config, page_size=16, dtype=torch.float32, grad_dtype=None, device="cpu")
-    page_table = 2 * 19 * 4
-    assert store.capacity_pages == 2 * 19
+    # Its second layer has a 37-token window: 3 pages of 16 a chunk of 64 keeps for the next, 4 while computed, in
+    # ids and a block table of its own (+ its scratch page): 2 x (4 chunks x 3 + 4) + 1 ids against 2 x 19.
+    assert store.spec.windows == (None, 37)
+    page_table = 2 * (2 * 19 * 4)
+    assert store.capacity_pages == 2 * 19 and [store.layer(i).k.shape[0] for i in (0, 1)] == [2 * 19, 33]
     assert _items(plan)["paged store"] == store.nbytes() + page_table
     mean_bytes = store.nbytes()
     # Selection by bounds: the store keeps per-page key min and max beside the mean, as planned.
@@ -285,7 +288,7 @@ def test_planned_store_is_the_store_the_engine_allocates():
                           device_type="cpu", page_budget=2, select_block=16, select_score="bound")
     assert bounds.spec.key_summary == "bounds" and _items(planned)["paged store"] == bounds.nbytes() + page_table
     spec = bounds.spec
-    assert bounds.nbytes() - mean_bytes == 2 * 19 * spec.num_layers * spec.num_kv_heads * 2 * spec.head_dim * 4
+    assert bounds.nbytes() - mean_bytes == (2 * 19 + 33) * spec.num_kv_heads * 2 * spec.head_dim * 4
     oomb.release_memory(model)
 
 

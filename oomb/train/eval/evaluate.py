@@ -198,7 +198,8 @@ def _run_selection(loaded, page_size: int):
     return selection
 
 
-def pages_shortfall(model_config, page_size: int, dtype, batch_size: int, tokens: int, free_bytes: int) -> str | None:
+def pages_shortfall(model_config, page_size: int, dtype, batch_size: int, tokens: int, free_bytes: int,
+                    chunk_size: int | None = None) -> str | None:
     """Why ``batch_size`` sequences of ``tokens`` cannot be evaluated on a GPU with ``free_bytes`` free (the model
     loaded): their K/V pages alone (no gradient pages: an evaluation's store) need more; None where they fit. The
     pages are a lower bound of what the pass needs, so no evaluation that would fit is refused."""
@@ -210,7 +211,7 @@ def pages_shortfall(model_config, page_size: int, dtype, batch_size: int, tokens
 
     spec = dataclasses.replace(store_spec(model_config, page_size=page_size, dtype=dtype, grad_dtype=None,
                                           device="cpu"), gradients=False)
-    need = PagedKVStore.bytes_for(spec, batch_size, tokens).device
+    need = PagedKVStore.bytes_for(spec, batch_size, tokens, chunk_size=chunk_size).device
     if need <= free_bytes:
         return None
     return (f"{batch_size} x {tokens:,} tokens need {format_bytes(need)} of K/V pages, but the GPU has "
@@ -297,7 +298,7 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
         longest = max([*lengths, args.ppl_length if ppl_on else 0])
         dtype = model.get_input_embeddings().weight.dtype
         why = pages_shortfall(model_config, args.page_size, dtype, args.batch_size, longest,
-                              torch.cuda.mem_get_info(device)[0])
+                              torch.cuda.mem_get_info(device)[0], args.chunk_size)
         if why is not None:
             raise EvalError(why)
     task_name = args.task or _default_task(loaded, args)
