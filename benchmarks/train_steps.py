@@ -41,15 +41,22 @@ _UNIT_GIB = {"KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0, "TiB": 2**10}
 
 
 def planned_against_measured(log_text: str, metrics: list[dict]) -> dict:
-    """The GPU peak `oomb train`'s memory plan predicted (its startup line "memory plan: GPU X of Y") and that
-    over the largest peak its steps reported (meant to be within 5%); empty where the log has no plan."""
+    """The GPU peak `oomb train`'s memory plan predicted (its startup line "memory plan: GPU X of Y") and that over
+    the largest peak its steps reported (meant to be within 5%); the same without the plan's CUDA-context allowance
+    (``planned_allocated_...``): the steps report ``torch.cuda.max_memory_allocated``, which does not count the
+    context, so this is the like-for-like ratio. Empty where the log has no plan."""
+    from oomb.planning.plan import CUDA_CONTEXT_BYTES
+
     found = _PLAN_LINE.search(log_text)
     if found is None:
         return {}
     planned = float(found.group(1).replace(",", "")) * _UNIT_GIB[found.group(2)]
+    allocated = planned - CUDA_CONTEXT_BYTES / 2**30
     peaks = [m["peak_gpu_gib"] for m in metrics if m.get("peak_gpu_gib")]
     return {"planned_gpu_gib": round(planned, 2),
-            "planned_over_measured_peak": round(planned / max(peaks), 4) if peaks else None}
+            "planned_over_measured_peak": round(planned / max(peaks), 4) if peaks else None,
+            "planned_allocated_gib": round(allocated, 2),
+            "planned_allocated_over_measured_peak": round(allocated / max(peaks), 4) if peaks else None}
 
 
 def longest_planned(preset: str, keys: str) -> int | None:

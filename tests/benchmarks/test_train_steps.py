@@ -52,7 +52,10 @@ def test_the_plan_s_prediction_is_read_from_the_startup_line_and_set_against_the
 
     log = "oomb train: llama-3-8b\nmemory plan: GPU 66.00 GiB of 78.50 GiB, host 20.00 GiB of 120.00 GiB (oomb...)\n"
     metrics = [{"step": 1, "peak_gpu_gib": 62.5}, {"step": 2, "peak_gpu_gib": 64.0}]
-    assert planned_against_measured(log, metrics) == {"planned_gpu_gib": 66.0, "planned_over_measured_peak": 1.0312}
+    assert planned_against_measured(log, metrics) == {
+        "planned_gpu_gib": 66.0, "planned_over_measured_peak": 1.0312,
+        # less the plan's 1 GiB CUDA-context allowance, which max_memory_allocated does not see
+        "planned_allocated_gib": 65.0, "planned_allocated_over_measured_peak": 1.0156}
     assert planned_against_measured(log.replace("66.00 GiB", "512.00 MiB"), metrics)["planned_gpu_gib"] == 0.5
     assert planned_against_measured("memory plan: host 2.00 GiB of 8.00 GiB\n", metrics) == {}  # a CPU run
     assert planned_against_measured(log, [{"step": 1}])["planned_over_measured_peak"] is None
