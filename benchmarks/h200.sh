@@ -158,6 +158,10 @@ part unsloth 'unsloth-llama-3-8b unsloth-llama-3-8b-128k unsloth-llama-3-8b-long
 LORA64='--preset llama-3-8b --lengths "" --cache-host-lengths 65536 --chunk 16384 --recompute layer-host \
   --warm-each --repeats 2 --backend fa4'
 job core-llama-3-8b-lora-64k "$C $LORA64 --trainable lora --baseline-lengths 65536 --baseline-stacks fa4"
+# The leanest exact setting: the pages (offload) and every layer's input (layer-host) in host memory, one layer's
+# activations on the GPU, beside the lean row (the cache in host memory), all weights trained, against the stack.
+job core-llama-3-8b-offload-64k "$C --preset llama-3-8b --lengths '' --cache-host-lengths 65536 --offload-lengths 65536 \
+  --baseline-lengths 65536 --baseline-stacks fa4 --chunk 16384 --recompute layer-host --warm-each --repeats 2 --backend fa4"
 job core-llama-3-8b-lora-unfused-64k "$C $LORA64 --trainable lora-unfused"
 # packed: tokens per second on packed chat data at 4K, 16K and 32K, `oomb train` (its own settings, AdamW) against
 # the FA4 stack (packed by position_ids, fused AdamW), full fine-tune and LoRA r=16 of Qwen2.5-7B; a job per length.
@@ -179,7 +183,7 @@ job core-gpt-oss-20b-sparse-128k "$C --preset gpt-oss-20b --trainable attention 
   --baseline-stacks fa4 --chunk 16384 --recompute layer-host --warm-each --repeats 2 --backend fa4"
 part models 'train-gpt-oss-20b-lora core-gpt-oss-20b-vs-transformers-64k core-gpt-oss-20b-fast-64k
   core-gpt-oss-20b-sparse-128k core-llama-3-8b-vs-transformers-64k core-llama-3-8b-lora-64k
-  core-llama-3-8b-lora-unfused-64k core-qwen3-8b-vs-transformers-64k core-granite-3.3-8b-vs-transformers-64k
+  core-llama-3-8b-lora-unfused-64k core-llama-3-8b-offload-64k core-qwen3-8b-vs-transformers-64k core-granite-3.3-8b-vs-transformers-64k
   core-gemma-3-12b-vs-transformers-64k core-llama-3-8b-vs-transformers-128k core-qwen3-8b-vs-transformers-128k
   core-granite-3.3-8b-vs-transformers-128k core-gemma-3-12b-vs-transformers-128k core-llama-3-8b-lora-auto-64k
   core-qwen3-8b-lora-auto-64k core-granite-3.3-8b-lora-auto-64k'

@@ -32,6 +32,9 @@ class StepContext:
     store: KVStore
     backend: AttentionBackend
     stage: Stage = "fill"
+    # recompute="layer"/"layer-host": stage 2 rebuilds one decoder layer at a time, so each layer's forward is
+    # followed at once by its backward (oomb.engine.layer_recompute).
+    by_layer: bool = False
     # Attention module -> its sites (store layers), in the order of its calls within one forward.
     sites: dict[torch.nn.Module, tuple[int, ...]] = field(default_factory=dict)
     # Site -> the decoder layer it belongs to.

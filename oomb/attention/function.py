@@ -47,13 +47,18 @@ def _attend(step: StepContext, layer_idx: int, q, k, v, sinks, scale, sliding_wi
     store = step.store
     vis = visibility(step, layer_idx, q, sliding_window)
     past = step.page_lists.layer_ran(store, layer_idx, sliding_window, vis.get("page_select"))
-    pools, table = store.fetch(layer_idx, past, grads=False)
+    # A layer rebuilt alone in stage 2 runs its backward next: fetch what that reads (the gradient pages too), so
+    # an offloaded store fills the layer's slot once, as the backward of the layer after it prefetched it.
+    rebuilt = step.by_layer and step.stage == "recompute"
+    pools, table = store.fetch(layer_idx, past, grads=rebuilt)
     store.write(layer_idx, k, v)
     out, lse = step.backend.forward(
         q, pools.k, pools.v, table, store.num_tokens,
         scale=scale, sliding_window=sliding_window, sinks=sinks, **vis,
     )
     store.writeback(layer_idx, grads=False)
+    if rebuilt:
+        return out, lse, vis  # no next layer's forward follows: this layer's backward prefetches the one before
     known, pages = step.page_lists.past_pages(store, layer_idx + 1)
     if known:
         if step.selection is not None:  # its selection reads its page summaries first: queued before its pages

@@ -74,8 +74,7 @@ def layers_rebuildable(model_config, trust_remote_code: bool = False) -> bool:
 
 
 def check_layer_recompute(model: PreTrainedModel) -> None:
-    """Raise, saying what to change, where a step cannot recompute one layer at a time (StepOptions refuses
-    it with offload)."""
+    """Raise, saying what to change, where a step cannot recompute one layer at a time."""
     from torch.distributed.fsdp import FSDPModule
 
     from oomb.surgery.tensor_parallel import tensor_parallel_group

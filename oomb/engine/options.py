@@ -64,9 +64,9 @@ class StepOptions:
     offload: bool = False  # K, V and their gradient pages in host memory (oomb.offload)
     offload_gpu_bytes: int = 0  # with offload: device bytes for keeping the first layers' pages whole
     cache_attention: bool | str = False  # stage 2 reuses stage 1's attention outputs: True (device memory) or
-    # "host" (pinned host memory, oomb.engine.host_stash); not with offload
+    # "host" (pinned host memory, oomb.engine.host_stash); with offload only "host"
     recompute: str = "chunk"  # stage 2 rebuilds a chunk's activations: "chunk", "layer" or "layer-host"
-    # (oomb.engine.layer_recompute; not with offload)
+    # (oomb.engine.layer_recompute)
 
     def __post_init__(self) -> None:
         require_int("chunk_size", self.chunk_size, minimum=1)
@@ -105,12 +105,10 @@ class StepOptions:
                              "it needs offload=True")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={self.recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}")
-        if self.recompute != "chunk" and self.offload:
-            raise ValueError(f"recompute={self.recompute!r} keeps every layer's input for the whole sequence, "
-                             "against offload=True's purpose (the longest contexts): use recompute='chunk'")
-        if self.cache_attention and self.offload:
-            raise ValueError(f"cache_attention={self.cache_attention!r} keeps every chunk's attention outputs for "
-                             "stage 2, against offload=True's purpose (the longest contexts): choose one")
+        if self.cache_attention is True and self.offload:
+            raise ValueError("cache_attention=True keeps every chunk's attention outputs on the GPU for stage 2, "
+                             "against offload=True's purpose (GPU memory for the pages): use cache_attention='host' "
+                             "(in host memory) or False")
 
 
 _DEFAULTS = StepOptions()

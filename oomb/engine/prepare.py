@@ -93,7 +93,8 @@ def prepare_step(
     store = _store_for(model, support, device, options, forward_only=forward_only)
     store.reserve(batch, seq_len, options.chunk_size)
     cache = bool(options.cache_attention) and not forward_only
-    context = StepContext(store=store, backend=backend, stage="fill", doc_start=doc_start,
+    context = StepContext(store=store, backend=backend, stage="fill", by_layer=options.recompute != "chunk",
+                          doc_start=doc_start,
                           selection=options.selection, cache_attention=cache, tp_group=tensor_parallel_group(model),
                           sites=support.site_map(model), site_layers=support.site_layers,
                           attended=None if padding is None else ~padding)

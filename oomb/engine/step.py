@@ -72,13 +72,14 @@ def chunked_backward(
             layer (the same result), for H * (D * itemsize + 4) bytes per token per layer of device
             memory until the chunk's backward (Qwen2.5-7B in bf16: 200 KiB per token, 1.8x the
             paged store); "host": in pinned host memory instead, copied out in stage 1 and back one
-            layer ahead of stage 2 (oomb.engine.host_stash). Not with ``offload``.
+            layer ahead of stage 2 (oomb.engine.host_stash). With ``offload`` only "host".
         recompute: how stage 2 rebuilds a chunk's activations for its backward: "chunk" (all layers
             with autograd at once: the chunk's activations of every layer alive together), "layer"
             (stage 1 keeps every layer's input, (L + 1) x hidden values per token of the sequence on
             the device, and stage 2 rebuilds one layer at a time: one layer's activations alive) or
             "layer-host" (the same with the kept inputs in pinned host memory). The same gradients;
-            "layer" runs one more forward of the last chunk. Not with ``offload`` (oomb.engine.layer_recompute).
+            "layer" runs one more forward of the last chunk (oomb.engine.layer_recompute). With ``offload``
+            each layer's pages are brought once per chunk for its forward and backward together.
         loss_divisor: what the summed token loss is divided by (default: the number of target
             tokens of ``input_ids``). Data parallel training passes the target count of every
             rank's batches, so that the gradients of all ranks add up to the global mean's.

@@ -81,7 +81,7 @@ def test_eval_with_the_steps_options_reuses_its_store():
     ({"backend": "cuda"}, ValueError, "unknown attention backend 'cuda'"),
     ({"offload_gpu_bytes": -1}, ValueError, "offload_gpu_bytes must be >= 0"),
     ({"offload_gpu_bytes": 2**20}, ValueError, "it needs offload=True"),
-    ({"cache_attention": True, "offload": True}, ValueError, "choose one"),
+    ({"cache_attention": True, "offload": True}, ValueError, "use cache_attention=.host. \\(in host memory\\)"),
     ({"selection": 64}, TypeError, "selection must be an oomb.sparse.PageSelection"),
 ])
 def test_bad_options_are_refused_when_made(change, error, match):

@@ -81,6 +81,6 @@ def test_cached_attention_calls_the_kernels_once_less_per_chunk_and_layer(monkey
 
 def test_cached_attention_refuses_offload():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="choose one"):
+    with pytest.raises(ValueError, match="use cache_attention='host' \\(in host memory\\) or False"):
         oomb.chunked_backward(model, torch.randint(0, VOCAB, (1, 64)), chunk_size=32, page_size=16,
                               cache_attention=True, offload=True)

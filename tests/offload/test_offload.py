@@ -5,7 +5,7 @@ import torch
 from tiny_models import VOCAB, tiny_model
 
 import oomb
-from oomb.engine import store_for_model
+from oomb.engine import StepOptions, store_for_model
 from oomb.offload import OffloadedKVStore
 from oomb.sparse import PageSelection
 
@@ -351,3 +351,30 @@ def test_a_slot_table_sends_the_pages_it_does_not_hold_to_a_row_of_their_own():
         store.append_chunk(4)
 
 
+
+
+@pytest.mark.parametrize("recompute,cache", [("layer", False), ("layer-host", False), ("layer-host", "host")])
+@pytest.mark.parametrize("family,kw", [CASES[0], CASES[2]])  # dense; sparse with GPT-OSS's windows and sinks
+def test_offload_with_one_layer_rebuilt_at_a_time(family, kw, recompute, cache):
+    # The lean setting: the pages and every layer's input in host memory, one layer's activations on the GPU. The
+    # same gradients as the device store, and no more bytes moved than the whole-chunk recompute moves: each layer's
+    # forward fetches what its backward (next) reads, one fill of the layer's slot.
+    model = tiny_model(family)
+    ids = torch.randint(0, VOCAB, (2, 200))
+    ref_loss, ref = _step(model, ids, chunk_size=32, page_size=8, recompute=recompute, cache_attention=cache, **kw)
+    loss, got = _step(model, ids, chunk_size=32, page_size=8, offload=True, recompute=recompute,
+                      cache_attention=cache, **kw)
+    assert torch.equal(loss, ref_loss)
+    for name, g in ref.items():
+        assert torch.equal(got[name], g), name
+    by_layer = dict(store_for_model(model).moved_bytes)
+    _step(model, ids, chunk_size=32, page_size=8, offload=True, **kw)
+    whole_chunk = store_for_model(model).moved_bytes
+    assert by_layer["to_device"] <= whole_chunk["to_device"]
+    # stage 1 runs the last chunk too (its K/V go home once more); a cached forward writes none home in stage 2
+    assert by_layer["to_host"] <= 1.25 * whole_chunk["to_host"]
+
+
+def test_offload_refuses_the_attention_cache_on_the_gpu():
+    with pytest.raises(ValueError, match="cache_attention='host'"):
+        StepOptions(offload=True, cache_attention=True)

@@ -277,8 +277,27 @@ def test_the_cache_and_the_layer_inputs_in_host_memory(monkeypatch):
         "chunk 16384 (chosen by the memory plan), attention cache in host memory, recompute layer-host")
     with pytest.raises(ConfigError, match="train.cache_attention='gpu': use auto"):
         _resolve(["model.preset=qwen2.5-7b", "train.cache_attention=gpu"])
-    with pytest.raises(ConfigError, match="train.cache_attention=host keeps attention outputs"):
-        _resolve(["model.preset=qwen2.5-7b", "train.cache_attention=host", "train.offload=true"])
+    with pytest.raises(ConfigError, match="train.cache_attention=true keeps attention outputs on the GPU"):
+        _resolve(["model.preset=qwen2.5-7b", "train.cache_attention=true", "train.offload=true"])
+
+
+def test_the_leanest_exact_step_keeps_pages_and_layer_inputs_in_host_memory(monkeypatch):
+    # train.offload=true with train.recompute=layer-host (asked for: auto keeps whole-chunk recompute with offload):
+    # the pages, every layer's input and the attention cache in host memory; the GPU holds the weights, the
+    # gradients, one layer's activations of one chunk and two layers' page slots.
+    monkeypatch.setattr(fused_ops, "liger_available", lambda: True)
+    cfg, plan, _ = _resolve(["model.preset=qwen2.5-7b", "data.seq_len=131072", "train.offload=true",
+                             "train.offload_gpu_memory=0", "train.recompute=layer-host", "train.cache_attention=host"])
+    items = {i.name: i for i in plan.items}
+    assert items["kept layer inputs"].gpu_bytes == 0 and items["attention output cache"].gpu_bytes == 0
+    assert plan.host_bytes > 131072 * 112 * 1024  # the pages (K, V and their gradients: 112 KiB a token) among them
+    lean, ondevice = plan.gpu_bytes, _resolve(
+        ["model.preset=qwen2.5-7b", "data.seq_len=131072", "train.recompute=layer-host",
+         "train.cache_attention=host"])[1].gpu_bytes
+    assert ondevice - lean > 131072 * 100 * 1024  # the pages' 112 KiB a token, less two layers' slots
+    assert cfg.train.recompute == "layer-host" and plan.settings["recompute"] == "layer-host"
+    auto = _resolve(["model.preset=qwen2.5-7b", "data.seq_len=131072", "train.offload=true"])[0]
+    assert auto.train.recompute == "chunk"
 
 
 @pytest.mark.parametrize("allowance,resident", [("auto", 28), ("0", 0)])

@@ -87,12 +87,13 @@ def check_config(cfg: Config) -> None:
     check_report_to(cfg)
     if t.recompute not in ("auto", *RECOMPUTE_MODES):
         raise ConfigError(f"train.recompute={t.recompute!r}: use auto, {', '.join(RECOMPUTE_MODES)}")
-    if t.recompute in ("layer", "layer-host") and (t.offload or t.layer_checkpointing):
+    if t.recompute in ("layer", "layer-host") and t.layer_checkpointing:
         raise ConfigError(f"train.recompute={t.recompute} rebuilds one layer at a time from the inputs stage 1 kept: "
-                          "not with train.offload=true or train.layer_checkpointing=true (set train.recompute=chunk)")
-    if (t.cache_attention is True or t.cache_attention == "host") and t.offload:
-        raise ConfigError(f"train.cache_attention={str(t.cache_attention).lower()} keeps attention outputs for stage 2 "
-                          "and train.offload=true needs the GPU's memory and PCIe for pages: choose one")
+                          "not with train.layer_checkpointing=true (set train.recompute=chunk)")
+    if t.cache_attention is True and t.offload:
+        raise ConfigError("train.cache_attention=true keeps attention outputs on the GPU for stage 2 and "
+                          "train.offload=true needs the GPU's memory for pages: set train.cache_attention=host "
+                          "(in host memory) or false")
 
 
 def check_model(cfg: Config) -> None:

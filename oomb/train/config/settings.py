@@ -217,12 +217,13 @@ class TrainConfig:
     0: only the two working layers."""
     cache_attention: bool | str = "auto"
     """Keep stage 1's attention outputs for stage 2 (one attention forward less per chunk; same gradients; GPU
-    memory H*(2D+4) B per token per layer in bf16, 200 KiB/token for Qwen2.5-7B; host: in pinned host memory); not
-    with offload. auto: on where the memory plan fits with it (off with offload or train.memory_check=false)."""
+    memory H*(2D+4) B per token per layer in bf16, 200 KiB/token for Qwen2.5-7B; host: in pinned host memory); with
+    offload only host. auto: on where the memory plan fits with it (off with offload or train.memory_check=false)."""
     recompute: str = "auto"
     """How stage 2 rebuilds a chunk for its backward: chunk (every layer at once), layer (from every layer's input,
     kept by stage 1 on the GPU: one layer's activations at a time) or layer-host (those inputs in pinned host
-    memory); same gradients; not with offload. auto: chunk, or layer-host where the plan fits only with it."""
+    memory); same gradients; with offload, the pages and the inputs in host memory (the leanest exact step). auto:
+    chunk, or layer-host where the plan fits only with it (without offload)."""
     attention: str = "auto"
     """Attention kernels: auto (FlashAttention-4 where flash-attn-4 is installed and the GPU is Hopper or Blackwell,
     else the Triton kernels on CUDA, PyTorch on CPU), fa4, triton or torch. fa4 runs page-sparse selections on FA4's

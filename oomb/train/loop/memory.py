@@ -190,7 +190,9 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
 
 def layer_recompute_possible(cfg: Config, device_type: str) -> bool:
     """Whether train.recompute=auto may choose layer-host: one process (FSDP under torchrun replays no layers),
-    no offload, no transformers layer checkpointing, decoder layers it can rebuild (oomb.engine.layer_recompute)."""
+    no offload (it runs with offload where asked for, train.recompute=layer-host; its speed against offload's
+    whole-chunk recompute is not measured, so auto keeps that), no transformers layer checkpointing, decoder layers
+    it can rebuild (oomb.engine.layer_recompute)."""
     t = cfg.train  # (on a CPU the host is the same memory: nothing to gain)
     if _under_torchrun(cfg) or t.offload or t.layer_checkpointing or device_type != "cuda":
         return False
