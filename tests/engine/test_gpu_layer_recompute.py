@@ -86,3 +86,27 @@ def test_host_stash_copies_wait_for_the_compute_stream_and_back():
     stash.keep("t", y)
     back = stash.take("t")
     assert back.shape == y.shape and back.stride() == y.stride() and torch.equal(back, y)
+
+
+@pytest.mark.parametrize("cache", [False, "host"])
+def test_offload_with_layer_host_equals_the_device_store_and_holds_less(cache):
+    # The leanest exact step: pages, layer inputs (and the cache) in host memory, copied on the store's stream while
+    # the layers compute. Its gradients are those of the same step with the pages on the GPU; its peak is lower by
+    # about the pages (6 layers x 2 KV heads x 64 x 2 (K, V) x 4 B x 2 (gradients) = 12 KiB a token here).
+    model = _model()
+    ids = torch.randint(0, 4096, (1, 16384 + 77), device="cuda")
+    results = {}
+    for offload in (False, True):
+        model.zero_grad(set_to_none=True)
+        oomb.release_memory(model)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        loss = oomb.chunked_backward(model, ids, chunk_size=4096, page_size=128, backend="triton",
+                                     cache_attention=cache, recompute="layer-host", offload=offload)
+        torch.cuda.synchronize()
+        grads = torch.cat([p.grad.float().reshape(-1) for p in model.parameters()])
+        results[offload] = loss.item(), grads, torch.cuda.max_memory_allocated()
+    (loss, grads, peak), (off_loss, off_grads, off_peak) = results[False], results[True]
+    assert abs(off_loss - loss) <= 1e-6 * abs(loss)
+    assert ((off_grads - grads).norm() / grads.norm()).item() <= 1e-6
+    assert peak - off_peak > 0.5 * (16384 + 77) * 12 * 1024, (peak, off_peak)
