@@ -67,9 +67,8 @@ __all__ = [
     "AUTO_GPU_MARGIN_BYTES", "CUDA_CONTEXT_BYTES", "HOST_PROCESS_BYTES", "MEASURED_FAMILIES", "OPTIMIZER_KINDS",
     "LoraShape", "MeasuredLimits", "MemoryItem", "MemoryPlan", "ModelShape", "ParameterCounts", "StoreBytes",
     "checkpointed_bytes_per_token", "count_parameters", "format_bytes", "fused_loss_bytes", "largest_context",
-    "layer_backward_bytes_per_token", "measure_saved_activations", "optimizer_state_bytes",
-    "plan_first_fitting", "plan_memory", "saved_bytes_per_token", "store_spec",
-]
+    "layer_backward_bytes_per_token", "measure_saved_activations", "optimizer_state_bytes", "plan_first_fitting",
+    "plan_memory", "saved_bytes_per_token", "store_spec"]
 
 GiB = 2**30
 # CUDA context, cuBLAS/Triton workspaces and caching-allocator slack: memory the process uses
