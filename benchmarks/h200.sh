@@ -181,7 +181,12 @@ job core-gpt-oss-20b-fast-64k "$C --preset gpt-oss-20b --trainable attention --l
 job core-gpt-oss-20b-sparse-128k "$C --preset gpt-oss-20b --trainable attention --lengths '' \
   --cache-host-lengths 131072 --sparse-lengths 131072 --budget 64 --chunk-pages 64 --baseline-lengths 131072 \
   --baseline-stacks fa4 --chunk 16384 --recompute layer-host --warm-each --repeats 2 --backend fa4"
-part models 'train-gpt-oss-20b-lora core-gpt-oss-20b-vs-transformers-64k core-gpt-oss-20b-fast-64k
+# GPT-OSS-20B under `oomb train` as the seed trains it at 512K: page-sparse full-attention layers (64 pages a block),
+# sliding layers over their window's pages only, LoRA on every linear layer and the experts; its plan fits an 80 GB
+# card without offload (the sliding layers keep one page a chunk). Two steps, the plan's peak beside the measured.
+job train-gpt-oss-20b-lora-sparse-512k "python3 -m benchmarks.train_steps --preset gpt-oss-20b --lengths 524288 \
+  --steps 2 --timeout 540 --keys 'lora.r=16 lora.targets=all-linear train.page_budget=64'"
+part models 'train-gpt-oss-20b-lora train-gpt-oss-20b-lora-sparse-512k core-gpt-oss-20b-vs-transformers-64k core-gpt-oss-20b-fast-64k
   core-gpt-oss-20b-sparse-128k core-llama-3-8b-vs-transformers-64k core-llama-3-8b-lora-64k
   core-llama-3-8b-lora-unfused-64k core-llama-3-8b-offload-64k core-qwen3-8b-vs-transformers-64k core-granite-3.3-8b-vs-transformers-64k
   core-gemma-3-12b-vs-transformers-64k core-llama-3-8b-vs-transformers-128k core-qwen3-8b-vs-transformers-128k
