@@ -29,6 +29,8 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 import oomb
+from oomb.engine import store_for_model
+from oomb.engine.sizes import config_windows
 from oomb.engine.twin import TwinUnavailable
 
 TOL = 1e-5
@@ -119,4 +121,23 @@ def check_family(model_type: str) -> Outcome:
     worst = max(errors, key=errors.get)
     if errors[worst] > TOL:
         return Outcome("wrong", f"{worst}: relative error {errors[worst]:.2e}", errors[worst])
+    if (why := _planned_windows_too_short(model)) is not None:
+        return Outcome("wrong", why)
     return Outcome("exact", "", errors[worst])
+
+
+def _planned_windows_too_short(model) -> str | None:
+    """Where the memory plan, reading windows from the config, counts fewer pages for a layer than the store the
+    step allocated keeps (a window the config names that the layer's calls do not use, or a shorter one)."""
+    engine = store_for_model(model).spec.windows
+    calls = len(store_for_model(model).spec.layers) // model.config.num_hidden_layers
+    planned = config_windows(model.config, calls_per_layer=max(calls, 1))
+    if planned is None:
+        return None  # the plan keeps every page: an upper bound
+    if engine is not None and len(planned) != len(engine):
+        return f"the plan reads {len(planned)} store layers' windows from the config, the step has {len(engine)}"
+    for layer, window in enumerate(planned):
+        used = None if engine is None else engine[layer]
+        if window is not None and (used is None or window < used):
+            return f"the plan reads a window of {window} for store layer {layer} from the config; its calls use {used}"
+    return None
