@@ -93,13 +93,18 @@ CASES = {
     # GPT-OSS: per-head sinks, alternating sliding and full layers, documents, ragged
     "gpt_oss": dict(family="gpt_oss", batch=2, seq_len=133, doc_starts=[[90], []], selection=PageSelection(
         page_budget=3, block=16, sink_pages=1, local_pages=1, per_head=True, score="mean")),
+    # GPT-OSS with windows shorter than a chunk: its sliding layers keep one page of each chunk (the rest given back
+    # in stage 2), beside the sparse full layers, outputs cached from stage 1
+    "gpt_oss_short_windows": dict(family="gpt_oss", overrides=dict(sliding_window=9), batch=2, seq_len=133,
+                                  step_kw=dict(cache_attention=True),
+                                  selection=PageSelection(page_budget=3, block=16, sink_pages=1)),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sparse_step_equals_full_sequence_under_the_recorded_mask(name):
     case = CASES[name]
-    model = tiny_model(case["family"])
+    model = tiny_model(case["family"], **case.get("overrides", {}))
     batch, seq_len = case["batch"], case["seq_len"]
     ids = torch.randint(0, VOCAB, (batch, seq_len))
     doc_ids = labels = None
