@@ -175,6 +175,16 @@ class PagedKVStore(ChunkLedger):
             total += ids * sum(spec.layer_page_bytes(i) for i in group.layers) + pages * 4
         return StoreBytes(device=total)
 
+    @staticmethod
+    def describe(spec: StoreSpec, batch_size: int, pages: int) -> str:
+        """What ``bytes_for`` counts, in words (the memory plan's line): the full-attention layers' pages, the
+        sliding layers' windows."""
+        full = [i for i, w in enumerate(spec.windows or (None,) * spec.num_layers) if w is None]
+        slide = spec.num_layers - len(full)
+        kept = f" of {len(full)} layer{'s' * (len(full) != 1)}; of the other {slide}, what their windows reach" if slide else ""
+        return (f"{batch_size} x {pages} pages x {sum(map(spec.layer_page_bytes, full)):,} B (K, V, dK, dV, mean "
+                f"keys){kept} + page table{'s' * bool(slide)}")
+
     def nbytes(self) -> int:
         """Bytes held by the pools (allocated capacity, used or not)."""
         return sum(self.spec.layer_page_bytes(i) * pools.k.shape[0] for i, pools in enumerate(self._layers))

@@ -382,10 +382,7 @@ def _step_items(model_config, model: ModelShape, spec: StoreSpec, options: StepO
                       if store.resident_layers else
                       "block tables, two layer slots (pages and mean keys of one layer each)", False)
     else:
-        windowed = sum(w is not None for w in spec.windows or ())
-        kept = f", of {windowed} sliding-window layers what their windows reach" if windowed else ""
-        store_item = ("paged store", store.device, f"{batch} x {pages} pages x {spec.bytes_per_page():,} B "
-                      f"(K, V, dK, dV, mean keys){kept} + page table", False)
+        store_item = ("paged store", store.device, PagedKVStore.describe(spec, batch, pages), False)
     items = [
         store_item,
         ("sparse page lists", page_lists, "dense" if selection is None else

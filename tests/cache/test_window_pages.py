@@ -82,3 +82,13 @@ def test_a_window_spec_names_every_layer():
     with pytest.raises(ValueError, match="at least 1 token"):
         StoreSpec.uniform(1, 1, 2, page_size=4, dtype=torch.float32, grad_dtype=torch.float32,
                           device=torch.device("cpu"), windows=(0,))
+
+
+def test_the_plan_line_names_the_full_layers_pages_and_the_windows():
+    spec = _store(windows=(None, 6, 6)).spec
+    assert PagedKVStore.describe(spec, 2, 15) == (
+        f"2 x 15 pages x {spec.layer_page_bytes(0):,} B (K, V, dK, dV, mean keys) of 1 layer; of the other 2, "
+        "what their windows reach + page tables")
+    plain = _store(windows=(None, None)).spec
+    assert PagedKVStore.describe(plain, 1, 3).endswith(f"x {2 * plain.layer_page_bytes(0):,} B (K, V, dK, dV, "
+                                                       "mean keys) + page table")
