@@ -181,7 +181,8 @@ class PagedKVStore(ChunkLedger):
         sliding layers' windows."""
         full = [i for i, w in enumerate(spec.windows or (None,) * spec.num_layers) if w is None]
         slide = spec.num_layers - len(full)
-        kept = f" of {len(full)} layer{'s' * (len(full) != 1)}; of the other {slide}, what their windows reach" if slide else ""
+        layers = f"{len(full)} layer{'s' * (len(full) != 1)}"
+        kept = f" of {layers}; of the other {slide}, what their windows reach" if slide else ""
         return (f"{batch_size} x {pages} pages x {sum(map(spec.layer_page_bytes, full)):,} B (K, V, dK, dV, mean "
                 f"keys){kept} + page table{'s' * bool(slide)}")
 
