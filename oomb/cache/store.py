@@ -385,6 +385,12 @@ class PagedKVStore(ChunkLedger):
     def read(self, layer_idx: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of tokens [start, end) as [B, H_kv, end-start, D] (a copy). A sliding layer holds, of the
         chunks before the newest, only the pages the newest one's window reaches."""
+        group = self._window_of.get(layer_idx)
+        ps = self.spec.page_size
+        if group is not None and 0 <= start < end and bool((group.table[:, start // ps : -(-end // ps)]
+                                                           == group.scratch).any()):
+            raise ValueError(f"layer {layer_idx} keeps only what its {group.window}-token window reaches from later "
+                             f"chunks: tokens [{start}, {end}) include pages it gave up")
         pools = self._layers[layer_idx]
         return self._gather(layer_idx, pools.k, start, end), self._gather(layer_idx, pools.v, start, end)
 

@@ -43,6 +43,9 @@ def test_each_chunk_keeps_the_pages_the_next_window_reaches():
     # what the newest chunk's window reads is intact: the previous chunk's last 5 tokens
     keys, _ = store.read(1, 43, 48)
     assert (keys == 3).all()
+    with pytest.raises(ValueError, match="tokens \\[30, 40\\) include pages it gave up"):
+        store.read(1, 30, 40)  # the third chunk's first pages: given up when the fourth was appended
+    assert store.read(0, 30, 40)[0].shape[2] == 10  # the full-attention layer keeps every page
 
 
 def test_freeing_a_chunk_gives_the_one_before_its_pages_back_with_zero_gradients():
