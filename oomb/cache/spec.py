@@ -34,8 +34,9 @@ class StoreSpec:
     every layer the same shape (``StoreSpec.uniform``).
 
     ``windows``: per layer, the sliding window its attention calls name (keys i - j < W), None for full attention;
-    None (the field) where no layer has one. A device store keeps, of a sliding layer, only the pages its window
-    reaches from a later chunk (oomb/cache/window_pages.py); the offloaded store keeps every page.
+    None (the field) where no layer has one (a tuple of None alone becomes None, so such specs compare equal). A
+    device store keeps, of a sliding layer, only the pages its window reaches from a later chunk
+    (oomb/cache/window_pages.py); the offloaded store keeps every page.
     """
 
     layers: tuple[PageShape, ...]
@@ -59,10 +60,16 @@ class StoreSpec:
                 raise ValueError(f"windows names {len(self.windows)} layers, the store has {len(self.layers)}")
             if any(w is not None and w < 1 for w in self.windows):
                 raise ValueError(f"a sliding window must be at least 1 token, got {self.windows}")
+            if all(w is None for w in self.windows):
+                object.__setattr__(self, "windows", None)  # frozen: the one normal form of "no windows"
 
     def window(self, layer_idx: int) -> int | None:
         """The layer's sliding window (None: full attention)."""
         return None if self.windows is None else self.windows[layer_idx]
+
+    def full_layers(self) -> list[int]:
+        """The layers without a sliding window, which keep every page."""
+        return [i for i in range(self.num_layers) if self.window(i) is None]
 
     @classmethod
     def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, *, value_dim: int | None = None,

@@ -139,6 +139,7 @@ class PagedKVStore(ChunkLedger):
         self._allocator = PageAllocator(0)
         self._windows = window_groups(spec.windows)
         self._window_of = {layer: group for group in self._windows for layer in group.layers}
+        self._full_layers = spec.full_layers()  # the layers on the shared ids and block table
         self._layers: list[LayerPools] = [_empty_pools(spec, i, 0) for i in range(spec.num_layers)]
         self.batch_size = 0
         self.page_table = torch.zeros((0, 0), dtype=torch.int32, device=spec.device)
@@ -166,10 +167,8 @@ class PagedKVStore(ChunkLedger):
         """What ``reserve(batch_size, num_tokens, chunk_size)`` allocates: every page's K, V, dK, dV and key summary of
         the full-attention layers, what the sliding layers' windows keep, and the block tables (int32)."""
         pages = batch_size * -(-num_tokens // spec.page_size)
-        groups = window_groups(spec.windows)
-        windowed = {layer for group in groups for layer in group.layers}
-        total = pages * (sum(spec.layer_page_bytes(i) for i in range(spec.num_layers) if i not in windowed) + 4)
-        for group in groups:
+        total = pages * (sum(map(spec.layer_page_bytes, spec.full_layers())) + 4)
+        for group in window_groups(spec.windows):
             ids = window_page_ids(group.window, batch_size=batch_size, num_tokens=num_tokens,
                                   page_size=spec.page_size, chunk_size=chunk_size)
             total += ids * sum(spec.layer_page_bytes(i) for i in group.layers) + pages * 4
@@ -179,7 +178,7 @@ class PagedKVStore(ChunkLedger):
     def describe(spec: StoreSpec, batch_size: int, pages: int) -> str:
         """What ``bytes_for`` counts, in words (the memory plan's line): the full-attention layers' pages, the
         sliding layers' windows."""
-        full = [i for i, w in enumerate(spec.windows or (None,) * spec.num_layers) if w is None]
+        full = spec.full_layers()
         slide = spec.num_layers - len(full)
         layers = f"{len(full)} layer{'s' * (len(full) != 1)}"
         kept = f" of {layers}; of the other {slide}, what their windows reach" if slide else ""
@@ -267,11 +266,10 @@ class PagedKVStore(ChunkLedger):
             )
             grown[:, : self.page_table.shape[1]] = self.page_table
             self.page_table = grown
-        full_layers = [i for i in range(s.num_layers) if i not in self._window_of]
-        ids = self._take(self._allocator, self.batch_size * n_pages, full_layers)
+        ids = self._take(self._allocator, self.batch_size * n_pages, self._full_layers)
         ids_t = ids_on_device(ids, self.batch_size, s.device)
         self.page_table[:, first_page : first_page + n_pages] = ids_t
-        self._zero_grads(full_layers, ids_t)
+        self._zero_grads(self._full_layers, ids_t)
         for group in self._windows:
             if self._chunks:
                 previous = self._chunks[-1]

@@ -146,8 +146,7 @@ def config_windows(config, *, calls_per_layer: int = 1) -> tuple[int | None, ...
     window = getattr(config, "sliding_window", None)
     if getattr(config, "is_heterogeneous", False) or not types or not window or len(types) != config.num_hidden_layers:
         return None
-    windows = tuple(window if kind == "sliding_attention" else None for kind in types for _ in range(calls_per_layer))
-    return windows if any(w is not None for w in windows) else None
+    return tuple(window if kind == "sliding_attention" else None for kind in types for _ in range(calls_per_layer))
 
 
 @dataclass(frozen=True)

@@ -85,9 +85,8 @@ class ModelSupport:
 
     @property
     def windows(self) -> tuple[int | None, ...] | None:
-        """Each site's sliding window (None: full attention), or None where no site has one (StoreSpec.windows)."""
-        windows = tuple(site.sliding_window for site in self.sites)
-        return windows if any(w is not None for w in windows) else None
+        """Each site's sliding window (None: full attention), as StoreSpec.windows takes them."""
+        return tuple(site.sliding_window for site in self.sites)
 
     @property
     def site_layers(self) -> tuple[int, ...]:

@@ -95,3 +95,10 @@ def test_the_plan_line_names_the_full_layers_pages_and_the_windows():
     plain = _store(windows=(None, None)).spec
     assert PagedKVStore.describe(plain, 1, 3).endswith(f"x {2 * plain.layer_page_bytes(0):,} B (K, V, dK, dV, "
                                                        "mean keys) + page table")
+
+
+def test_a_spec_without_any_window_is_one_spec():
+    # the engine names every site's window, the planner every config layer's: all None is no windows at all
+    fields = dict(page_size=4, dtype=torch.float32, grad_dtype=torch.float32, device=torch.device("cpu"))
+    assert StoreSpec.uniform(2, 1, 2, windows=(None, None), **fields) == StoreSpec.uniform(2, 1, 2, **fields)
+    assert StoreSpec.uniform(3, 1, 2, windows=(None, 6, None), **fields).full_layers() == [0, 2]
