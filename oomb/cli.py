@@ -93,15 +93,23 @@ def _train(args, console: Console) -> int:
     overrides = list(args.args)
     if overrides and "=" not in overrides[0]:
         config_path = overrides.pop(0)
+    printed: list[Exception] = []
+
+    def report(e: Exception) -> None:  # before a torchrun job's ranks leave their group (trainer.train)
+        if isinstance(e, RunStopped):  # a failure the trainer handled: the message says what is on disk and what to do
+            console.print(Text.assemble(("stopped: ", "red"), str(e)), highlight=False, soft_wrap=True)
+        else:
+            console.print(f"[red]config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        console.file.flush()
+        printed.append(e)
+
     try:
         cfg = load_run_config(config_path, overrides)
-        train(cfg, console)
-    except ConfigError as e:
-        console.print(f"[red]config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        return EXIT_CONFIG
-    except RunStopped as e:  # a failure the trainer handled: the message says what is on disk and what to do
-        console.print(Text.assemble(("stopped: ", "red"), str(e)), highlight=False, soft_wrap=True)
-        return e.exit_code
+        train(cfg, console, on_error=report)
+    except (ConfigError, RunStopped) as e:
+        if e not in printed:
+            report(e)
+        return e.exit_code if isinstance(e, RunStopped) else EXIT_CONFIG
     return 0
 
 

@@ -128,6 +128,23 @@ def test_train_refuses_bad_settings_before_work(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_refusal_is_printed_once_and_before_the_ranks_leave_their_group(tmp_path, capsys, monkeypatch):
+    # Under torchrun a rank that fails alone is stopped by torchrun as soon as the others see the group gone: what it
+    # prints after leaving the group may never be written. `oomb train` prints (and flushes) first.
+    from oomb.train.loop import distributed
+
+    order = []
+    leave = distributed.teardown
+    monkeypatch.setattr(distributed, "teardown", lambda ctx: (order.append(("left", capsys.readouterr().out)),
+                                                              leave(ctx)))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("precious\n")
+    assert main(["train", f"out_dir={out}", "train.steps=1"]) == 2
+    assert len(order) == 1 and "never overwrites" in order[0][1]  # printed before the group was left
+    assert "never overwrites" not in capsys.readouterr().out  # and not again after
+
+
 def test_layer_checkpointing_gives_the_same_run(tmp_path):
     common = ["train.steps=3", "data.seq_len=512", "train.chunk_size=256", "train.page_size=64", "train.export=false"]
     assert main(["train", f"out_dir={tmp_path / 'a'}", *common]) == 0

@@ -14,6 +14,7 @@ run through oomb.train.loop.faults.RunStopped; docs/failures.md lists them.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,18 +67,27 @@ from oomb.train.runfolder.rundir import (
 )
 
 
-def train(cfg: Config, console: Console | None = None) -> Path:
+def train(cfg: Config, console: Console | None = None, *,
+          on_error: Callable[[Exception], None] | None = None) -> Path:
     """Run the configured training; returns the output folder (metrics.jsonl, config.json).
 
     Raises ConfigError before any work for bad settings or paths, and RunStopped for a
     failure it handled during the run (the message says what is on disk and how to resume).
     Under torchrun (WORLD_SIZE > 1) the ranks train data parallel, or tensor parallel with
     train.tensor_parallel > 1: oomb.train.loop.distributed.
+
+    ``on_error`` gets such an error before the ranks' process group is left (then it is raised): where one rank
+    fails alone, the others fail as soon as the group is gone, and torchrun stops every rank; a message printed
+    after that may never be written (`oomb train` prints it here).
     """
     check_config(cfg)
     ctx = distributed.setup(cfg)  # a single process: one rank
     try:
         return _train(cfg, console, ctx)
+    except (ConfigError, RunStopped) as e:
+        if on_error is not None:
+            on_error(e)
+        raise
     finally:
         unwatch()  # the run's data files (oomb.train.data.identity), watched from its start
         distributed.teardown(ctx)
