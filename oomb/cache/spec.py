@@ -36,7 +36,7 @@ class StoreSpec:
     ``windows``: per layer, the sliding window its attention calls name (keys i - j < W), None for full attention;
     None (the field) where no layer has one (a tuple of None alone becomes None, so such specs compare equal). A
     device store keeps, of a sliding layer, only the pages its window reaches from a later chunk
-    (oomb/cache/window_pages.py); the offloaded store keeps every page.
+    (oomb/cache/window_pages.py); the offloaded store, in host memory, as well (oomb/offload/host_pages.py).
     """
 
     layers: tuple[PageShape, ...]

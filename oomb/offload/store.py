@@ -1,12 +1,9 @@
 """The paged store with its pages in host memory and a small working set on the GPU.
 
-K, V and their gradient pages are the only memory that grows with the context. Here they live in host
-pools (pinned when CUDA is present), one allocation per kind for all layers, in sequence order::
-
-    host k, v, dk, dv : [num_layers, B, max_pages, H_kv, page_size, D]  (page p of row b at [layer, b, p];
-                                                                       D: D_k for k, dk and D_v for v, dv)
-    host mean         : [num_layers, B, max_pages, H_kv, summary_dim] (K's dtype) (page selection)
-    page_table        : [B, max_pages] int32 = b * max_pages + p          (for mean keys only)
+K, V and their gradient pages are the only memory that grows with the context. Here they live in pinned host
+pools, in sequence order (page p of sequence b at [layer, b, p]); a sliding layer's at the rows of what its window
+reaches (oomb/offload/host_pages.py). The store's ``page_table`` [B, max_pages] = b * max_pages + p indexes the
+mean keys.
 
 A layer's mean keys (what sparse attention chooses pages by) come to its slot before its selection runs
 (``mean_keys``; prefetched with ``prefetch_mean_keys`` while the previous layer computes), so nothing on
@@ -22,16 +19,14 @@ next one). A slot holds, for one layer, the pages one kernel call reads, compact
     slot k, v, dk, dv : [B * M + 1, H_kv, page_size, D]    M = past pages asked for + chunk pages
     slot table        : [B, max_pages] int32                page p of row b -> its slot row
 
-Every page the slot holds has a row of its own; the pages it does not hold all go to the row
-after those (``B * M``), which no copy reads back. A kernel may gather from it (a page-sparse call's
-padding keys, which no query sees) and add their zero gradients to it, so kernels can add
-gradients by gathering, adding and writing back rows, as over the device store's table.
+Every page the slot holds has a row of its own; the pages it does not hold all go to the row after those
+(``B * M``), which no copy reads back. A kernel may gather from it (a page-sparse call's padding keys, which no
+query sees) and add their zero gradients to it, as over the device store's table.
 
-Dense attention asks for every past page (one contiguous copy per row and kind); sparse
-attention for the pages its page lists name, gathered by a kernel that reads the mapped
-host pools directly (oomb/offload/copy.py: the page list stays on the GPU, the host never
-waits). Layer l uses slot l % num_slots. Copies run on their own CUDA stream and are
-ordered with events:
+Dense attention asks for every past page (one contiguous copy per row and kind); sparse attention for the pages
+its page lists name, gathered by a kernel that reads the mapped host pools directly (oomb/offload/copy.py: the
+page list stays on the GPU, the host never waits). Layer l uses slot l % num_slots. Copies run on their own CUDA
+stream and are ordered with events:
 
     compute:  ... kernels(l-1) -[free(l-1)]- kernels(l) ............ kernels(l+1)
     copy:                       wait free(l-1), K/V(l+1) host->slot -[ready(l+1)]-^
@@ -43,9 +38,8 @@ compute stream's point where the list was handed over, and the list's memory is 
 until the copies that read it ran (``PastPages.hand_to_stream``, oomb/cache/page_lists.py). A
 slot remembers which list it holds by the list's serial, never by its address.
 
-Without CUDA (tests) every copy is synchronous and the same code runs. Gradients are
-bit-identical to the device-resident store: the kernels see the same values in the
-same order, only at other addresses.
+Without CUDA (tests) every copy is synchronous and the same code runs. Gradients are bit-identical to the
+device-resident store: the kernels see the same values in the same order, only at other addresses.
 
 Debugging: ``OOMB_OFFLOAD_SYNC=1`` runs every copy with nothing overlapping (oomb/offload/copy.py).
 """
@@ -56,10 +50,12 @@ import contextlib
 
 import torch
 
-from oomb.cache import ChunkRecord, LayerPools, PastPages, StoreBytes, StoreSpec
+from oomb.cache import ChunkRecord, LayerPools, PastPages, StoreSpec
 from oomb.cache.layout import tiles_to_tokens, tokens_to_tiles
 from oomb.cache.store import ChunkLedger, page_key_summary
-from oomb.offload.copy import copy_pages, pinned_empty, sync_from_env
+from oomb.offload.copy import sync_from_env
+from oomb.offload.host_pages import HostPages
+from oomb.offload.sizes import store_bytes
 from oomb.offload.slots import KINDS, DeviceSlot, kind_dim, resident_layers
 
 
@@ -88,7 +84,7 @@ class OffloadedKVStore(ChunkLedger):
         # behind a running matrix product's and the next layer finds its pages late (measured on the H200 at
         # normal priority: +16% on a sparse 128K step; the priority itself not yet: docs/offload.md).
         self._copy_stream = torch.cuda.Stream(spec.device, priority=-1) if self._cuda else None
-        self._host: dict[str, torch.Tensor] = {}
+        self._host = HostPages(spec, cuda=self._cuda)  # pinned pools, and the host row of each page
         self._slots = [DeviceSlot() for _ in range(num_slots)]
         # Chosen pages move through the page-copy kernel (mapped host memory) on CUDA; without CUDA
         # through torch indexing. Tests set this True on CPU to run the kernel in Triton's interpreter.
@@ -109,7 +105,7 @@ class OffloadedKVStore(ChunkLedger):
         return self.batch_size * -(-self.num_tokens // self.spec.page_size)
 
     def host_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._host.values())
+        return self._host.nbytes()
 
     def nbytes(self) -> int:
         """Device bytes held: resident layers and the slots (the other layers' pages are on the host)."""
@@ -118,28 +114,7 @@ class OffloadedKVStore(ChunkLedger):
         resident = sum(t.numel() * t.element_size() for t in self._dev.values())
         return resident + slots
 
-    @staticmethod
-    def bytes_for(spec: StoreSpec, batch_size: int, num_tokens: int, *, chunk_size: int,
-                  listed_pages: int | None = None, gpu_bytes: int = 0) -> StoreBytes:
-        """What a step of ``batch_size`` sequences of ``num_tokens`` in chunks of ``chunk_size`` holds (the slots at
-        their largest): in host memory every page's K, V, dK, dV and key summary of the layers not kept whole
-        (pinned, exactly this size); on the device the first layers that fit in ``gpu_bytes`` whole, the block
-        tables (the store's and the two slots'), and two slots, each one layer's key summaries and the pages one
-        kernel call reads (every past page when dense; ``listed_pages`` past pages per sequence when sparse: the
-        page lists' union, PageSelection.pages_per_list times the lists) plus the chunk's own and the spare row,
-        grown by at most 5/4 over what they held (DeviceSlot.ensure_capacity)."""
-        page_size = spec.page_size
-        pages = -(-num_tokens // page_size)
-        page_bytes = spec.bytes_per_token() * page_size // spec.num_layers  # one page of one layer: K, V, dK, dV
-        layer = spec.layer_bytes(batch_size * pages)  # one layer's pages and key summaries
-        summaries = layer - batch_size * pages * page_bytes
-        resident = resident_layers(spec, batch_size, pages, gpu_bytes)
-        offloaded = spec.num_layers - resident
-        chunk_pages = -(-min(chunk_size, num_tokens) // page_size)
-        slot_pages = pages if listed_pages is None else min(pages, listed_pages + chunk_pages)
-        slots = 2 * ((batch_size * slot_pages + 1) * page_bytes * 5 // 4 + summaries) if offloaded else 0
-        device = resident * layer + slots + 3 * batch_size * pages * 4
-        return StoreBytes(device=device, host=offloaded * layer, resident_layers=resident)
+    bytes_for = staticmethod(store_bytes)  # what a step holds, host and device (oomb/offload/sizes.py)
 
     def layer_nbytes(self, batch_size: int, num_tokens: int) -> int:
         """Bytes of one layer's K, V, dK, dV pages and mean keys for ``batch_size`` sequences of ``num_tokens``."""
@@ -153,30 +128,27 @@ class OffloadedKVStore(ChunkLedger):
         return not self._resident(layer_idx)
 
     def reserve(self, batch_size: int, num_tokens: int, chunk_size: int | None = None) -> None:
-        """Make room for ``batch_size`` sequences of ``num_tokens`` (host pools grow, never shrink; every page kept)."""
+        """Make room for ``batch_size`` sequences of ``num_tokens`` in chunks of ``chunk_size`` (host pools grow,
+        never shrink; every page kept but what sliding windows no longer reach)."""
         self._check_reserve(batch_size, num_tokens)
         s = self.spec
         max_pages = -(-num_tokens // s.page_size)
         resident = resident_layers(s, batch_size, max_pages, self.gpu_bytes)
-        if (not self._host and not self._dev or batch_size != self.batch_size or max_pages > self._max_pages
-                or resident != self.resident_layers):
+        if not self._host.fits(batch_size, num_tokens, chunk_size, resident):  # the device's layers too
             self._synchronize()
-            self._host, self._dev = {}, {}  # drop the old buffers before allocating
+            self._host.release()  # drop the old buffers before allocating
+            self._dev = {}
             for slot in self._slots:
                 slot.mean = None
-            for kind in (*KINDS, "mean"):
+            for kind in (*KINDS, "mean") if resident else ():
                 dtype = s.grad_dtype if kind in ("dk", "dv") else s.dtype
                 shape = ((batch_size, max_pages, s.num_kv_heads, s.page_size, kind_dim(s, kind)) if kind != "mean"
                          else (batch_size, max_pages, s.num_kv_heads, s.summary_dim()))
-                if resident:
-                    self._dev[kind] = torch.zeros((resident, *shape), dtype=dtype, device=s.device)
-                if resident < s.num_layers:
-                    # Pinned and mapped, exactly this size (pin_memory=True would round up to a power of two).
-                    shape = (s.num_layers - resident, *shape)
-                    self._host[kind] = (pinned_empty(shape, dtype) if self._cuda
-                                        else torch.zeros(shape, dtype=dtype))
+                self._dev[kind] = torch.zeros((resident, *shape), dtype=dtype, device=s.device)
+            self._host.allocate(batch_size, num_tokens, chunk_size, resident)
             self._max_pages = max_pages
             self.resident_layers = resident
+        self._host.start()
         self.batch_size = batch_size
         rows = torch.arange(batch_size, device=s.device, dtype=torch.int32).view(-1, 1) * self._max_pages
         self.page_table = rows + torch.arange(self._max_pages, device=s.device, dtype=torch.int32)
@@ -189,7 +161,8 @@ class OffloadedKVStore(ChunkLedger):
         """Free every chunk and all memory, host and device; the store stays usable."""
         self.clear()
         self._synchronize()
-        self._host, self._dev = {}, {}
+        self._host.release()
+        self._dev = {}
         self._slots = [DeviceSlot() for _ in range(self.num_slots)]
         self.resident_layers = 0
         self._max_pages = 0
@@ -208,15 +181,14 @@ class OffloadedKVStore(ChunkLedger):
         # pages and stage 2 appends before its first backward), so this costs no wait there.
         self._sync()
         self._wait_grad_copies()
-        for kind in ("dk", "dv"):
-            if kind in self._host:
-                self._host[kind][:, :, first_page : first_page + n_pages].zero_()
-            if kind in self._dev:  # on the device: ordered by the stream
-                self._dev[kind][:, :, first_page : first_page + n_pages].zero_()
         rows = torch.arange(self.batch_size).repeat_interleave(n_pages) * self._max_pages
         ids = tuple((rows + torch.arange(first_page, first_page + n_pages).repeat(self.batch_size)).tolist())
         record = ChunkRecord(start=self.num_tokens, end=self.num_tokens + num_tokens, first_page=first_page,
                              num_pages=n_pages, page_ids=ids)
+        self._host.add_chunk(record, self._chunks[-1] if self._chunks else None)
+        for kind in ("dk", "dv"):
+            if kind in self._dev:  # on the device: ordered by the stream
+                self._dev[kind][:, :, first_page : first_page + n_pages].zero_()
         self._chunks.append(record)
         self.num_tokens = record.end
         for slot in self._slots:
@@ -224,9 +196,15 @@ class OffloadedKVStore(ChunkLedger):
         return record
 
     def free_last_chunk(self) -> None:
+        """Free the newest chunk; the chunk before it gets back the host rows its windows gave up (gradients
+        zeroed by the host thread: the copies that read the freed rows are waited for first)."""
         record = self.last_chunk()
         self._chunks.pop()
         self.num_tokens = record.start
+        if self._host.windows:
+            self._sync()
+            self._wait_grad_copies()
+        self._host.free_chunk(record, self._chunks[-1] if self._chunks else None, restore=True)
         for slot in self._slots:
             slot.key = None
 
@@ -234,6 +212,7 @@ class OffloadedKVStore(ChunkLedger):
         """Free every chunk (after a step, or after an error inside one); waits for copies in flight."""
         self._synchronize()
         self._chunks.clear()
+        self._host.start()
         self.num_tokens = 0
         for slot in self._slots:
             slot.key = None
@@ -264,7 +243,7 @@ class OffloadedKVStore(ChunkLedger):
         n = record.first_page
         self.moved_bytes["to_device"] += slot.mean[:, :n].numel() * slot.mean.element_size()
         with self._on_copy_stream(wait=slot.free):
-            slot.mean[:, :n].copy_(self._home("mean", layer_idx)[:, :n], non_blocking=self._cuda)
+            slot.mean[:, :n].copy_(self._host.home("mean", layer_idx)[:, :n], non_blocking=self._cuda)
             if self._cuda:
                 slot.mean_ready = torch.cuda.Event()
                 slot.mean_ready.record(self._copy_stream)
@@ -323,21 +302,17 @@ class OffloadedKVStore(ChunkLedger):
                 c0, n = record.first_page, record.num_pages
                 self.moved_bytes["to_host"] += 2 * self.batch_size * n * page
                 for kind in ("k", "v"):
-                    self._home(kind, layer_idx)[:, c0 : c0 + n].copy_(
-                        view[kind][:, slot.num_past : slot.num_past + n], non_blocking=self._cuda)
-                self._home("mean", layer_idx)[:, c0 : c0 + n].copy_(slot.mean[:, c0 : c0 + n],
+                    self._host.write_pages(kind, layer_idx, view[kind], slot.num_past, c0, n, **self._copy_args())
+                self._host.home("mean", layer_idx)[:, c0 : c0 + n].copy_(slot.mean[:, c0 : c0 + n],
                                                                      non_blocking=self._cuda)
             elif slot.num_past:
                 if slot.past is not None and self._cuda:
                     slot.past.hand_to_stream(self._copy_stream)
                 self.moved_bytes["to_host"] += 2 * self.batch_size * slot.num_past * page
+                past_rows = self._host.past_rows(layer_idx, slot.past, slot.num_past)
                 for kind in ("dk", "dv"):
-                    src = view[kind][:, : slot.num_past]
-                    if slot.past is None:  # pages 0 .. m-1: one contiguous copy per row
-                        self._home(kind, layer_idx)[:, : slot.num_past].copy_(src, non_blocking=self._cuda)
-                    else:  # the chosen pages, scattered into the mapped host pool by the copy kernel
-                        copy_pages(src, self._home(kind, layer_idx), src_index=slot.past.slot_rows,
-                                   dst_index=slot.past.pages, use_kernel=self.copy_kernels)
+                    self._host.write_past(kind, layer_idx, view[kind], past_rows, slot.past, slot.num_past,
+                                          **self._copy_args())
             if self._cuda and grads:
                 done = torch.cuda.Event()
                 done.record(self._copy_stream)
@@ -367,6 +342,34 @@ class OffloadedKVStore(ChunkLedger):
         means[:, c0 : c0 + n] = mean.to(s.dtype).view(self.batch_size, n, *mean.shape[1:])
         self._sync()
 
+    def refill(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The newest chunk's K/V again where its sliding layer got rows back since stage 1 wrote them: home, and
+        into the layer's slot where it was filled from those rows already (prefetched by the next layer's backward)."""
+        if self._resident(layer_idx) or not self._host.refill_due(layer_idx):
+            return
+        s = self.spec
+        record = self._check_write(layer_idx, k, v)
+        slot = self._slot_of(layer_idx)
+        if slot.key is not None and slot.key[:2] == (layer_idx, record.start):
+            if self._cuda:  # its copies have landed before the chunk's rows are overwritten
+                torch.cuda.current_stream(s.device).wait_event(slot.ready)
+            self.write(layer_idx, k, v)
+        b, n = self.batch_size, record.num_pages
+        # [B * n, H_kv, P, D], whole pages in a row (the copy kernel's layout)
+        tiles = {kind: tokens_to_tiles(t, s.page_size).contiguous() for kind, t in (("k", k), ("v", v))}
+        made = None
+        if self._cuda:
+            made = torch.cuda.Event()
+            made.record(torch.cuda.current_stream(s.device))
+            for t in tiles.values():
+                t.record_stream(self._copy_stream)  # kept from reuse until the copy ran
+        self.moved_bytes["to_host"] += 2 * b * n * self._page_nbytes()
+        with self._on_copy_stream(wait=made):
+            for kind, t in tiles.items():
+                self._host.write_pages(kind, layer_idx, t.view(b, n, *t.shape[1:]), 0, record.first_page, n,
+                                       **self._copy_args())
+        self._sync()
+
     def read_grad(self, layer_idx: int, record: ChunkRecord) -> tuple[torch.Tensor, torch.Tensor]:
         """The newest chunk's gradient pages as [B, H_kv, T, D], from its slot (after its backward)."""
         slot = self._slot_of(layer_idx)
@@ -392,10 +395,6 @@ class OffloadedKVStore(ChunkLedger):
         """Bytes of one page of one kind of one layer: the mean of K's and V's (gradients counted at that size)."""
         s = self.spec
         return s.num_kv_heads * s.page_size * (s.shape.key_dim + s.shape.value_dim) // 2 * s.dtype.itemsize
-
-    def _home(self, kind: str, layer_idx: int) -> torch.Tensor:
-        """[B, max_pages, H_kv, P, D]: where a non-resident layer's pages live (host)."""
-        return self._host[kind][layer_idx - self.resident_layers]
 
     def _dev_pools(self, layer_idx: int) -> dict[str, torch.Tensor]:
         s = self.spec
@@ -456,24 +455,23 @@ class OffloadedKVStore(ChunkLedger):
         if slot.past is not None and self._cuda:
             slot.past.hand_to_stream(self._copy_stream)  # before the copies below read it
         with self._on_copy_stream(wait=slot.free):
+            past_rows = self._host.past_rows(layer_idx, past_pages, num_past) if num_past else None
             for kind in kinds:
                 view = slot.pools[kind][: b * rows].view(b, rows, *slot.pools[kind].shape[1:])
-                host = self._home(kind, layer_idx)  # [B, max_pages, H, P, D]
                 if num_past:
-                    if slot.past is None:
-                        view[:, :num_past].copy_(host[:, :num_past], non_blocking=self._cuda)
-                    else:  # the chosen pages, read from the mapped host pool by the copy kernel
-                        copy_pages(host, view, src_index=slot.past.pages, dst_index=slot.past.slot_rows,
-                                   use_kernel=self.copy_kernels)
+                    self._host.read_past(kind, layer_idx, view, past_rows, past_pages, num_past, **self._copy_args())
                 if grads:  # the chunk's own pages too (K/V were written home by the forward)
-                    c0, n = record.first_page, record.num_pages
-                    view[:, num_past:].copy_(host[:, c0 : c0 + n], non_blocking=self._cuda)
+                    self._host.read_pages(kind, layer_idx, view, record.first_page, num_past, record.num_pages,
+                                          **self._copy_args())
             if self._cuda:
                 slot.ready = torch.cuda.Event()
                 slot.ready.record(self._copy_stream)
                 if grads:
                     self._grad_copies = slot.ready
         self._sync()
+
+    def _copy_args(self) -> dict:
+        return {"use_kernel": self.copy_kernels, "non_blocking": self._cuda}
 
     def _sync(self) -> None:
         """Debugging mode (``synchronous``): wait for all work of the device, every stream."""

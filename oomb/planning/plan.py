@@ -228,8 +228,9 @@ def plan_memory(model_config, options: StepOptions, shape: RunShape, limits: Mem
     store = _store_bytes(spec, options, shape)
     if options.offload:
         pages = -(-shape.seq_len // options.page_size)
+        windows = "; sliding layers: what their windows reach" if spec.windows is not None else ""
         plan_items.append(MemoryItem("offloaded pages", 0, store.host, f"{shape.batch_size} x {pages} pages of K, V, "
-                                     "dK, dV and mean keys in pinned host memory"))
+                                     f"dK, dV and mean keys in pinned host memory{windows}"))
     if gpu:
         plan_items.append(MemoryItem("CUDA context", CUDA_CONTEXT_BYTES, 0, "allowance"))
     measured = isinstance(limits, MeasuredLimits)  # else the flat allowance: a plan for another machine's sizes

@@ -156,7 +156,7 @@ def test_page_copy_kernel_gathers_and_scatters_like_indexing(batch, pages, chose
 
 def test_sparse_offload_through_the_page_copy_kernel_is_bit_identical(monkeypatch):
     """The CUDA path of sparse offload (chosen pages moved by the copy kernel), run in the interpreter."""
-    import oomb.offload.store as offload_store
+    import oomb.offload.host_pages as host_pages
 
     model = tiny_model("llama")
     ids = torch.randint(0, VOCAB, (2, 160))
@@ -165,13 +165,13 @@ def test_sparse_offload_through_the_page_copy_kernel_is_bit_identical(monkeypatc
     _step(model, ids[:, :40], offload=True, **kw)  # builds the offloaded store
     store = store_for_model(model)
     store.copy_kernels = True
-    calls, real = [], offload_store.copy_pages
+    calls, real = [], host_pages.copy_pages
 
     def counted(*a, **k):
         calls.append(k.get("use_kernel"))
         return real(*a, **k)
 
-    monkeypatch.setattr(offload_store, "copy_pages", counted)
+    monkeypatch.setattr(host_pages, "copy_pages", counted)
     loss, got = _step(model, ids, offload=True, **kw)
     assert store_for_model(model) is store and calls and all(calls)  # gathers and scatters ran in the kernel
     assert torch.equal(loss, ref_loss)
@@ -345,7 +345,7 @@ def test_a_slot_table_sends_the_pages_it_does_not_hold_to_a_row_of_their_own():
         pools.dk[:unheld] = 1.0
         pools.dk[unheld] = 7.0
         store.writeback(1, grads=True)
-        home = store._home("dk", 1)
+        home = store._host.home("dk", 1)
         assert (home[:, sorted(held)] == 1.0).all() and not (home == 7.0).any()
         store.free_last_chunk()
         store.append_chunk(4)
