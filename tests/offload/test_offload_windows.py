@@ -107,3 +107,24 @@ def test_host_bytes_without_windows_are_every_page():
     assert spec.windows is None
     assert HostPages.bytes_for(spec, 2, 100, chunk_size=CHUNK, resident=1) == (spec.num_layers - 1) * spec.layer_bytes(
         2 * 25)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache,recompute", [(False, "chunk"), ("host", "layer-host")])
+def test_windowed_host_rows_on_the_gpu(cache, recompute):
+    # The copies run on the store's own stream here, the row maps uploaded there while the compute stream runs ahead.
+    model = tiny_model("gpt_oss", sliding_window=200).cuda()  # 4 of a chunk's 16 pages reach the next chunk
+    ids = torch.randint(0, VOCAB, (2, 4096 + 77), device="cuda")
+    results = []
+    for offload in (False, True):
+        model.zero_grad(set_to_none=True)
+        oomb.release_memory(model)
+        loss = oomb.chunked_backward(model, ids, chunk_size=1024, page_size=64, backend="triton",
+                                     cache_attention=cache, recompute=recompute, offload=offload)
+        results.append((loss.item(), torch.cat([p.grad.reshape(-1) for p in model.parameters()
+                                                if p.grad is not None])))
+    (loss, grads), (off_loss, off_grads) = results
+    assert abs(off_loss - loss) <= 1e-6 * abs(loss)
+    assert ((off_grads - grads).norm() / grads.norm()).item() <= 1e-6
+    store = store_for_model(model)
+    assert store.host_nbytes() == OffloadedKVStore.bytes_for(store.spec, 2, 4096 + 77, chunk_size=1024).host
