@@ -17,6 +17,9 @@ causal diagonal offset by kv_len - C. Backends take that offset in different way
 - a backend that refuses both is timed on full causal attention over kv_len instead
   (mode "full_causal"): its TFLOP/s are of that work, its seconds are not comparable.
 
+With ``--window W`` only oomb's kernels run, each with and without a W-token sliding window (Gemma-3's 1024,
+GPT-OSS's 128): a windowed call's time should stay flat as kv_len grows, a full one's grow with it.
+
 FLOPs (forward) = 2 matmuls * 2 * H * D * (visible keys summed over queries)
                 ~= 2 * 2 * C * H * D * (kv_len - C/2); forward+backward = 3.5x forward
 (so full causal over S tokens is 2 * S^2 * H * D).
@@ -46,9 +49,13 @@ from oomb.kernels import flash4_unavailable
 H, H_KV, D, C = 28, 4, 128, 4096
 
 
-def attention_flops(q_len: int, kv_len: int) -> float:
-    """Forward FLOPs of causal attention of the last q_len positions over kv_len keys."""
-    return 2.0 * 2.0 * q_len * H * D * (kv_len - q_len / 2)
+def attention_flops(q_len: int, kv_len: int, window: int | None = None) -> float:
+    """Forward FLOPs of causal attention of the last q_len positions over kv_len keys (each query sees at most
+    ``window`` of them)."""
+    if window is None:
+        return 2.0 * 2.0 * q_len * H * D * (kv_len - q_len / 2)
+    visible = sum(min(window, pos + 1) for pos in range(kv_len - q_len, kv_len))
+    return 2.0 * 2.0 * H * D * visible
 
 
 def paged_inputs(kv_len: int, page_size: int, device, *, h: int = H, h_kv: int = H_KV):
@@ -69,7 +76,7 @@ def paged_inputs(kv_len: int, page_size: int, device, *, h: int = H, h_kv: int =
     return q, k, v, to_pool(k), to_pool(v), page_table
 
 
-def _ours(q, k_pool, v_pool, page_table, kv_len, backend: str = "triton") -> dict:
+def _ours(q, k_pool, v_pool, page_table, kv_len, backend: str = "triton", window: int | None = None) -> dict:
     from oomb.kernels import get_backend
 
     kernels = get_backend(backend, "cuda")
@@ -79,16 +86,17 @@ def _ours(q, k_pool, v_pool, page_table, kv_len, backend: str = "triton") -> dic
     d_out = torch.randn_like(q)
 
     def fwd():
-        return paged_attention_forward(q, k_pool, v_pool, page_table, kv_len, scale=scale)
+        return paged_attention_forward(q, k_pool, v_pool, page_table, kv_len, scale=scale, sliding_window=window)
 
     def fwd_bwd():
         out, lse = fwd()
         paged_attention_backward(d_out, q, out, lse, k_pool, v_pool, dk_pool, dv_pool, page_table, kv_len,
-                                 scale=scale)
+                                 scale=scale, sliding_window=window)
 
-    flops = attention_flops(C, kv_len)
+    flops = attention_flops(C, kv_len, window)
     t_fwd, t_all = do_bench_s(fwd), do_bench_s(fwd_bwd)
-    return {"system": f"oomb-{kernels.name}-paged", "mode": "paged", "fwd_s": t_fwd, "fwd_bwd_s": t_all,
+    mode = "paged" if window is None else f"paged-window-{window}"
+    return {"system": f"oomb-{kernels.name}-paged", "mode": mode, "window": window, "fwd_s": t_fwd, "fwd_bwd_s": t_all,
             "fwd_tflops": flops / t_fwd / 1e12, "fwd_bwd_tflops": 3.5 * flops / t_all / 1e12,
             "out": fwd()[0]}
 
@@ -207,16 +215,21 @@ def run(args) -> dict:
     for kv_len in args.contexts:
         q, k, v, k_pool, v_pool, page_table = paged_inputs(kv_len, args.page_size, device)
         rows = [_ours(q, k_pool, v_pool, page_table, kv_len)]
-        if args.fa4:  # the fa4 backend over the same pages, and FA4 on contiguous K/V
+        if args.window is not None:  # the same kernels with a sliding window: only oomb's rows
+            rows.append(_ours(q, k_pool, v_pool, page_table, kv_len, window=args.window))
+            if args.fa4:
+                rows += [_ours(q, k_pool, v_pool, page_table, kv_len, "fa4", window)
+                         for window in (None, args.window)]
+        elif args.fa4:  # the fa4 backend over the same pages, and FA4 on contiguous K/V
             rows += [_ours(q, k_pool, v_pool, page_table, kv_len, "fa4"), _fa4_contiguous(q, k, v, kv_len)]
-        for backend in ("cudnn", "flash"):
+        for backend in ("cudnn", "flash") if args.window is None else ():
             rows.append(_sdpa(backend, q, k, v, kv_len))
             rows.append(_sdpa_split(backend, q, k, v, kv_len))
         ours_out = rows[0]["out"].float()
         for row in rows:
             out = row.pop("out", None)
             row.update(kv_len=kv_len, q_len=C, page_size=args.page_size)
-            if out is not None and row is not rows[0]:
+            if out is not None and row is not rows[0] and row.get("window") is None:
                 # The same work? Our output against the baseline's (bf16 both).
                 row["rel_diff_vs_ours"] = float((out.float() - ours_out).norm() / ours_out.norm())
             results.append(row)
@@ -234,7 +247,9 @@ def run(args) -> dict:
         "versions": {**library_versions(), "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()},
         "shape": {"heads": H, "kv_heads": H_KV, "head_dim": D, "q_len": C, "dtype": "bfloat16",
                   "grad_pool_dtype": "bfloat16"},
-        "flops": "fwd = 2*2*C*H*D*(kv_len - C/2) (causal rows); fwd+bwd = 3.5x fwd",
+        "window": args.window,
+        "flops": "fwd = 2*2*H*D*(keys each query sees, summed: C*(kv_len - C/2) causal, about C*W with a window W); "
+                 "fwd+bwd = 3.5x fwd",
         "results": results,
     }
 
@@ -263,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--fa4", action="store_true",
                    help="also time oomb's fa4 backend over the pages and FlashAttention-4 on contiguous K/V")
+    p.add_argument("--window", type=int, default=None,
+                   help="time oomb's kernels with and without a sliding window of this many tokens (no SDPA rows)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     return run_benchmark("attention", p.parse_args(argv), run, _print_table)
 

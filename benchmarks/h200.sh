@@ -217,7 +217,10 @@ job attention-dkdv-layouts-64k 'python3 -m benchmarks.tune_attention --kv-len 65
   --candidates default,interleaved-m32,head-major-m32,head-major-m64-4st,head-major-m64-2st'
 # The fa4 backend over the pages against FlashAttention-4 on contiguous K/V (needs the flash-attn-4 wheels).
 job attention-fa4 'python3 -m benchmarks.attention --contexts 65536,131072 --fa4'
-part attention 'attention-fa4 attention-kernels attention-tiles-64k attention-tiles-16k attention-dkdv-layouts-64k'
+# A sliding layer's attention costs its window, not the past: oomb's kernels (Triton and fa4) at 16K-128K of past with
+# and without a 1024-token window (Gemma-3's), Qwen2.5-7B's heads.
+job attention-windows 'python3 -m benchmarks.attention --contexts 16384,65536,131072 --window 1024 --fa4'
+part attention 'attention-fa4 attention-kernels attention-tiles-64k attention-tiles-16k attention-dkdv-layouts-64k attention-windows'
 
 # sparse: page-sparse attention against dense, kernels and steps, and where a sparse step's time goes.
 job sparse-kernels "python3 -m benchmarks.sparse --contexts 65536,131072,262144 --lengths ''"

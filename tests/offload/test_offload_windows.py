@@ -89,6 +89,18 @@ def test_resident_layers_keep_every_page_and_the_others_their_window():
                                                              gpu_bytes=layer + 1).host < 2 * layer
 
 
+def test_a_sliding_layers_page_traffic_grows_with_its_window_not_the_past():
+    # Bytes copied to the device per step: a layer that attends everything brings every past page for every chunk
+    # (quadratic in the chunks), one with a 9-token window the two pages its window reaches (linear).
+    def moved(family, tokens):
+        model = tiny_model(family, sliding_window=WINDOW, num_hidden_layers=2)
+        _step(model, torch.randint(0, VOCAB, (1, tokens)), offload=True)
+        return store_for_model(model).moved_bytes["to_device"]
+
+    assert moved("mistral", 8 * CHUNK) / moved("mistral", 4 * CHUNK) < 2.2  # 8 chunks against 4
+    assert moved("llama", 8 * CHUNK) / moved("llama", 4 * CHUNK) > 3
+
+
 def test_rows_run_out_where_chunks_outgrow_the_reservation():
     model = tiny_model("mistral", sliding_window=WINDOW)
     _step(model, torch.randint(0, VOCAB, (1, 64)), offload=True)
