@@ -176,13 +176,17 @@ class TorchFlash:
 
     dtypes = (torch.float32, torch.float64)
 
+    # FA4 b40 itself takes sizes from 8; oomb hands it 64 and up (flash4_calls.FA4_MIN_HEAD_DIM). The stand-in runs
+    # the wrapper at tiny sizes (8 and up); tests/kernels/test_head_sizes.py checks oomb's minimum.
+    min_head_dim = 8
+
     def __init__(self, sparse_blocks: tuple[int, int] | None = None):
         self.calls = 0
         self.sparse_blocks = sparse_blocks
         self.sparse_calls = 0
 
     def supports_head_dims(self, head_dim, head_dim_v, grouped):
-        return flash4_calls.fa4_supports_head_dims(9, head_dim, head_dim_v, grouped)
+        return flash4_calls.fa4_supports_head_dims(9, head_dim, head_dim_v, grouped, min_head_dim=self.min_head_dim)
 
     def block_sparse_blocks(self, head_dim):
         return self.sparse_blocks

@@ -25,8 +25,9 @@ MiniCPM3: Dk = 192, Dv = 128) has Dk != Dv, and some models have sizes that are 
   pointers, not TMA); powers of two run unmasked. Wider heads are refused (use
   ``torch``). Tiles for heads padded past 128 (tiles.py) were chosen by arithmetic, not timed.
 - ``fa4``: what FlashAttention-4 runs (flash4_calls.fa4_supports_head_dims, from its source): on Hopper
-  Dk and Dv each a multiple of 8 from 8 to 256, Dk != Dv only with as many KV heads as query
-  heads (its GQA backward wants equal sizes); on Blackwell equal sizes, multiples of 8 up to 128.
+  Dk and Dv each a multiple of 8 from 64 to 256 (smaller heads measured wrong or not compiling), Dk != Dv
+  only with as many KV heads as query heads (its GQA backward wants equal sizes); on Blackwell equal sizes,
+  multiples of 8 from 64 to 128.
   Other calls go to the Triton kernels, forward and backward alike. Page-sparse calls use FA4's
   block sparsity only up to 128 (the wider of Dk and Dv).
 """

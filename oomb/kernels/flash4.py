@@ -20,7 +20,7 @@ Page-sparse selections (``page_select``) become FA4's block sparsity over the un
 pages and the chunk's own keys (kernels/flash4_sparse.py) where the kernels object offers it
 (``block_sparse_blocks``) and the call fits its blocks. What FA4 cannot express here goes to the
 fallback backend (the Triton kernels on a GPU): 32-bit inputs, head sizes FA4
-lacks (``fa4_supports_head_dims``: on Hopper, sizes off multiples of 8 or above 256, and key and
+lacks (``fa4_supports_head_dims``: on Hopper, sizes off multiples of 8, below 64 or above 256, and key and
 value sizes that differ under GQA), and selections with documents, a window, or pages and selection
 blocks off FA4's blocks. The choice depends only on the call's arguments, which forward and backward
 share, so an output and its gradient always come from the same kernels.

@@ -55,7 +55,11 @@ class KeyLayout:
         return self.cu_seqlens_q is not None
 
 
-def fa4_supports_head_dims(arch: int, head_dim: int, head_dim_v: int, grouped: bool) -> bool:
+FA4_MIN_HEAD_DIM = 64  # smaller heads run on the Triton kernels (fa4_supports_head_dims)
+
+
+def fa4_supports_head_dims(arch: int, head_dim: int, head_dim_v: int, grouped: bool, *,
+                           min_head_dim: int = FA4_MIN_HEAD_DIM) -> bool:
     """Whether oomb hands FlashAttention-4 (FLASH4_VERSION) a call with key head size ``head_dim`` (queries' too)
     and value head size ``head_dim_v`` on a GPU of major compute capability ``arch`` (9: Hopper, 10: Blackwell);
     ``grouped``: more query heads than KV heads (GQA, MQA). Forward and backward alike: an output and its
@@ -74,8 +78,12 @@ def fa4_supports_head_dims(arch: int, head_dim: int, head_dim_v: int, grouped: b
     - Blackwell (SM100/SM110): b40 validates both sizes 8..128 (multiples of 8), (192, 128) and (256, 256)
       (interface.py:147-151), with more conditions in its SM100 backward (flash_bwd_sm100.py:255-275); oomb has
       run FA4 there only with equal sizes up to 128, so that is what it hands it.
+    - Sizes below 64 (``FA4_MIN_HEAD_DIM``) go to the fallback on both: on an H100 (2026-12-07, tiny models of
+      tests/models/test_gpu_families.py) FA4 b40 ran head size 16 with a gradient 2x-60x further from fp32 than
+      transformers' own bf16 step, and failed to compile keys of 24 with values of 16 (a CuTe layout error); 64
+      and 128 are checked against the fp32 reference on the GPU (tests/kernels/test_flash4.py).
     """
-    if min(head_dim, head_dim_v) < 8 or head_dim % 8 or head_dim_v % 8:
+    if min(head_dim, head_dim_v) < max(8, min_head_dim) or head_dim % 8 or head_dim_v % 8:
         return False
     if arch == 9:
         return max(head_dim, head_dim_v) <= 256 and (head_dim == head_dim_v or not grouped)

@@ -38,7 +38,7 @@ import oomb.kernels  # noqa: E402
 from oomb.cache.layout import first_visible_page  # noqa: E402
 from oomb.kernels import AttentionBackend, reference  # noqa: E402
 from oomb.kernels.flash4 import Flash4Attention  # noqa: E402
-from oomb.kernels.flash4_calls import fa4_supports_head_dims  # noqa: E402
+from oomb.kernels.flash4_calls import FA4_MIN_HEAD_DIM, fa4_supports_head_dims  # noqa: E402
 
 DEVICE = "cuda" if _CUDA else "cpu"
 TOL = {"fp64": 1e-12, "fp32": 1e-5, "stand-in": 1e-10, "gpu_bf16": 1e-2, "gpu_lse": 1e-3}
@@ -273,6 +273,9 @@ def test_what_fa4_runs_follows_its_source():
     assert fa4_supports_head_dims(9, 72, 72, grouped=True) and fa4_supports_head_dims(9, 256, 256, grouped=True)
     assert not fa4_supports_head_dims(9, 264, 264, grouped=False)
     assert not fa4_supports_head_dims(9, 20, 20, grouped=False) and not fa4_supports_head_dims(9, 4, 4, False)
+    # Below 64 on either: measured wrong (16) or not compiling (24 with 16) on an H100.
+    assert not fa4_supports_head_dims(9, 16, 16, grouped=True) and not fa4_supports_head_dims(9, 24, 16, False)
+    assert not fa4_supports_head_dims(9, 56, 56, grouped=False) and fa4_supports_head_dims(9, 64, 64, grouped=True)
     # Blackwell: what oomb has run there, equal sizes up to 128.
     assert fa4_supports_head_dims(10, 128, 128, grouped=True) and fa4_supports_head_dims(10, 96, 96, grouped=True)
     assert not fa4_supports_head_dims(10, 192, 128, grouped=False)
@@ -281,10 +284,10 @@ def test_what_fa4_runs_follows_its_source():
 
 FA4_CASES = [
     # b, h, h_kv, c, kv_len, dk, dv, page, window, docs, key_segment, calls per direction
-    pytest.param(1, 3, 3, 16, 64, 24, 16, 8, None, None, None, 1, id="mha-dk24-dv16"),
-    pytest.param(2, 3, 3, 13, 77, 24, 8, 8, 20, 4, None, 1, id="mha-dk24-dv8-window-documents"),
-    pytest.param(1, 2, 2, 13, 77, 16, 32, 8, None, None, 16, 5, id="mha-dk16-dv32-segments"),
-    pytest.param(1, 4, 2, 16, 64, 24, 24, 8, None, 3, None, 1, id="gqa-d24-documents"),
+    pytest.param(1, 3, 3, 16, 64, 96, 64, 8, None, None, None, 1, id="mha-dk96-dv64"),
+    pytest.param(2, 3, 3, 13, 77, 192, 128, 8, 20, 4, None, 1, id="mha-dk192-dv128-window-documents"),
+    pytest.param(1, 2, 2, 13, 77, 64, 128, 8, None, None, 16, 5, id="mha-dk64-dv128-segments"),
+    pytest.param(1, 4, 2, 16, 64, 72, 72, 8, None, 3, None, 1, id="gqa-d72-documents"),
 ]
 
 
@@ -314,7 +317,7 @@ def test_fa4_runs_the_head_sizes_it_supports(b, h, h_kv, c, kv_len, dk, dv, page
 
 
 def test_fa4_block_sparsity_with_latent_head_sizes():
-    b, h, c, n_past, dk, dv, page = 1, 2, 16, 6, 24, 16, 8
+    b, h, c, n_past, dk, dv, page = 1, 2, 16, 6, 96, 64, 8
     kv_len = c + n_past * page
     pb = make_problem(b, h, h, c, kv_len, dk, page, dtype=torch.float64, d_v=dv)
     kw = dict(scale=0.3, page_select=random_page_select(b, 1, c, kv_len, page, 8, 2), select_block=8)
@@ -334,13 +337,14 @@ def test_fa4_block_sparsity_with_latent_head_sizes():
     assert_close_rel(dv, ref_dv, TOL["stand-in"], "dv")
 
 
-@pytest.mark.parametrize("what", ["gqa-dk-ne-dv", "not-a-multiple-of-8", "too-wide"])
+@pytest.mark.parametrize("what", ["gqa-dk-ne-dv", "not-a-multiple-of-8", "too-wide", "too-small"])
 def test_head_sizes_fa4_does_not_run_go_to_the_fallback_in_both_directions(what):
-    h, h_kv, dk, dv = {"gqa-dk-ne-dv": (4, 2, 24, 16), "not-a-multiple-of-8": (4, 2, 20, 20),
-                       "too-wide": (2, 2, 264, 16)}[what]
+    h, h_kv, dk, dv = {"gqa-dk-ne-dv": (4, 2, 96, 64), "not-a-multiple-of-8": (4, 2, 68, 68),
+                       "too-wide": (2, 2, 264, 64), "too-small": (4, 2, 16, 16)}[what]
     pb = make_problem(1, h, h_kv, 8, 24, dk, 8, dtype=torch.float64, d_v=dv)
     spy = FallbackSpy()
     kernels = TorchFlash()
+    kernels.min_head_dim = FA4_MIN_HEAD_DIM  # oomb's, not the stand-in's
     attention = Flash4Attention(kernels, fallback=spy)
     out, lse = attention.forward(pb.q, pb.k_pool, pb.v_pool, pb.page_table, 24, scale=0.3)
     dk_pool, dv_pool = torch.zeros_like(pb.k_pool), torch.zeros_like(pb.v_pool)
@@ -379,12 +383,12 @@ def test_package_docstring_states_what_each_backend_takes():
     assert (launch.head_block(96), launch.head_block(192)) == (128, 256)
     # fa4: FA4's rule, named, with the examples the docstring gives.
     assert "flash4_calls.fa4_supports_head_dims" in doc
-    assert "on Hopper Dk and Dv each a multiple of 8 from 8 to 256" in doc
-    assert all(fa4_supports_head_dims(9, d, d, grouped=True) for d in range(8, 257, 8))
-    assert not any(fa4_supports_head_dims(9, d, d, grouped=True) for d in (4, 12, 20, 100, 264))
+    assert "on Hopper Dk and Dv each a multiple of 8 from 64 to 256" in doc
+    assert all(fa4_supports_head_dims(9, d, d, grouped=True) for d in range(64, 257, 8))
+    assert not any(fa4_supports_head_dims(9, d, d, grouped=True) for d in (4, 16, 56, 100, 264))
     assert "Dk != Dv only with as many KV heads as query heads" in doc
     assert fa4_supports_head_dims(9, 192, 128, grouped=False) and not fa4_supports_head_dims(9, 192, 128, True)
-    assert "on Blackwell equal sizes, multiples of 8 up to 128" in doc
+    assert "on Blackwell equal sizes, multiples of 8 from 64 to 128" in doc
     assert fa4_supports_head_dims(10, 128, 128, True) and not fa4_supports_head_dims(10, 136, 136, True)
     assert not fa4_supports_head_dims(10, 64, 32, grouped=False)
 
