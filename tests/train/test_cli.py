@@ -1,6 +1,7 @@
 """`oomb train`: config precedence and errors, the passkey task, and a real short run."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -160,3 +161,23 @@ def test_version_is_the_package_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"oomb {oomb.__version__}"
+
+
+def test_train_lets_the_cuda_allocator_expand_its_segments_unless_the_user_set_it(tmp_path, monkeypatch, capsys):
+    from oomb.train.loop.trainer import ALLOC_CONF
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("a run\n")  # refused after the allocator is set up, before any work
+    for user in (None, "PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF):
+        monkeypatch.delenv(ALLOC_CONF, raising=False)
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        if user is not None:
+            monkeypatch.setenv(user, "garbage_collection_threshold:0.6")
+        assert main(["train", f"out_dir={out}", "train.steps=1"]) == 2
+        if user is None:
+            assert os.environ[ALLOC_CONF] == "expandable_segments:True"
+        else:  # what the user chose, alone
+            assert os.environ[user] == "garbage_collection_threshold:0.6"
+            assert (ALLOC_CONF in os.environ) == (user == ALLOC_CONF)
+    capsys.readouterr()
