@@ -105,8 +105,11 @@ def test_offload_with_layer_host_equals_the_device_store_and_holds_less(cache):
                                      cache_attention=cache, recompute="layer-host", offload=offload)
         torch.cuda.synchronize()
         grads = torch.cat([p.grad.float().reshape(-1) for p in model.parameters()])
-        results[offload] = loss.item(), grads, torch.cuda.max_memory_allocated()
-    (loss, grads, peak), (off_loss, off_grads, off_peak) = results[False], results[True]
+        store = oomb.engine.store_for_model(model)
+        results[offload] = loss.item(), grads, torch.cuda.max_memory_allocated(), store.nbytes()
+    (loss, grads, peak, store_bytes), (off_loss, off_grads, off_peak, slot_bytes) = results[False], results[True]
     assert abs(off_loss - loss) <= 1e-6 * abs(loss)
     assert ((off_grads - grads).norm() / grads.norm()).item() <= 1e-6
-    assert peak - off_peak > 0.5 * (16384 + 77) * 12 * 1024, (peak, off_peak)
+    # Measured on an H100 (2026-12-07): 25 MB lower, not the ~100 MB asked; the store's and the slots' bytes say
+    # whether the pages left the GPU and something else took their place at the peak (not explained yet).
+    assert peak - off_peak > 0.5 * (16384 + 77) * 12 * 1024, (peak, off_peak, store_bytes, slot_bytes)
