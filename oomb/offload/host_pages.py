@@ -58,8 +58,7 @@ class HostPages:
         self.resident = 0  # the layers before this one are not here (whole on the device)
         self.batch_size = 0
         self.max_pages = 0
-        self._chunk_size: int | None = None
-        self._num_tokens = 0
+        self.allocated = False  # by ``allocate`` (where every layer stays on the device, nothing is here)
         self._pools: dict[str, torch.Tensor] = {}  # the full-attention layers' K, V, dK, dV
         self._mean: torch.Tensor | None = None  # every layer's key summaries
         self._full: list[int] = []
@@ -67,10 +66,6 @@ class HostPages:
         self._group_pools: list[dict[str, torch.Tensor]] = []
         self._where: dict[int, tuple[int, int]] = {}  # layer -> (group index or -1 for the full layers, its index)
         self._uploaded: dict[int, torch.Tensor] = {}  # group index -> its map on the device, while unchanged
-
-    @property
-    def empty(self) -> bool:
-        return self._mean is None
 
     @property
     def windows(self) -> bool:
@@ -91,7 +86,7 @@ class HostPages:
 
     def fits(self, batch_size: int, num_tokens: int, chunk_size: int | None, resident: int) -> bool:
         """Whether the pools allocated serve such a step (they never shrink: fewer tokens fit)."""
-        if self.empty or batch_size != self.batch_size or resident != self.resident:
+        if not self.allocated or batch_size != self.batch_size or resident != self.resident:
             return False
         if -(-num_tokens // self.spec.page_size) > self.max_pages:
             return False
@@ -114,18 +109,18 @@ class HostPages:
                 rows = _window_rows(group.window, s, num_tokens, chunk_size)
                 self._group_pools.append(self._kinds(len(group.layers), batch_size, rows))
                 group.allocator.reset(rows)
-        else:
-            self._mean = torch.zeros(0)  # nothing here, but allocated (``empty`` is False)
         self._where = {layer: (-1, i) for i, layer in enumerate(self._full)}
         for g, group in enumerate(self._groups):
             self._where.update({layer: (g, i) for i, layer in enumerate(group.layers)})
         self.resident, self.batch_size, self.max_pages = resident, batch_size, max_pages
+        self.allocated = True
         self.start()
 
     def release(self) -> None:
         self._pools, self._mean, self._group_pools, self._uploaded = {}, None, [], {}
         self._full, self._groups, self._where = [], [], {}
         self.resident = self.batch_size = self.max_pages = 0
+        self.allocated = False
 
     def nbytes(self) -> int:
         tensors = [*self._pools.values(), *(t for pools in self._group_pools for t in pools.values())]
@@ -151,9 +146,10 @@ class HostPages:
         """Whether the layer's pages sit at rows of a window's map (else page p at row p)."""
         return self._where[layer_idx][0] >= 0
 
-    def rows(self, layer_idx: int, device: torch.device) -> torch.Tensor:
-        """int32 [max_pages]: the host row of each page of a windowed layer, on ``device``. Call it on the stream
-        that runs the copies reading it: it is uploaded there after a change (module docstring)."""
+    def rows(self, layer_idx: int) -> torch.Tensor:
+        """int32 [max_pages]: the host row of each page of a windowed layer, on the store's device. Call it on the
+        stream that runs the copies reading it: it is uploaded there after a change (module docstring)."""
+        device = self.spec.device
         g = self._where[layer_idx][0]
         if g not in self._uploaded:
             table = self._groups[g].table[0]
@@ -166,7 +162,7 @@ class HostPages:
         (every past page of a layer that keeps every page). On the copy stream (``rows``)."""
         if not self.windowed(layer_idx):
             return None if past is None else past.pages
-        rows = self.rows(layer_idx, self.spec.device)
+        rows = self.rows(layer_idx)
         if past is None:
             return rows[:num_past]
         return torch.where(past.pages >= 0, rows[past.pages.clamp(min=0).long()], past.pages)
@@ -199,7 +195,7 @@ class HostPages:
         if not self.windowed(layer_idx):
             into[:, row : row + n].copy_(home[:, first : first + n], non_blocking=non_blocking)
             return
-        rows = self.rows(layer_idx, self.spec.device)[first : first + n]
+        rows = self.rows(layer_idx)[first : first + n]
         slots = torch.arange(row, row + n, dtype=torch.int32, device=self.spec.device)
         copy_pages(home, into, src_index=rows, dst_index=slots, use_kernel=use_kernel)
 
@@ -210,7 +206,7 @@ class HostPages:
         if not self.windowed(layer_idx):
             home[:, first : first + n].copy_(src[:, row : row + n], non_blocking=non_blocking)
             return
-        rows = self.rows(layer_idx, self.spec.device)[first : first + n]
+        rows = self.rows(layer_idx)[first : first + n]
         slots = torch.arange(row, row + n, dtype=torch.int32, device=self.spec.device)
         copy_pages(src, home, src_index=slots, dst_index=rows, use_kernel=use_kernel)
 
