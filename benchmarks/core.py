@@ -14,7 +14,9 @@ peak memory as a ratio of the faster stack's at the same length. ``--auto-length
 configuration `oomb train` picks by itself for that length (chunk size, attention cache, fused
 ops, settled by its memory plan for this GPU). ``--hf-lengths`` keeps the older plain
 transformers row (SDPA, checkpointing, no Liger). oomb's rows run with liger's fused RMSNorm
-and SwiGLU where available (``--fused-ops``, as ``oomb train`` does).
+and SwiGLU where available (``--fused-ops``, as ``oomb train`` does), and with the CUDA allocator `oomb train`
+sets up (expandable segments where the environment sets none; the record's ``oomb_allocator``, from 2026-12-07
+on); the stacks run in the environment as it was.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -63,6 +66,7 @@ from oomb.surgery.fused_ops import plain_rope, use_fused_ops
 from oomb.surgery.grad_accumulation import plain_linears
 from oomb.surgery.lora import plain_lora, use_fused_lora
 from oomb.train.config.presets import build_model, preset_config
+from oomb.train.loop.trainer import ALLOC_CONF, prefer_expandable_segments
 
 
 def model_flops(config, seq_len: int) -> float:
@@ -119,8 +123,9 @@ def rope_cost(config, chunk: int, dtype=torch.bfloat16) -> dict:
     return result
 
 
-def run_baselines(args) -> list[dict]:
-    """The transformers stacks at ``args.baseline_lengths``, each in a process of its own (benchmarks.baseline)."""
+def run_baselines(args, env: dict | None = None) -> list[dict]:
+    """The transformers stacks at ``args.baseline_lengths``, each in a process of its own (benchmarks.baseline), in
+    the environment ``env`` (None: this process's)."""
     rows = []
     for stack in args.baseline_stacks:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -128,7 +133,7 @@ def run_baselines(args) -> list[dict]:
                                    args.preset, "--trainable", args.trainable,
                                    "--lengths", ",".join(map(str, args.baseline_lengths)),
                                    "--repeats", str(max(2, args.repeats)), "--out", out.name,
-                                   "--profile-lengths", ",".join(map(str, args.profile_lengths))])
+                                   "--profile-lengths", ",".join(map(str, args.profile_lengths))], env=env)
             if proc.returncode != 0:
                 rows += [{"system": f"transformers-{stack}", "seq_len": n, "error": f"exit {proc.returncode}"}
                          for n in args.baseline_lengths]
@@ -290,10 +295,14 @@ def _caps(text: str) -> list[int | None]:
 def run(args) -> dict:
     device = torch.device("cuda")
     ask_fa4_block_sparse(args.fa4_block_sparse)
+    # oomb's rows run with the CUDA allocator `oomb train` sets up (expandable segments, unless the environment sets
+    # the allocator); the stacks' processes get the environment as it was, as a user's script would.
+    stack_env = dict(os.environ)
+    prefer_expandable_segments()
     if args.auto_lengths and args.trainable not in TRAINED_BY_KEYS:
         raise SystemExit("--auto-lengths times what `oomb train` picks for a full fine-tune or LoRA: give "
                          f"--trainable {' or '.join(TRAINED_BY_KEYS)}")
-    baseline = run_baselines(args) if args.baseline_lengths else []
+    baseline = run_baselines(args, stack_env) if args.baseline_lengths else []
     if args.baseline_from:
         baseline += earlier_baselines(Path(args.baseline_from))
     auto = auto_settings(args) if args.auto_lengths else {}
@@ -427,6 +436,7 @@ def _report(args, results: list[dict], *, complete: bool, cfg, fused_record: dic
         "versus_baseline": versus_baseline(results),
         "sparse_floor": sparse_floor(results),
         "auto_settings": auto,
+        "oomb_allocator": os.environ.get(ALLOC_CONF, os.environ.get("PYTORCH_CUDA_ALLOC_CONF")),
         # transformers' RoPE against liger's (the baseline's, and oomb's rows' with fused ops), per
         # chunk and for a step at each profiled length (measured after plain_rope() above: transformers' own)
         "rope": ({"chunk": args.chunk[0], "per_chunk": rope_cost(cfg, args.chunk[0]),

@@ -75,3 +75,23 @@ def test_auto_settings_are_oomb_train_s_for_the_trained_parameters(monkeypatch):
     args.trainable = "lora"
     picked = auto_settings(args)[65536]
     assert "refused" not in picked and picked["recompute"] == "layer-host" and picked["chunk_size"] >= 8192
+
+
+def test_the_stacks_run_in_the_environment_a_users_script_has(monkeypatch, tmp_path):
+    # oomb's rows get `oomb train`'s allocator setting; the stacks' processes the environment from before it.
+    import argparse
+    import subprocess
+
+    import benchmarks.core as core
+
+    seen = []
+
+    def fake_run(cmd, env=None, **kw):
+        seen.append(env)
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(core.subprocess, "run", fake_run)
+    args = argparse.Namespace(baseline_stacks=["fa4"], preset="tiny", trainable="all", baseline_lengths=[1024],
+                              repeats=1, profile_lengths=[])
+    rows = core.run_baselines(args, {"PATH": "/bin"})
+    assert seen == [{"PATH": "/bin"}] and rows == [{"system": "transformers-fa4", "seq_len": 1024, "error": "exit 1"}]
