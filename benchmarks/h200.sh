@@ -33,8 +33,9 @@ PLAIN='--fused-ops none'
 # the jobs whose records were measured with autograd's add keep it.
 G0='--grad-accumulation plain'
 
-# gpu-tests: every GPU test; the gradient errors of bf16 training against fp32 that they print.
-job gpu-tests 'python3 -m pytest -q -m gpu -p no:cacheprovider tests'
+# gpu-tests: every GPU test (GPU_TESTS="tests/a.py tests/b.py ..." runs those only, with the wheels' path set up);
+# the gradient errors of bf16 training against fp32 that they print.
+job gpu-tests 'python3 -m pytest -q -rfE -m gpu -p no:cacheprovider ${GPU_TESTS:-tests}'
 job gradient-accuracy-bf16 'python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/engine/test_gpu_bf16.py \
     > "$OUT/gradient-accuracy-bf16.pytest.log" 2>&1
   python3 -m benchmarks.records gradient-accuracy "$OUT/gradient-accuracy-bf16.pytest.log" \
