@@ -1,4 +1,4 @@
-"""Comparison helpers with verbose failure messages."""
+"""Comparison helpers with verbose failure messages, and a spy on the offloaded store's page copies."""
 
 from __future__ import annotations
 
@@ -30,3 +30,19 @@ def overridden(args, *changes: str) -> list[str]:
     """key=value ``args`` with ``changes`` in place of the same keys (a command line gives each key once)."""
     keys = {change.partition("=")[0] for change in changes}
     return [arg for arg in args if arg.partition("=")[0] not in keys] + list(changes)
+
+
+def copy_kernel_calls(monkeypatch, store) -> list[bool]:
+    """Send an offloaded ``store``'s page copies through the copy kernel (Triton's interpreter on the CPU, its CUDA
+    path) and record each copy's ``use_kernel``: the list fills as the store copies."""
+    import oomb.offload.host_pages as host_pages
+
+    store.copy_kernels = True
+    calls, real = [], host_pages.copy_pages
+
+    def counted(*a, **k):
+        calls.append(k.get("use_kernel"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(host_pages, "copy_pages", counted)
+    return calls

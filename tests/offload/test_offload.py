@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import copy_kernel_calls
 from tiny_models import VOCAB, tiny_model
 
 import oomb
@@ -156,22 +157,13 @@ def test_page_copy_kernel_gathers_and_scatters_like_indexing(batch, pages, chose
 
 def test_sparse_offload_through_the_page_copy_kernel_is_bit_identical(monkeypatch):
     """The CUDA path of sparse offload (chosen pages moved by the copy kernel), run in the interpreter."""
-    import oomb.offload.host_pages as host_pages
-
     model = tiny_model("llama")
     ids = torch.randint(0, VOCAB, (2, 160))
     kw = dict(chunk_size=32, page_size=8, selection=PageSelection(page_budget=3, block=16))
     ref_loss, ref = _step(model, ids, **kw)
     _step(model, ids[:, :40], offload=True, **kw)  # builds the offloaded store
     store = store_for_model(model)
-    store.copy_kernels = True
-    calls, real = [], host_pages.copy_pages
-
-    def counted(*a, **k):
-        calls.append(k.get("use_kernel"))
-        return real(*a, **k)
-
-    monkeypatch.setattr(host_pages, "copy_pages", counted)
+    calls = copy_kernel_calls(monkeypatch, store)
     loss, got = _step(model, ids, offload=True, **kw)
     assert store_for_model(model) is store and calls and all(calls)  # gathers and scatters ran in the kernel
     assert torch.equal(loss, ref_loss)

@@ -4,6 +4,7 @@ where the windows are shorter than a chunk: stage 1 gives rows up, stage 2 gets 
 
 import pytest
 import torch
+from helpers import copy_kernel_calls
 from tiny_models import VOCAB, tiny_model
 
 import oomb
@@ -55,21 +56,12 @@ def test_windowed_host_rows_give_the_device_stores_gradients(family, cache, reco
 
 def test_windowed_rows_through_the_page_copy_kernel(monkeypatch):
     """The CUDA path (rows named by an index on the device, moved by the copy kernel), in the interpreter."""
-    import oomb.offload.host_pages as host_pages
-
     model = tiny_model("gpt_oss", sliding_window=WINDOW)
     ids = torch.randint(0, VOCAB, (1, 110))
     ref = _step(model, ids, cache_attention="host", recompute="layer-host")
     _step(model, ids[:, :40], offload=True)  # builds the offloaded store
     store = store_for_model(model)
-    store.copy_kernels = True
-    calls, real = [], host_pages.copy_pages
-
-    def counted(*a, **k):
-        calls.append(k.get("use_kernel"))
-        return real(*a, **k)
-
-    monkeypatch.setattr(host_pages, "copy_pages", counted)
+    calls = copy_kernel_calls(monkeypatch, store)
     got = _step(model, ids, cache_attention="host", recompute="layer-host", offload=True)
     assert store_for_model(model) is store and calls and all(calls)
     _same(got, ref)
