@@ -226,21 +226,24 @@ class HostPages:
         for g, group in enumerate(self._groups):
             if previous is not None:
                 group.trim_newest(previous.first_page, previous.end, self.spec.page_size)
-            group.add(c0, self._take(group, n), 1)
+            group.add(c0, self._take(g, n), 1)
             self._zero_grads(g, group.table[0, c0 : c0 + n])
 
-    def free_chunk(self, record: ChunkRecord, previous: ChunkRecord | None, *, restore: bool) -> None:
-        """Free the newest chunk's rows; with ``restore`` the chunk before it gets back the rows its tail gave up,
-        gradients zeroed (a host write, as in ``add_chunk``), K/V to be written again (``refill_due``)."""
+    def free_chunk(self, record: ChunkRecord, previous: ChunkRecord | None) -> None:
+        """Free the newest chunk's rows; the chunk before it gets back the rows its tail gave up, gradients zeroed
+        (a host write, as in ``add_chunk``), K/V to be written again (``refill_due``). (A step's end frees every
+        chunk at once, giving none back: ``start``.)"""
         for g, group in enumerate(self._groups):
             group.free_newest(record.first_page, record.num_pages)
-            if restore and previous is not None and (missing := group.missing(previous.first_page)):
-                group.restore_newest(previous.first_page, self._take(group, missing), 1)
+            if previous is not None and (missing := group.missing(previous.first_page)):
+                group.restore_newest(previous.first_page, self._take(g, missing), 1)
                 self._zero_grads(g, group.table[0, previous.first_page : previous.first_page + missing])
             self._uploaded.pop(g, None)
 
-    def _take(self, group: WindowPages, n: int) -> list[int]:
-        self._uploaded.pop(self._groups.index(group), None)
+    def _take(self, g: int, n: int) -> list[int]:
+        """``n`` rows of window group ``g`` (its map changes: uploaded again when next asked for)."""
+        group = self._groups[g]
+        self._uploaded.pop(g, None)
         try:
             return group.allocator.allocate(n)
         except OutOfPagesError as e:

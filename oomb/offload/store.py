@@ -204,7 +204,7 @@ class OffloadedKVStore(ChunkLedger):
         if self._host.windows:
             self._sync()
             self._wait_grad_copies()
-        self._host.free_chunk(record, self._chunks[-1] if self._chunks else None, restore=True)
+        self._host.free_chunk(record, self._chunks[-1] if self._chunks else None)
         for slot in self._slots:
             slot.key = None
 
