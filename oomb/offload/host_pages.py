@@ -95,7 +95,8 @@ class HostPages:
 
     def allocate(self, batch_size: int, num_tokens: int, chunk_size: int | None, resident: int) -> None:
         """New pools for ``batch_size`` sequences of ``num_tokens`` in chunks of ``chunk_size`` (None: any size; the
-        windows then keep every page), the layers from ``resident`` on. The old ones are dropped first."""
+        windows then keep every page), the layers from ``resident`` on. The old ones are dropped first; ``start``
+        begins a step over them."""
         self.release()
         s = self.spec
         max_pages = -(-num_tokens // s.page_size)
@@ -114,7 +115,6 @@ class HostPages:
             self._where.update({layer: (g, i) for i, layer in enumerate(group.layers)})
         self.resident, self.batch_size, self.max_pages = resident, batch_size, max_pages
         self.allocated = True
-        self.start()
 
     def release(self) -> None:
         self._pools, self._mean, self._group_pools, self._uploaded = {}, None, [], {}

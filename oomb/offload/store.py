@@ -304,7 +304,7 @@ class OffloadedKVStore(ChunkLedger):
                 for kind in ("k", "v"):
                     self._host.write_pages(kind, layer_idx, view[kind], slot.num_past, c0, n, **self._copy_args())
                 self._host.home("mean", layer_idx)[:, c0 : c0 + n].copy_(slot.mean[:, c0 : c0 + n],
-                                                                     non_blocking=self._cuda)
+                                                                          non_blocking=self._cuda)
             elif slot.num_past:
                 if slot.past is not None and self._cuda:
                     slot.past.hand_to_stream(self._copy_stream)
