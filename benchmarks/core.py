@@ -66,7 +66,7 @@ from oomb.surgery.fused_ops import plain_rope, use_fused_ops
 from oomb.surgery.grad_accumulation import plain_linears
 from oomb.surgery.lora import plain_lora, use_fused_lora
 from oomb.train.config.presets import build_model, preset_config
-from oomb.train.loop.trainer import ALLOC_CONF, prefer_expandable_segments
+from oomb.train.loop.trainer import allocator_setting, prefer_expandable_segments
 
 
 def model_flops(config, seq_len: int) -> float:
@@ -436,7 +436,7 @@ def _report(args, results: list[dict], *, complete: bool, cfg, fused_record: dic
         "versus_baseline": versus_baseline(results),
         "sparse_floor": sparse_floor(results),
         "auto_settings": auto,
-        "oomb_allocator": os.environ.get(ALLOC_CONF, os.environ.get("PYTORCH_CUDA_ALLOC_CONF")),
+        "oomb_allocator": allocator_setting(),
         # transformers' RoPE against liger's (the baseline's, and oomb's rows' with fused ops), per
         # chunk and for a step at each profiled length (measured after plain_rope() above: transformers' own)
         "rope": ({"chunk": args.chunk[0], "per_chunk": rope_cost(cfg, args.chunk[0]),

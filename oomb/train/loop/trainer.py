@@ -95,7 +95,13 @@ def train(cfg: Config, console: Console | None = None, *,
         distributed.teardown(ctx)
 
 
-ALLOC_CONF = "PYTORCH_ALLOC_CONF"  # PyTorch's caching allocator settings (PYTORCH_CUDA_ALLOC_CONF: its older name)
+ALLOC_CONF = "PYTORCH_ALLOC_CONF"  # PyTorch's caching allocator settings
+ALLOC_CONF_NAMES = (ALLOC_CONF, "PYTORCH_CUDA_ALLOC_CONF")  # the older name still read
+
+
+def allocator_setting() -> str | None:
+    """The CUDA caching allocator's settings this process has in its environment (either name), or None."""
+    return next((os.environ[name] for name in ALLOC_CONF_NAMES if name in os.environ), None)
 
 
 def prefer_expandable_segments() -> None:
@@ -104,7 +110,7 @@ def prefer_expandable_segments() -> None:
     Gemma-3-12B at 64K ran out of memory on an H100 with 8.9 GiB held free in fragments and 69.3 GiB allocated,
     under the memory plan's 74.7 GiB (benchmarks/results/core-gemma-3-12b-vs-transformers-64k.json). Unsloth sets
     the same. Read when CUDA first allocates: a process that used CUDA before keeps what it had."""
-    if ALLOC_CONF not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+    if allocator_setting() is None:
         os.environ[ALLOC_CONF] = "expandable_segments:True"
 
 
