@@ -53,10 +53,15 @@ def planned_against_measured(log_text: str, metrics: list[dict]) -> dict:
     planned = float(found.group(1).replace(",", "")) * _UNIT_GIB[found.group(2)]
     allocated = planned - CUDA_CONTEXT_BYTES / 2**30
     peaks = [m["peak_gpu_gib"] for m in metrics if m.get("peak_gpu_gib")]
+    # What the card held: the allocator's reserved peak (fragments included) and what lies outside it (the context).
+    held = [m["peak_gpu_reserved_gib"] + m["gpu_outside_allocator_gib"] for m in metrics
+            if m.get("peak_gpu_reserved_gib") and m.get("gpu_outside_allocator_gib") is not None]
     return {"planned_gpu_gib": round(planned, 2),
             "planned_over_measured_peak": round(planned / max(peaks), 4) if peaks else None,
             "planned_allocated_gib": round(allocated, 2),
-            "planned_allocated_over_measured_peak": round(allocated / max(peaks), 4) if peaks else None}
+            "planned_allocated_over_measured_peak": round(allocated / max(peaks), 4) if peaks else None,
+            "measured_card_gib": round(max(held), 2) if held else None,
+            "planned_over_measured_card": round(planned / max(held), 4) if held else None}
 
 
 def longest_planned(preset: str, keys: str) -> int | None:
@@ -87,7 +92,8 @@ def record_of(run: Path, log: Path, seq_len: int) -> dict:
         "attention": cfg["train"].get("attention"),  # the key's value; the startup line names the kernels it chose
         "lora_r": cfg.get("lora", {}).get("r"),
         "quantize": cfg.get("model", {}).get("quantize", "none"),
-        "steps": [{k: m.get(k) for k in ("step", "seconds", "loss", "peak_gpu_gib")} for m in metrics],
+        "steps": [{k: m.get(k) for k in ("step", "seconds", "loss", "peak_gpu_gib", "peak_gpu_reserved_gib",
+                                          "gpu_outside_allocator_gib")} for m in metrics],
         "warm_step_s": sum(warm) / len(warm) if warm else None,  # the steps after the first
         "startup": [line for line in log.read_text().splitlines()
                     if line.startswith(("oomb train", "note:", "fused", "weight gradients", "memory plan:"))

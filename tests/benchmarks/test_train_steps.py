@@ -55,7 +55,13 @@ def test_the_plan_s_prediction_is_read_from_the_startup_line_and_set_against_the
     assert planned_against_measured(log, metrics) == {
         "planned_gpu_gib": 66.0, "planned_over_measured_peak": 1.0312,
         # less the plan's 1 GiB CUDA-context allowance, which max_memory_allocated does not see
-        "planned_allocated_gib": 65.0, "planned_allocated_over_measured_peak": 1.0156}
+        "planned_allocated_gib": 65.0, "planned_allocated_over_measured_peak": 1.0156,
+        "measured_card_gib": None, "planned_over_measured_card": None}
+    # Steps that read the allocator's reserved peak and the memory outside it: the card's use, context included.
+    card = [{"step": 1, "peak_gpu_gib": 62.5, "peak_gpu_reserved_gib": 63.0, "gpu_outside_allocator_gib": 0.5},
+            {"step": 2, "peak_gpu_gib": 64.0, "peak_gpu_reserved_gib": 64.5, "gpu_outside_allocator_gib": 0.7}]
+    result = planned_against_measured(log, card)
+    assert result["measured_card_gib"] == 65.2 and result["planned_over_measured_card"] == round(66 / 65.2, 4)
     assert planned_against_measured(log.replace("66.00 GiB", "512.00 MiB"), metrics)["planned_gpu_gib"] == 0.5
     assert planned_against_measured("memory plan: host 2.00 GiB of 8.00 GiB\n", metrics) == {}  # a CPU run
     assert planned_against_measured(log, [{"step": 1}])["planned_over_measured_peak"] is None

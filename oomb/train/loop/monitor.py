@@ -1,9 +1,11 @@
 """Watching a run: memory readings, TensorBoard events, a W&B run and the end-of-run plot.
 
 Every step's record (metrics.jsonl) gains ``host_rss_gib`` (this process's resident
-memory), ``peak_gpu_gib`` on CUDA (``torch.cuda.max_memory_allocated`` since the run
-started), ``pinned_host_gib`` with ``train.offload`` (the offloaded pages' pinned host
-pools, part of the RSS) and ``eta_s`` (seconds left at the mean step time of this session).
+memory), on CUDA ``peak_gpu_gib`` (``torch.cuda.max_memory_allocated`` since the run
+started), ``peak_gpu_reserved_gib`` (the caching allocator's peak: allocated plus what it holds in fragments) and
+``gpu_outside_allocator_gib`` (the GPU memory in use that the allocator does not hold: the CUDA context and
+libraries' own buffers, and any other process on the card), ``pinned_host_gib`` with ``train.offload`` (the
+offloaded pages' pinned host pools, part of the RSS) and ``eta_s`` (seconds left at the mean step time of this session).
 ``train.report_to`` sends every field of the record (``metric_fields``: tokens, loss_tokens, seconds, eta_s,
 val_tokens, ... as metrics.jsonl holds them) to ``<out_dir>/tensorboard`` and to a Weights & Biases run
 (oomb.train.loop.reporting); at the end ``<out_dir>/training.png`` draws loss and memory against the step.
@@ -50,10 +52,14 @@ def metric_fields(record: dict) -> tuple[dict[str, float], dict[str, str]]:
 
 
 def memory_fields(device: torch.device, pinned_bytes: int | None = None) -> dict[str, float]:
-    """Host RSS, on CUDA the peak allocated GPU memory, and the given pinned host bytes, in GiB."""
+    """Host RSS, on CUDA the peak allocated and reserved GPU memory and the use outside the allocator, and the given
+    pinned host bytes, in GiB. The card's memory a step needed is about peak reserved + outside the allocator."""
     fields = {"host_rss_gib": psutil.Process(os.getpid()).memory_info().rss / GIB}
     if device.type == "cuda":
         fields["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        fields["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        free, total = torch.cuda.mem_get_info(device)
+        fields["gpu_outside_allocator_gib"] = max(0, total - free - torch.cuda.memory_reserved(device)) / GIB
     if pinned_bytes is not None:
         fields["pinned_host_gib"] = pinned_bytes / GIB
     return fields
