@@ -110,3 +110,27 @@ def test_a_model_that_starts_non_finite_is_named_not_blamed_on_the_learning_rate
     out = " ".join(capsys.readouterr().out.split())
     assert "The weight model.layers.1.mlp.down_proj.weight is non-finite" in out
     assert "holds non-finite values; repair or replace it" in out and "Lower train.lr" not in out
+
+
+def test_a_nan_that_arises_in_the_backward_pass_is_placed_at_its_layer():
+    from oomb.train.loop.faults import nonfinite_grads
+
+    model = build_model("tiny", dtype=torch.float32, device="cpu")
+    layers = model.model.layers
+    assert len(layers) == 2
+    ids = torch.randint(0, 63, (1, 64))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert nonfinite_grads(model) == (None, None)
+    model.zero_grad(set_to_none=True)
+
+    def poison(module, grad_output):  # the gradient layer 0 gets from above goes NaN
+        return (grad_output[0].clone().fill_(float("nan")),)
+
+    handle = layers[0].register_full_backward_pre_hook(poison)
+    model(input_ids=ids, labels=ids).loss.backward()
+    handle.remove()
+    first, where = nonfinite_grads(model)
+    assert first == "model.embed_tokens.weight"  # below it all, first in the model's order
+    # Layer 1 (above) kept finite gradients; layer 0's own went NaN with what it got from its output's gradient.
+    assert where.startswith("non-finite gradients in 1 of the 2 decoder layers with gradients, the highest layer 0 ")
+    assert "layer 0's backward or in the input gradient layer 1 passed down" in where

@@ -20,6 +20,7 @@ scripts which failure it was. docs/failures.md shows each message and what to do
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shlex
 import signal
@@ -287,12 +288,31 @@ def memory_advice(use: MemoryUse, cfg) -> list[str]:
 # ---------------------------------------------------------------------------------- numerics
 
 
-def first_nonfinite_grad(model: torch.nn.Module) -> str | None:
-    """The name of the first parameter (in the model's order) whose gradient holds a NaN or inf."""
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def nonfinite_grads(model: torch.nn.Module) -> tuple[str | None, str | None]:
+    """(the first parameter, in the model's order, whose gradient holds a NaN or inf; where among the decoder layers
+    the non-finite gradients start), None where none is. Backward runs from the last layer down and carries a NaN
+    into every layer below, so the highest layer with one is where the backward pass went non-finite (in that
+    layer, or in the input gradient the layer above passed down)."""
+    first, bad, seen = None, set(), set()
     for name, p in model.named_parameters():
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):  # host sync per parameter: rare path
-            return name
-    return None
+        if p.grad is None:
+            continue
+        layer = _LAYER_INDEX.search(name)
+        if layer is not None:
+            seen.add(int(layer.group(1)))
+        if not bool(torch.isfinite(p.grad).all()):  # host sync per parameter: the failure path only
+            first = first or name
+            if layer is not None:
+                bad.add(int(layer.group(1)))
+    if not bad:
+        return first, None
+    top = max(bad)
+    return first, (f"non-finite gradients in {len(bad)} of the {len(seen)} decoder layers with gradients, the highest "
+                   f"layer {top} (backward runs from the last layer down: it went non-finite in layer {top}'s "
+                   f"backward or in the input gradient layer {top + 1} passed down)")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

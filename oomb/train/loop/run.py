@@ -31,9 +31,9 @@ from oomb.train.loop.faults import (
     RunStopped,
     StepAbandoned,
     StopRequest,
-    first_nonfinite_grad,
     memory_report,
     nonfinite_after_update,
+    nonfinite_grads,
     resume_command,
 )
 from oomb.train.loop.model import base_model_name
@@ -233,10 +233,11 @@ class Run:
         site = None
         if self.ctx.torchrun:  # every rank gets here (global loss and norm); locating would need them in step
             parameter = "not located under torchrun (run one process from the last checkpoint to locate it)"
+            layers = None
             self.optimizer.zero_grad(set_to_none=True)
             site, batches = "not located under torchrun", []
         else:
-            parameter = first_nonfinite_grad(self.model)
+            parameter, layers = nonfinite_grads(self.model)
             self.optimizer.zero_grad(set_to_none=True)
         try:
             for m, batch in enumerate(batches):  # the grad_accum batches in the order they ran
@@ -250,7 +251,8 @@ class Run:
         except StepAbandoned:  # a signal during the diagnosis: report without it, then stop as asked
             site = "not located (interrupted)"
         where = (f"first non-finite value: {site}" if site is not None else
-                 "the forward pass is finite in every chunk: the first non-finite value arose in the backward pass")
+                 "the forward pass is finite in every chunk: the first non-finite value arose in the backward pass"
+                 + (f"; {layers}" if layers else ""))
         text = (f"non-finite {'loss' if not bool(torch.isfinite(loss)) else 'gradient'} in step {step + 1} "
                 f"(loss {float(loss)}, gradient norm {float(grad_norm)}); {where}; first parameter with a non-finite "
                 f"gradient: {parameter or 'none'}")
