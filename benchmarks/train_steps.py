@@ -53,7 +53,8 @@ def planned_against_measured(log_text: str, metrics: list[dict]) -> dict:
     planned = float(found.group(1).replace(",", "")) * _UNIT_GIB[found.group(2)]
     allocated = planned - CUDA_CONTEXT_BYTES / 2**30
     peaks = [m["peak_gpu_gib"] for m in metrics if m.get("peak_gpu_gib")]
-    # What the card held: the allocator's reserved peak (fragments included) and what lies outside it (the context).
+    # What the card held: the allocator's reserved peak and what lies outside it (the context). An upper bound of the
+    # need, not the plan's quantity: the allocator keeps freed blocks until memory runs short.
     held = [m["peak_gpu_reserved_gib"] + m["gpu_outside_allocator_gib"] for m in metrics
             if m.get("peak_gpu_reserved_gib") and m.get("gpu_outside_allocator_gib") is not None]
     return {"planned_gpu_gib": round(planned, 2),

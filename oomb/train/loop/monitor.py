@@ -2,7 +2,7 @@
 
 Every step's record (metrics.jsonl) gains ``host_rss_gib`` (this process's resident
 memory), on CUDA ``peak_gpu_gib`` (``torch.cuda.max_memory_allocated`` since the run
-started), ``peak_gpu_reserved_gib`` (the caching allocator's peak: allocated plus what it holds in fragments) and
+started), ``peak_gpu_reserved_gib`` (the caching allocator's peak: allocated plus the freed blocks it keeps) and
 ``gpu_outside_allocator_gib`` (the GPU memory in use that the allocator does not hold: the CUDA context and
 libraries' own buffers, and any other process on the card), ``pinned_host_gib`` with ``train.offload`` (the
 offloaded pages' pinned host pools, part of the RSS) and ``eta_s`` (seconds left at the mean step time of this session).
@@ -53,7 +53,8 @@ def metric_fields(record: dict) -> tuple[dict[str, float], dict[str, str]]:
 
 def memory_fields(device: torch.device, pinned_bytes: int | None = None) -> dict[str, float]:
     """Host RSS, on CUDA the peak allocated and reserved GPU memory and the use outside the allocator, and the given
-    pinned host bytes, in GiB. The card's memory a step needed is about peak reserved + outside the allocator."""
+    pinned host bytes, in GiB. The card held up to peak reserved + outside the allocator; the step needed less where
+    the allocator kept freed blocks it could have given back (it does so before it reports out of memory)."""
     fields = {"host_rss_gib": psutil.Process(os.getpid()).memory_info().rss / GIB}
     if device.type == "cuda":
         fields["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / GIB
