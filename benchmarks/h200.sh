@@ -147,12 +147,18 @@ job unsloth-llama-3-8b-128k "$U --lengths 131072 --out \"\$OUT/unsloth-llama-3-8
 job unsloth-llama-3-8b-longest "$U --longest --known-fits 131072 --resolution 32768 --budget-s 540 --work-dir \"\$OUT/longest\" \\
   --out \"\$OUT/unsloth-llama-3-8b-longest.json\""
 QLORA32='model.quantize=nf4 lora.r=32 lora.alpha=32 lora.targets=all-linear train.optimizer=adamw8bit'
-job train-llama-3-8b-qlora-r32 "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 16384,65536,131072 \
-  --steps 2,2,2 --timeout 200 --keys '$QLORA32'"
+job train-llama-3-8b-qlora-r32 "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 16384,65536 \
+  --steps 2,2 --timeout 190 --keys '$QLORA32'"
+job train-llama-3-8b-qlora-r32-128k "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 131072 \
+  --steps 2 --timeout 300 --keys '$QLORA32'"
+# The two systems side by side at the lengths both ran (after the jobs above, on the same machine).
+job versus-unsloth-llama-3-8b 'python3 -m benchmarks.records versus-unsloth "$OUT/unsloth-llama-3-8b.json" \
+  --oomb "$OUT/train-llama-3-8b-qlora-r32.json" --out "$OUT/versus-unsloth-llama-3-8b.json" \
+  --command "bash benchmarks/h200.sh unsloth-llama-3-8b train-llama-3-8b-qlora-r32 versus-unsloth-llama-3-8b"'
 job train-llama-3-8b-qlora-r32-longest "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths '' --steps '' \
   --longest --timeout 540 --keys '$QLORA32'"
 part unsloth 'unsloth-llama-3-8b unsloth-llama-3-8b-128k unsloth-llama-3-8b-longest train-llama-3-8b-qlora-r32
-  train-llama-3-8b-qlora-r32-longest'
+  versus-unsloth-llama-3-8b train-llama-3-8b-qlora-r32-128k train-llama-3-8b-qlora-r32-longest'
 # LoRA r=16 on every linear layer of Llama-3-8B at 64K in the lean setting, oomb's fused LoRA layers (with the
 # stack running peft's own beside) and peft's own layers, each in its own process; the full-gradient step in the
 # same setting is the lean row of core-llama-3-8b-vs-transformers-64k.

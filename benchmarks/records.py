@@ -2,12 +2,15 @@
 
     python -m benchmarks.records gradient-accuracy out/gpu-tests.log --command "..." --out out/X.json
     python -m benchmarks.records longrun out/longrun --command "..." --out out/Y.json
+    python -m benchmarks.records versus-unsloth out/unsloth.json --oomb out/train.json --command "..." --out out/Z.json
 
 - gradient-accuracy: the errors tests/engine/test_gpu_bf16.py prints under `pytest -s -m gpu`
   (bf16 gradients against fp32 full-sequence training; bf16 against fp32 gradient pages; sparse
   with packed documents);
 - longrun: a run folder of benchmarks/longrun.sh: each phase's settings, metrics and answer loss
-  (first and last tenth of its steps), and the retrieval eval.
+  (first and last tenth of its steps), and the retrieval eval;
+- versus-unsloth: Unsloth's steps (benchmarks.unsloth_step) beside `oomb train`'s (benchmarks.train_steps) at each
+  length both ran, on one machine: step times and peak allocated GPU memory, and oomb's over Unsloth's.
 
 Every record carries the command that made it, the date, the machine and what it was built from.
 """
@@ -95,14 +98,42 @@ def longrun(run_dir: Path) -> dict:
     return {"settings": settings, "phases": phases, "eval": json.loads(evals[-1].read_text())}
 
 
+def versus_unsloth(unsloth: dict, oomb: dict) -> dict:
+    """Rows of the lengths both records ran (a step that completed in each), oomb's time and memory over Unsloth's.
+    Both records must come from one machine (the same GPU and day: ratios are taken on one machine)."""
+    if unsloth.get("machine") != oomb.get("machine") or str(unsloth.get("date", ""))[:10] != oomb.get("date"):
+        raise RecordError(f"the records come from different machines or days: {unsloth.get('machine')} "
+                          f"{unsloth.get('date')} against {oomb.get('machine')} {oomb.get('date')}")
+    theirs = {r["seq_len"]: r for r in unsloth["results"] if r.get("step_s")}
+    rows = []
+    for ours in oomb["results"]:
+        n, step = ours["seq_len"], ours.get("warm_step_s")
+        peaks = [s["peak_gpu_gib"] for s in ours.get("steps", []) if s.get("peak_gpu_gib")]
+        if n not in theirs or step is None or not peaks:
+            continue
+        them = theirs[n]
+        rows.append({"seq_len": n, "unsloth_step_s": them["step_s"], "unsloth_peak_gpu_gib": them["peak_gpu_gib"],
+                     "oomb_step_s": step, "oomb_peak_gpu_gib": max(peaks),
+                     "oomb_settings": {k: ours.get(k) for k in ("chunk_size", "cache_attention", "recompute",
+                                                                "lora_r", "quantize")},
+                     "time_ratio": step / them["step_s"], "peak_ratio": max(peaks) / them["peak_gpu_gib"]})
+    if not rows:
+        raise RecordError("no length has a completed step in both records")
+    return {"unsloth_command": unsloth["command"], "oomb_command": oomb["command"],
+            "unsloth_settings": unsloth.get("settings"), "oomb_keys": oomb.get("keys"),
+            "versions": unsloth.get("versions"), "rows": rows}
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.records", description=__doc__.splitlines()[0])
-    p.add_argument("kind", choices=["gradient-accuracy", "longrun"])
-    p.add_argument("source", help="gradient-accuracy: the pytest log; longrun: the run folder")
+    p.add_argument("kind", choices=["gradient-accuracy", "longrun", "versus-unsloth"])
+    p.add_argument("source", help="gradient-accuracy: the pytest log; longrun: the run folder; versus-unsloth: "
+                   "benchmarks.unsloth_step's record")
+    p.add_argument("--oomb", help="versus-unsloth: benchmarks.train_steps's record of the same lengths")
     p.add_argument("--command", required=True, help="the command that produced the source")
     p.add_argument("--machine", default=None, help="the machine, in words (default: this one)")
     p.add_argument("--date", default=None, help="ISO date of the run (default: now)")
@@ -110,8 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     source = Path(args.source)
     try:
-        body = gradient_accuracy(source.read_text()) if args.kind == "gradient-accuracy" else longrun(source)
-    except (OSError, RecordError) as e:
+        if args.kind == "gradient-accuracy":
+            body = gradient_accuracy(source.read_text())
+        elif args.kind == "longrun":
+            body = longrun(source)
+        else:
+            if args.oomb is None:
+                raise RecordError("versus-unsloth needs --oomb (benchmarks.train_steps's record)")
+            unsloth, oomb = (json.loads(Path(f).read_text()) for f in (source, args.oomb))
+            body = versus_unsloth(unsloth, oomb)
+            args.machine, args.date = args.machine or unsloth["machine"], args.date or oomb["date"]
+    except (OSError, ValueError, KeyError, RecordError) as e:
         print(f"python -m benchmarks.records {args.kind}: {e}", file=sys.stderr)
         return 2
     if args.machine is None:

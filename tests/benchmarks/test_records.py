@@ -67,3 +67,36 @@ def test_longrun_record_holds_phases_in_order_and_the_eval(tmp_path, capsys):
     (run / "eval" / "results.json").unlink()
     assert records.main(["longrun", str(run), "--command", "x", "--out", str(out)]) == 2
     assert "eval did not finish" in capsys.readouterr().err
+
+
+def _unsloth_and_oomb(machine="1 x NVIDIA H100 80GB HBM3 (79.2 GiB)", day="2026-12-07"):
+    unsloth = {"command": "python -m benchmarks.unsloth_step ...", "machine": "1 x NVIDIA H100 80GB HBM3 (79.2 GiB)",
+               "date": "2026-12-07T15:03:48+00:00", "settings": {"lora": {"r": 32}}, "versions": {"unsloth": "x"},
+               "results": [{"seq_len": 16384, "step_s": 2.0, "peak_gpu_gib": 10.0},
+                           {"seq_len": 65536, "step_s": 16.0, "peak_gpu_gib": 20.0},
+                           {"seq_len": 131072, "error": "out of memory"}]}
+    oomb = {"command": "python -m benchmarks.train_steps ...", "machine": machine, "date": day, "keys": "lora.r=32",
+            "results": [{"seq_len": 16384, "warm_step_s": 1.0, "chunk_size": 16384, "steps": [
+                            {"peak_gpu_gib": 15.0}, {"peak_gpu_gib": 16.0}]},
+                        {"seq_len": 65536, "warm_step_s": 12.0, "steps": [{"peak_gpu_gib": 30.0}]},
+                        {"seq_len": 131072, "warm_step_s": 30.0, "steps": [{"peak_gpu_gib": 35.0}]}]}
+    return unsloth, oomb
+
+
+def test_oomb_beside_unsloth_at_the_lengths_both_ran_on_one_machine():
+    from benchmarks.records import RecordError, versus_unsloth
+
+    body = versus_unsloth(*_unsloth_and_oomb())
+    assert [r["seq_len"] for r in body["rows"]] == [16384, 65536]  # Unsloth ran out of memory at 128K
+    first, second = body["rows"]
+    assert (first["time_ratio"], first["peak_ratio"], first["oomb_peak_gpu_gib"]) == (0.5, 1.6, 16.0)
+    assert (second["time_ratio"], second["peak_ratio"]) == (0.75, 1.5)
+    assert first["oomb_settings"]["chunk_size"] == 16384
+    with pytest.raises(RecordError, match="different machines or days"):
+        versus_unsloth(*_unsloth_and_oomb(machine="1 x NVIDIA H200 (139.8 GiB)"))
+    with pytest.raises(RecordError, match="different machines or days"):
+        versus_unsloth(*_unsloth_and_oomb(day="2026-12-08"))
+    unsloth, oomb = _unsloth_and_oomb()
+    oomb["results"] = oomb["results"][2:]
+    with pytest.raises(RecordError, match="no length has a completed step in both"):
+        versus_unsloth(unsloth, oomb)

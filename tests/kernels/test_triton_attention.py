@@ -116,10 +116,10 @@ def _never_read(pb, page, window):
     return hidden
 
 
-def _poisoned(pool, hidden):
+def _poisoned(pool, hidden, value=float("nan")):
     pages, slots = hidden.nonzero(as_tuple=True)
     pool = pool.clone()
-    pool[pages, :, slots] = float("nan")
+    pool[pages, :, slots] = value
     return pool
 
 
@@ -475,3 +475,42 @@ def test_bf16_documents_and_page_selection_on_gpu(d, page, docs, select, sinks):
     assert_close_rel(dq.float(), ref_dq, TOL["gpu_bf16"], "dq")
     assert_close_rel(dk, ref_dk, TOL["gpu_bf16"], "dk")
     assert_close_rel(dv, ref_dv, TOL["gpu_bf16"], "dv")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "fa4"])
+@pytest.mark.parametrize("h,h_kv,d,window", [
+    pytest.param(16, 8, 256, 1024, id="gemma3-d256-window1024"),
+    pytest.param(28, 4, 128, 1024, id="d128-window1024"),
+    pytest.param(64, 8, 64, 128, id="gpt-oss-d64-window128"),
+])
+def test_pages_no_window_reaches_are_never_read_on_gpu(backend, h, h_kv, d, window):
+    # A sliding layer's block table points the pages it gave up at one scratch page of stale bits (the store's
+    # pools are torch.empty): keys and values no query may see hold inf here. A kernel that loads them under a mask
+    # still multiplies them by zero (0 x inf = NaN) in dS K or P V: out, dq, dk and dv must stay finite and right.
+    from oomb.kernels import flash4_unavailable, get_backend
+
+    if backend == "fa4" and (reason := flash4_unavailable()) is not None:
+        pytest.skip(reason)
+    c, kv_len, page = 4096, 16384, 128
+    pb = make_problem(1, h, h_kv, c, kv_len, d, page, dtype=torch.bfloat16, device="cuda")
+    hidden = _never_read(pb, page, window)
+    k_pool, v_pool = _poisoned(pb.k_pool, hidden, float("inf")), _poisoned(pb.v_pool, hidden, float("inf"))
+    attention = get_backend(backend, "cuda")
+    kw = dict(scale=d**-0.5, sliding_window=window)
+    q32, k32, v32 = pb.q.float(), pb.k_pool.float(), pb.v_pool.float()
+    out, lse = attention.forward(pb.q, k_pool, v_pool, pb.page_table, kv_len, **kw)
+    ref_out, ref_lse = R.paged_attention_forward(q32, k32, v32, pb.page_table, kv_len, **kw)
+    assert_close_rel(out.float(), ref_out, TOL["gpu_bf16"], "out")
+    assert_close_rel(lse, ref_lse, TOL["gpu_lse"], "lse")
+    d_out = torch.randn_like(pb.q)
+    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    ref_dk, ref_dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    dq, _ = attention.backward(d_out, pb.q, out, lse, k_pool, v_pool, dk, dv, pb.page_table, kv_len, **kw)
+    ref_dq, _ = R.paged_attention_backward(d_out.float(), q32, ref_out, ref_lse, k32, v32, ref_dk, ref_dv,
+                                           pb.page_table, kv_len, **kw)
+    assert bool(torch.isfinite(dq).all()), "dq not finite: a masked key was read"
+    assert_close_rel(dq.float(), ref_dq, TOL["gpu_bf16"], "dq")
+    pages, slots = (~hidden).nonzero(as_tuple=True)  # the slots some query sees (the others may get zeros added)
+    assert_close_rel(dk[pages, :, slots], ref_dk[pages, :, slots], TOL["gpu_bf16"], "dk")
+    assert_close_rel(dv[pages, :, slots], ref_dv[pages, :, slots], TOL["gpu_bf16"], "dv")
