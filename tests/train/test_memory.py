@@ -320,3 +320,36 @@ def test_oomb_plan_measures_this_process_and_takes_the_allowance_for_another_hos
     assert main(["plan", "--json", "--host-memory", "8GiB", "train.device=cpu"]) == 0  # another machine's host
     process = {i["name"]: i for i in json.loads(capsys.readouterr().out)["items"]}["process"]
     assert process["note"].startswith("allowance") and process["host_bytes"] == HOST_PROCESS_BYTES
+
+
+def test_gpu_memory_holds_the_plan_and_the_allocator_to_a_budget(monkeypatch, capsys):
+    import oomb.train.loop.host_memory as host_memory
+
+    args = ["plan", "train.device=cuda", "model.preset=qwen2.5-7b", "lora.r=16", "data.seq_len=131072",
+            "--gpu-memory", "79GiB", "--host-memory", "125GiB"]
+    assert main([*args, "--json"]) == 0
+    free = json.loads(capsys.readouterr().out)
+    assert main([*args, "--json", "train.gpu_memory=20GiB"]) == 1  # the same run in 20 GiB: no setting fits
+    capped = json.loads(capsys.readouterr().out)
+    assert capped["device_total_bytes"] == 20 * 2**30 and 0 < capped["largest_seq_len"] < free["largest_seq_len"]
+    assert main([*args, "train.gpu_memory=20GiB"]) == 1
+    assert "of 20.00 GiB (--gpu-memory, at most train.gpu_memory=20GiB)" in capsys.readouterr().out.replace("\n", "")
+    assert main([*args, "train.gpu_memory=200GiB", "--json"]) == 0  # more than the card: the card's
+    assert json.loads(capsys.readouterr().out)["device_total_bytes"] == 79 * 2**30
+    assert main([*args, "train.gpu_memory=lots"]) == 2
+    assert "is not a memory size" in capsys.readouterr().out
+
+    # oomb train's check plans within it and says so when it refuses ...
+    monkeypatch.setattr(memory, "available_memory", lambda device: (79 * 2**30, 125 * 2**30))
+    cfg = load_run_config(None, ["model.preset=qwen2.5-7b", "lora.r=16", "data.seq_len=131072",
+                                 "train.device=cuda", "train.gpu_memory=20GiB"])
+    with pytest.raises(ConfigError, match=r"but train.gpu_memory=20GiB allows 20.00 GiB.*set train.offload=true"):
+        memory.check_memory(cfg, torch.device("cuda"), torch.bfloat16)
+    # ... and holds the caching allocator to it.
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 80 * 2**30}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: fractions.append(f))
+    assert host_memory.cap_gpu_allocator(cfg, torch.device("cuda")) == 0.25 and fractions == [0.25]
+    assert host_memory.cap_gpu_allocator(cfg, torch.device("cpu")) is None
+    cfg.train.gpu_memory = "auto"
+    assert host_memory.cap_gpu_allocator(cfg, torch.device("cuda")) is None and fractions == [0.25]

@@ -21,7 +21,7 @@ from oomb.train.config.hub import model_folder
 from oomb.train.config.presets import preset_names
 from oomb.train.config.rope import check_rope
 from oomb.train.config.settings import Config, ConfigError
-from oomb.train.config.step import offload_gpu_bytes, page_selection
+from oomb.train.config.step import gpu_memory_cap, offload_gpu_bytes, page_selection
 from oomb.train.loop.optim import wants_master_weights
 from oomb.train.loop.quantize import check_quantize
 from oomb.train.loop.reporting import check_report_to
@@ -82,6 +82,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"train.cache_attention={t.cache_attention!r}: use auto (on where the memory plan fits "
                           "with it), true, host (in pinned host memory) or false")
     offload_gpu_bytes(t.offload_gpu_memory)  # a byte count or auto (ConfigError otherwise)
+    gpu_memory_cap(cfg)  # train.gpu_memory: the same
     _check_fused_ops(cfg)
     _check_attention(cfg)
     check_report_to(cfg)

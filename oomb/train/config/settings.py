@@ -209,6 +209,10 @@ class TrainConfig:
     """Page-sparse attention: rank pages by bound (an upper bound over the page's keys from their per-channel min
     and max: a lone matching key is not averaged away) or mean (the paper's: the block's mean query . the page's
     mean key)."""
+    gpu_memory: str = "auto"
+    """GPU memory this run may use, e.g. 24GiB (to share the card, or to hold a run to a budget): the memory plan
+    fits its settings into it (and refuses the run where none fits) and the caching allocator is capped there
+    (torch.cuda.set_per_process_memory_fraction); auto: what is free on the GPU when the run starts."""
     offload: bool = False
     """Keep K/V pages and their gradients in pinned host memory, two layers on the GPU (same gradients)."""
     offload_gpu_memory: str = "auto"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from oomb.engine import StepOptions
+from oomb.planning.plan import format_bytes
 from oomb.sparse import DEFAULT_SCORE, PageSelection
 from oomb.train.config.settings import Config, ConfigError
 
@@ -86,6 +87,31 @@ def parse_bytes(text: str) -> int:
 def offload_gpu_bytes(value: str) -> int | str:
     """train.offload_gpu_memory as plan_memory's offload_gpu_bytes: "auto" or a byte count."""
     return "auto" if str(value).strip().lower() == "auto" else parse_bytes(str(value))
+
+
+def gpu_memory_cap(cfg: Config) -> int | None:
+    """train.gpu_memory as a byte count; None for auto (the GPU's free memory)."""
+    value = str(cfg.train.gpu_memory).strip()
+    return None if value.lower() == "auto" else parse_bytes(value)
+
+
+def capped_gpu_bytes(gpu_bytes: int | None, cfg: Config) -> int | None:
+    """The GPU memory a plan may use: ``gpu_bytes`` (free or given), at most train.gpu_memory."""
+    cap = gpu_memory_cap(cfg)
+    return gpu_bytes if cap is None or gpu_bytes is None else min(gpu_bytes, cap)
+
+
+def gpu_memory_source(given: str | None, device, cfg: Config) -> str:
+    """Where the GPU memory a plan was checked against came from, as `oomb plan` prints it."""
+    source = "--gpu-memory" if given is not None else f"free on {device}"
+    return source if gpu_memory_cap(cfg) is None else f"{source}, at most train.gpu_memory={cfg.train.gpu_memory}"
+
+
+def gpu_room(device, gpu_bytes: int, cfg: Config) -> str:
+    """The GPU memory a refused plan had, as the refusal says it: what is free, or what train.gpu_memory allows."""
+    if gpu_memory_cap(cfg) is not None and gpu_bytes == gpu_memory_cap(cfg):
+        return f"train.gpu_memory={cfg.train.gpu_memory} allows {format_bytes(gpu_bytes)}"
+    return f"{device} has {format_bytes(gpu_bytes)} free"
 
 
 def offload_gpu_allowance(cfg: Config) -> int:

@@ -21,6 +21,7 @@ import torch
 from oomb.engine.options import MemoryLimits
 from oomb.planning.plan import MeasuredLimits, MemoryPlan
 from oomb.planning.plan import format_bytes as _gib
+from oomb.train.config.step import gpu_memory_cap
 
 __all__ = ["Measured", "available_memory", "host_shortfall", "memory_limits", "process_bytes"]
 
@@ -44,6 +45,18 @@ def available_memory(device: torch.device) -> tuple[int | None, int]:
     found = Measured((gpu, psutil.virtual_memory().available + rss))
     found.process = rss
     return found
+
+
+def cap_gpu_allocator(cfg, device: torch.device) -> float | None:
+    """Hold the CUDA caching allocator to train.gpu_memory (set_per_process_memory_fraction: past it an allocation
+    fails as out of memory, which the run reports, instead of taking the rest of the card); the fraction set, or None
+    where there is no cap (auto, or not CUDA)."""
+    cap = gpu_memory_cap(cfg)
+    if cap is None or device.type != "cuda":
+        return None
+    fraction = min(1.0, cap / torch.cuda.get_device_properties(device).total_memory)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
 
 
 def process_bytes(available) -> int | None:

@@ -4,9 +4,8 @@
                                                         attention cache, offload GPU allowance) together in cfg;
                                                         MemoryPlan (oomb.planning.plan) and the longest context
     plan_for_config(cfg, device, dtype, ...)        ->  the same on a copy of cfg
-    check_memory(cfg, device, dtype)                ->  raises ConfigError when the plan does not fit, saying the
-                                                        estimate, the memory available, the longest context that
-                                                        fits and which settings would make this one fit
+    check_memory(cfg, device, dtype)                ->  raises ConfigError when the plan does not fit, saying why,
+                                                        the longest context that fits and the settings that would
 """
 
 from __future__ import annotations
@@ -30,6 +29,9 @@ from oomb.surgery.fused_ops import run_mode as fused_ops_run_mode
 from oomb.surgery.fused_ops import will_fuse
 from oomb.train.config.settings import Config, ConfigError
 from oomb.train.config.step import (
+    capped_gpu_bytes,
+    gpu_memory_source,
+    gpu_room,
     offload_gpu_bytes,
     offload_selection_note,
     parse_bytes,
@@ -159,8 +161,7 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
     the largest chunk (train.chunk_size=auto) with the attention cache on the GPU (train.cache_attention=auto;
     never with offload), then the largest chunk without it. Each choice names all four settings, fixed ones as
     set; the offload GPU allowance (train.offload_gpu_memory=auto) is settled by each choice's own plan.
-    ``seq_len``: the chunks for that length (None: every chunk auto may take, for the longest context).
-    """
+    ``seq_len``: the chunks for that length (None: every chunk auto may take, for the longest context)."""
     t = cfg.train
     options, shape, _ = planned_step(cfg, device_type, torch.float32)  # the fixed values (master weights auto: on)
     wanted = shape.master_weights
@@ -276,10 +277,9 @@ def describe_offload(cfg: Config, plan: MemoryPlan | None) -> str:
 
 def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, *, torchrun: bool = False
                  ) -> MemoryPlan | None:
-    """Refuse a run whose plan does not fit this machine (train.memory_check=false skips it).
-
-    Settles the `auto` settings in cfg (resolve_auto_settings); without the check they are off
-    (cache_attention), on (master_weights) and chunks of up to 1024 tokens (settled_chunk_size).
+    """Refuse a run whose plan does not fit this machine (train.memory_check=false skips it). Settles the `auto`
+    settings in cfg (resolve_auto_settings); without the check they are off (cache_attention), on (master_weights)
+    and chunks of up to 1024 tokens (settled_chunk_size).
     ``torchrun``: every rank calls this, and all step the smallest chunk any rank's plan chose (a step's
     collectives run per chunk, and each rank plans against its own free memory).
     """
@@ -294,6 +294,7 @@ def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, *, torch
         return None
     available = available_memory(device)
     (gpu, host), process = available, process_bytes(available)  # the host check counts what this process holds
+    gpu = capped_gpu_bytes(gpu, cfg)  # train.gpu_memory
     asked = copy.copy(cfg.train)
     plan, longest = resolve_auto_settings(cfg, device.type, dtype, gpu_bytes=gpu, host_bytes=host, process=process)
     if torchrun and asked.chunk_size == "auto":
@@ -306,7 +307,7 @@ def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, *, torch
         return plan
     where = []
     if not plan.gpu_fits:
-        where.append(f"{_gib(plan.gpu_bytes)} of GPU memory but {device} has {_gib(gpu)} free")
+        where.append(f"{_gib(plan.gpu_bytes)} of GPU memory but {gpu_room(device, gpu, cfg)}")
     if not plan.host_fits:
         where.append(host_shortfall(plan, host, process))
     biggest = sorted(plan.items, key=lambda i: -(i.gpu_bytes if device.type == "cuda" else i.host_bytes))[:4]
@@ -471,7 +472,7 @@ def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memo
     if on_cuda and gpu_memory is None and not cuda_here:
         raise ConfigError("no CUDA device here: give the memory of the GPU to plan for, e.g. --gpu-memory 141GiB")
     here = available_memory(device if cuda_here else torch.device("cpu"))
-    gpu = parse_bytes(gpu_memory) if gpu_memory is not None else here[0] if on_cuda else None
+    gpu = capped_gpu_bytes(parse_bytes(gpu_memory) if gpu_memory is not None else here[0] if on_cuda else None, cfg)
     host = parse_bytes(host_memory) if host_memory is not None else here[1]
     process = process_bytes(here) if host_memory is None else None  # --host-memory: another machine's, not measured
     auto = {k for k in ("chunk_size", "cache_attention", "recompute") if getattr(cfg.train, k) == "auto"}
@@ -484,7 +485,7 @@ def run_plan(cfg: Config, console: Console, *, gpu_memory: str | None, host_memo
                           **needs_and_time(asked, plan, device.type, dtype, config)}, indent=2))
     else:
         print_plan(plan, longest, console,
-                   gpu_source="--gpu-memory" if gpu_memory is not None else f"free on {device}",
+                   gpu_source=gpu_memory_source(gpu_memory, device, cfg),
                    host_source="--host-memory" if host_memory is not None else "available on this machine")
         step = describe_step_choice(cfg, auto, planned=True)
         if not plan.fits:  # the plan shown is the choice that needs least: no step runs with it here

@@ -43,6 +43,7 @@ from oomb.train.loop.faults import (
     measure_memory,
 )
 from oomb.train.loop.gradients import accumulate_gradients, clip_gradients, gradient_norm
+from oomb.train.loop.host_memory import cap_gpu_allocator
 from oomb.train.loop.memory import check_memory, describe_offload, describe_step_choice
 from oomb.train.loop.model import build, describe_size, prepare_for_training
 from oomb.train.loop.monitor import memory_fields, plot_run
@@ -221,6 +222,7 @@ def _check_memory(cfg: Config, device: torch.device, dtype: torch.dtype, console
     master_setting = cfg.train.master_weights
     auto = frozenset(k for k in ("chunk_size", "cache_attention", "recompute") if getattr(cfg.train, k) == "auto")
     plan = check_memory(cfg, device, dtype, torchrun=ctx.torchrun)
+    cap_gpu_allocator(cfg, device)  # train.gpu_memory, as planned
     if master_setting != cfg.train.master_weights:  # auto, and only the run without fp32 copies fits
         console.print(
             "note: train.master_weights=auto: fp32 master weights do not fit beside this run, so the optimizer "
