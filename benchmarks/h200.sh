@@ -151,14 +151,25 @@ job train-llama-3-8b-qlora-r32 "python3 -m benchmarks.train_steps --preset llama
   --steps 2,2 --timeout 190 --keys '$QLORA32'"
 job train-llama-3-8b-qlora-r32-128k "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 131072 \
   --steps 2 --timeout 300 --keys '$QLORA32'"
+# oomb held to Unsloth's footprint at 64K (its 22.64 GiB allocated, 2026-12-07, plus the plan's 1 GiB for the CUDA
+# context): the settings its plan fits in that budget (offload, smaller chunks).
+job train-llama-3-8b-qlora-r32-unsloth-memory "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 16384,65536 \
+  --steps 2,2 --timeout 250 --keys '$QLORA32 train.offload=true train.gpu_memory=23.6GiB'"
 # The two systems side by side at the lengths both ran (after the jobs above, on the same machine).
 job versus-unsloth-llama-3-8b 'python3 -m benchmarks.records versus-unsloth "$OUT/unsloth-llama-3-8b.json" \
   --oomb "$OUT/train-llama-3-8b-qlora-r32.json" --out "$OUT/versus-unsloth-llama-3-8b.json" \
   --command "bash benchmarks/h200.sh unsloth-llama-3-8b train-llama-3-8b-qlora-r32 versus-unsloth-llama-3-8b"'
+# ... and with oomb held to Unsloth's footprint (the two oomb records' rows one after the other).
+job versus-unsloth-llama-3-8b-same-memory 'python3 -m benchmarks.records versus-unsloth "$OUT/unsloth-llama-3-8b.json" \
+  --oomb "$OUT/train-llama-3-8b-qlora-r32.json" --oomb "$OUT/train-llama-3-8b-qlora-r32-unsloth-memory.json" \
+  --out "$OUT/versus-unsloth-llama-3-8b-same-memory.json" --command "bash benchmarks/h200.sh unsloth-llama-3-8b \
+  train-llama-3-8b-qlora-r32 train-llama-3-8b-qlora-r32-unsloth-memory versus-unsloth-llama-3-8b-same-memory"'
 job train-llama-3-8b-qlora-r32-longest "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths '' --steps '' \
   --longest --timeout 540 --keys '$QLORA32'"
 part unsloth 'unsloth-llama-3-8b unsloth-llama-3-8b-128k unsloth-llama-3-8b-longest train-llama-3-8b-qlora-r32
-  versus-unsloth-llama-3-8b train-llama-3-8b-qlora-r32-128k train-llama-3-8b-qlora-r32-longest'
+  versus-unsloth-llama-3-8b train-llama-3-8b-qlora-r32-unsloth-memory versus-unsloth-llama-3-8b-same-memory
+  train-llama-3-8b-qlora-r32-128k
+  train-llama-3-8b-qlora-r32-longest'
 # LoRA r=16 on every linear layer of Llama-3-8B at 64K in the lean setting, oomb's fused LoRA layers (with the
 # stack running peft's own beside) and peft's own layers, each in its own process; the full-gradient step in the
 # same setting is the lean row of core-llama-3-8b-vs-transformers-64k.

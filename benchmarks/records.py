@@ -112,7 +112,8 @@ def versus_unsloth(unsloth: dict, oomb: dict) -> dict:
         if n not in theirs or step is None or not peaks:
             continue
         them = theirs[n]
-        rows.append({"seq_len": n, "unsloth_step_s": them["step_s"], "unsloth_peak_gpu_gib": them["peak_gpu_gib"],
+        rows.append({"seq_len": n, "oomb_keys": oomb.get("keys"),
+                     "unsloth_step_s": them["step_s"], "unsloth_peak_gpu_gib": them["peak_gpu_gib"],
                      "oomb_step_s": step, "oomb_peak_gpu_gib": max(peaks),
                      "oomb_settings": {k: ours.get(k) for k in ("chunk_size", "cache_attention", "recompute",
                                                                 "lora_r", "quantize")},
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("kind", choices=["gradient-accuracy", "longrun", "versus-unsloth"])
     p.add_argument("source", help="gradient-accuracy: the pytest log; longrun: the run folder; versus-unsloth: "
                    "benchmarks.unsloth_step's record")
-    p.add_argument("--oomb", help="versus-unsloth: benchmarks.train_steps's record of the same lengths")
+    p.add_argument("--oomb", action="append", help="versus-unsloth: benchmarks.train_steps's record of the same "
+                   "lengths (repeat it for each of oomb's settings: their rows follow each other)")
     p.add_argument("--command", required=True, help="the command that produced the source")
     p.add_argument("--machine", default=None, help="the machine, in words (default: this one)")
     p.add_argument("--date", default=None, help="ISO date of the run (default: now)")
@@ -148,9 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if args.oomb is None:
                 raise RecordError("versus-unsloth needs --oomb (benchmarks.train_steps's record)")
-            unsloth, oomb = (json.loads(Path(f).read_text()) for f in (source, args.oomb))
-            body = versus_unsloth(unsloth, oomb)
-            args.machine, args.date = args.machine or unsloth["machine"], args.date or oomb["date"]
+            unsloth = json.loads(source.read_text())
+            bodies = [versus_unsloth(unsloth, json.loads(Path(f).read_text())) for f in args.oomb]
+            body = {**bodies[0], "oomb_command": [b["oomb_command"] for b in bodies],
+                    "oomb_keys": [b["oomb_keys"] for b in bodies], "rows": [r for b in bodies for r in b["rows"]]}
+            args.machine, args.date = args.machine or unsloth["machine"], args.date or str(unsloth["date"])[:10]
     except (OSError, ValueError, KeyError, RecordError) as e:
         print(f"python -m benchmarks.records {args.kind}: {e}", file=sys.stderr)
         return 2

@@ -100,3 +100,22 @@ def test_oomb_beside_unsloth_at_the_lengths_both_ran_on_one_machine():
     oomb["results"] = oomb["results"][2:]
     with pytest.raises(RecordError, match="no length has a completed step in both"):
         versus_unsloth(unsloth, oomb)
+
+
+def test_versus_unsloth_takes_one_oomb_record_per_setting(tmp_path):
+    unsloth, oomb = _unsloth_and_oomb()
+    lean = dict(oomb, keys="lora.r=32 train.offload=true", results=[
+        {"seq_len": 65536, "warm_step_s": 14.0, "steps": [{"peak_gpu_gib": 19.0}]}])
+    paths = []
+    for name, body in (("u", unsloth), ("fast", oomb), ("lean", lean)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(body))
+    out = tmp_path / "vs.json"
+    assert records.main(["versus-unsloth", str(paths[0]), "--oomb", str(paths[1]), "--oomb", str(paths[2]),
+                         "--command", "bash benchmarks/h200.sh ...", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert [(r["seq_len"], r["oomb_keys"]) for r in got["rows"]] == [
+        (16384, "lora.r=32"), (65536, "lora.r=32"), (65536, "lora.r=32 train.offload=true")]
+    assert got["rows"][2]["peak_ratio"] == 0.95 and got["oomb_keys"] == ["lora.r=32", "lora.r=32 train.offload=true"]
+    assert got["date"] == "2026-12-07" and got["machine"] == unsloth["machine"]
+    assert records.main(["versus-unsloth", str(paths[0]), "--command", "x", "--out", str(out)]) == 2  # no --oomb
