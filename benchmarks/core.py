@@ -279,6 +279,8 @@ def oomb_rows(args, auto: dict) -> list[tuple]:
             + [(n, "oomb+cached-attn", False, {"cache_attention": True}) for n in args.cache_lengths]
             + [(n, "oomb+host-cached-attn", False, {"cache_attention": "host"}) for n in args.cache_host_lengths]
             + [(n, "oomb+offload", False, {"offload": True}) for n in args.offload_lengths]
+            + [(n, "oomb+offload+host-cached-attn", False, {"offload": True, "cache_attention": "host"})
+               for n in args.offload_cache_host_lengths]
             + [(n, f"oomb-sparse{tag}", False, sparse) for n in args.sparse_lengths for tag, sparse in sparse_rows]
             + [(n, f"oomb-sparse+cached-attn{tag}", False, {**sparse, "cache_attention": True})
                for n in args.sparse_cache_lengths for tag, sparse in sparse_rows])
@@ -513,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time oomb with cache_attention='host' (stage 1 outputs in pinned host memory)")
     p.add_argument("--offload-lengths", type=int_list, default=[],
                    help="also time oomb with every page in host memory (offload; --recompute as given, no cache)")
+    p.add_argument("--offload-cache-host-lengths", type=int_list, default=[],
+                   help="also time oomb with every page and the attention cache in host memory (what `oomb train` "
+                        "picks with train.offload where the host holds both)")
     p.add_argument("--sparse-lengths", type=int_list, default=[], help="also time page-sparse oomb (--budget)")
     p.add_argument("--sparse-cache-lengths", type=int_list, default=[],
                    help="also time page-sparse oomb with cache_attention=True")

@@ -188,6 +188,10 @@ done
 # activations on the GPU, beside the lean row (the cache in host memory), all weights trained, against the stack.
 job core-llama-3-8b-offload-64k "$C --preset llama-3-8b --lengths '' --cache-host-lengths 65536 --offload-lengths 65536 \
   --baseline-lengths 65536 --baseline-stacks fa4 --chunk 16384 --recompute layer-host --warm-each --repeats 2 --backend fa4"
+# The same pages and inputs in host memory with the attention cache there too (what `oomb train` picks with offload
+# where the host holds both), against the stack.
+job core-llama-3-8b-offload-cached-64k "$C --preset llama-3-8b --lengths '' --offload-cache-host-lengths 65536 \
+  --baseline-lengths 65536 --baseline-stacks fa4 --chunk 16384 --recompute layer-host --warm-each --repeats 2 --backend fa4"
 job core-llama-3-8b-lora-unfused-64k "$C $LORA64 --trainable lora-unfused"
 # packed: tokens per second on packed chat data at 4K, 16K and 32K, `oomb train` (its own settings, AdamW) against
 # the FA4 stack (packed by position_ids, fused AdamW), full fine-tune and LoRA r=16 of Qwen2.5-7B; a job per length.
@@ -214,7 +218,7 @@ job train-gpt-oss-20b-lora-sparse-512k "python3 -m benchmarks.train_steps --pres
   --steps 2 --timeout 540 --keys 'lora.r=16 lora.targets=all-linear train.page_budget=64'"
 part models 'train-gpt-oss-20b-lora train-gpt-oss-20b-lora-sparse-512k core-gpt-oss-20b-vs-transformers-64k core-gpt-oss-20b-fast-64k
   core-gpt-oss-20b-sparse-128k core-llama-3-8b-vs-transformers-64k core-llama-3-8b-lora-64k
-  core-llama-3-8b-lora-unfused-64k core-llama-3-8b-offload-64k core-llama-3-8b-lora-profile-64k
+  core-llama-3-8b-lora-unfused-64k core-llama-3-8b-offload-64k core-llama-3-8b-offload-cached-64k core-llama-3-8b-lora-profile-64k
   core-llama-3-8b-all-profile-64k core-qwen3-8b-vs-transformers-64k core-granite-3.3-8b-vs-transformers-64k
   core-gemma-3-12b-vs-transformers-64k core-llama-3-8b-vs-transformers-128k core-qwen3-8b-vs-transformers-128k
   core-granite-3.3-8b-vs-transformers-128k core-gemma-3-12b-vs-transformers-128k core-llama-3-8b-lora-auto-64k

@@ -30,7 +30,7 @@ def test_sparse_rows_once_per_cap_on_a_chunks_pages():
 
     args = argparse.Namespace(chunk_pages=_caps("none,64"), budget=32, select_score="bound", lengths=[65536],
                               ckpt_lengths=[], cache_lengths=[], cache_host_lengths=[], offload_lengths=[],
-                              sparse_lengths=[], sparse_cache_lengths=[131072])
+                              offload_cache_host_lengths=[], sparse_lengths=[], sparse_cache_lengths=[131072])
     rows = oomb_rows(args, {})
     assert [(n, name) for n, name, _, _ in rows] == [
         (65536, "oomb"), (131072, "oomb-sparse+cached-attn+free"), (131072, "oomb-sparse+cached-attn+cap64")]
@@ -53,13 +53,14 @@ def test_a_length_oomb_train_refuses_gets_no_auto_row():
 
     args = argparse.Namespace(chunk_pages=[None], budget=32, select_score="bound", lengths=[], ckpt_lengths=[],
                               cache_lengths=[], cache_host_lengths=[65536], offload_lengths=[65536], sparse_lengths=[],
-                              sparse_cache_lengths=[])
+                              sparse_cache_lengths=[], offload_cache_host_lengths=[65536])
     auto = {32768: {"chunk_size": 8192, "page_size": 128, "cache_attention": True, "recompute": "layer-host"},
             65536: {"refused": "`oomb train` refuses 65536 tokens on this card"}}
     rows = oomb_rows(args, auto)
     assert [(n, name) for n, name, _, _ in rows] == [(32768, "oomb-auto"), (65536, "oomb+host-cached-attn"),
-                                                      (65536, "oomb+offload")]
-    assert rows[-1][3] == {"offload": True}  # with the bench's --recompute, no attention cache
+                                                      (65536, "oomb+offload"), (65536, "oomb+offload+host-cached-attn")]
+    assert rows[-2][3] == {"offload": True}  # with the bench's --recompute, no attention cache
+    assert rows[-1][3] == {"offload": True, "cache_attention": "host"}
 
 
 def test_auto_settings_are_oomb_train_s_for_the_trained_parameters(monkeypatch):

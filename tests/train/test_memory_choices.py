@@ -196,7 +196,7 @@ def test_the_cpu_default_keeps_its_chunk_and_cache(capsys):
     cfg, plan, _ = _resolve(["data.seq_len=4096"], "cpu", torch.float32, gpu_bytes=None, host_bytes=16 * GiB)
     assert (cfg.train.chunk_size, cfg.train.cache_attention, plan.fits) == (1024, True, True)
     cfg, _, _ = _resolve(["train.offload=true"], "cpu", torch.float32, gpu_bytes=None, host_bytes=16 * GiB)
-    assert cfg.train.cache_attention is False  # never with offload (nothing is offloaded on CPU, still refused)
+    assert cfg.train.cache_attention == "host"  # with offload never on the device, in host memory where it fits
     assert main(["plan", "train.device=cpu", "data.seq_len=4096", "--host-memory", "16GiB"]) == 0
     text = _printed(capsys)
     assert "chunk 1024," in text and "step: chunk 1024, attention cache on (chosen by the memory plan)" in text
@@ -205,7 +205,11 @@ def test_the_cpu_default_keeps_its_chunk_and_cache(capsys):
     assert "step: chunk 16384, attention cache on (chosen by the memory plan), recompute layer-host" in _printed(capsys)
     main(["plan", "model.preset=qwen2.5-7b", "data.seq_len=65536", "train.chunk_size=2048", "train.offload=true",
           "--gpu-memory", "141GiB", "--host-memory", "125GiB"])
-    assert "step: chunk 2048, attention cache off (not with train.offload)" in _printed(capsys)
+    assert "step: chunk 2048, attention cache in host memory (chosen by the memory plan)" in _printed(capsys)
+    # at a length whose cache the host cannot hold beside the pages, none
+    main(["plan", "model.preset=qwen2.5-7b", "data.seq_len=1048576", "train.chunk_size=2048", "train.offload=true",
+          "--gpu-memory", "141GiB", "--host-memory", "125GiB"])
+    assert "step: chunk 2048, attention cache off (chosen by the memory plan)" in _printed(capsys)
     # a full fine-tune of an 8B model at 64K on 80 GB: no choice fits, and the step line says so
     assert main(["plan", "model.preset=llama-3-8b", "data.seq_len=65536", "--gpu-memory", "78.5GiB",
                  "--host-memory", "120GiB"]) == 1

@@ -222,7 +222,8 @@ class TrainConfig:
     cache_attention: bool | str = "auto"
     """Keep stage 1's attention outputs for stage 2 (one attention forward less per chunk; same gradients; GPU
     memory H*(2D+4) B per token per layer in bf16, 200 KiB/token for Qwen2.5-7B; host: in pinned host memory); with
-    offload only host. auto: on where the memory plan fits with it (off with offload or train.memory_check=false)."""
+    offload only host. auto: on where the memory plan fits with it (with offload in host memory, where the host holds
+    it beside the pages; off with train.memory_check=false)."""
     recompute: str = "auto"
     """How stage 2 rebuilds a chunk for its backward: chunk (every layer at once), layer (from every layer's input,
     kept by stage 1 on the GPU: one layer's activations at a time) or layer-host (those inputs in pinned host

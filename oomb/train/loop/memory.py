@@ -1,7 +1,6 @@
 """The memory plan of a run config: `oomb plan`, and the check `oomb train` makes before any work.
 
-    resolve_auto_settings(cfg, device, dtype, ...)  ->  settles train's `auto` settings (master weights, chunk,
-                                                        attention cache, offload GPU allowance) together in cfg;
+    resolve_auto_settings(cfg, device, dtype, ...)  ->  settles train's `auto` settings together in cfg; the
                                                         MemoryPlan (oomb.planning.plan) and the longest context
     plan_for_config(cfg, device, dtype, ...)        ->  the same on a copy of cfg
     check_memory(cfg, device, dtype)                ->  raises ConfigError when the plan does not fit, saying why,
@@ -158,9 +157,9 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
     0.94x the best transformers stack's step time in 0.97x its memory, chunks of 8192 with whole-chunk
     recompute 0.95x in 1.53x; docs/benchmarks.md); its chunks start at LAYER_AUTO_CHUNK_START, each with the
     attention cache on the GPU, then in host memory; then the chunks without the cache. Then recompute=chunk:
-    the largest chunk (train.chunk_size=auto) with the attention cache on the GPU (train.cache_attention=auto;
-    never with offload), then the largest chunk without it. Each choice names all four settings, fixed ones as
-    set; the offload GPU allowance (train.offload_gpu_memory=auto) is settled by each choice's own plan.
+    the largest chunk (train.chunk_size=auto) with the attention cache on the GPU (train.cache_attention=auto; with
+    offload in host memory), then without it. Each choice names all four settings, fixed ones as set; the offload
+    GPU allowance (train.offload_gpu_memory=auto) is settled by each choice's own plan.
     ``seq_len``: the chunks for that length (None: every chunk auto may take, for the longest context)."""
     t = cfg.train
     options, shape, _ = planned_step(cfg, device_type, torch.float32)  # the fixed values (master weights auto: on)
@@ -172,9 +171,11 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
             chunks = [t.chunk_size]
         else:
             chunks = chunk_choices(cfg, device_type, seq_len, LAYER_AUTO_CHUNK_START if by_layer else None)
-        if t.cache_attention != "auto" or t.offload:  # (the engine refuses the cache with offload, also on CPU)
+        if t.cache_attention != "auto":
             return [(c, options.cache_attention) for c in chunks]
         floor = min(CACHE_MIN_CHUNK, chunks[0])
+        if t.offload:  # the engine refuses the cache on the GPU with offload; in host memory it costs host memory
+            return [(c, "host") for c in chunks if c >= floor] + [(c, False) for c in chunks]
         if not by_layer:
             return [(c, True) for c in chunks if c >= floor] + [(c, False) for c in chunks]
         # The cache in host memory too (stage 2 reads it, not the attention kernels), right after it on the GPU:
@@ -252,16 +253,15 @@ def describe_step_choice(cfg: Config, auto: set[str] | frozenset[str], *, planne
     cache on (chosen by the memory plan)". ``auto``: the train keys that were "auto" before check_memory."""
     t = cfg.train
     why = "chosen by the memory plan" if planned else "train.memory_check=false: no memory plan"
-    cache_why = "not with train.offload" if t.offload else why
     chunk = f"chunk {t.chunk_size}"
     cache = ("attention cache " + {True: "on", "host": "in host memory"}.get(t.cache_attention, "off")
              if isinstance(t.cache_attention, (bool, str)) else "attention cache off")
     by_layer = "" if t.recompute in ("chunk", "auto") else (
         f", recompute {t.recompute}" + (f" ({why})" if "recompute" in auto else ""))
-    if {"chunk_size", "cache_attention"} <= auto and cache_why == why:
+    if {"chunk_size", "cache_attention"} <= auto:
         return f"{chunk}, {cache} ({why})" + by_layer
     return (chunk + (f" ({why})" if "chunk_size" in auto else "") + ", "
-            + cache + (f" ({cache_why})" if "cache_attention" in auto else "") + by_layer)
+            + cache + (f" ({why})" if "cache_attention" in auto else "") + by_layer)
 
 
 def describe_offload(cfg: Config, plan: MemoryPlan | None) -> str:
@@ -363,11 +363,9 @@ def plan_with_any_host(cfg: Config, device_type: str, dtype: torch.dtype, config
     """The plan `oomb train` would settle for cfg's data.seq_len with train.offload=true on a GPU of ``gpu_bytes``
     and a host of any size: its `auto` settings (chunk, offload GPU allowance, master weights) chosen as for a
     run (auto_choices), so a length that does not fit here is planned at the chunk a bigger host would run, not
-    at the smallest one tried here. Settings offload refuses (the attention cache, layer recompute) are off."""
+    at the smallest one tried here. The attention cache is off (the least host memory), and layer recompute."""
     c = copy.deepcopy(cfg)
-    c.train.offload = True
-    if c.train.cache_attention in (True, "host"):
-        c.train.cache_attention = False
+    c.train.offload, c.train.cache_attention = True, False
     if c.train.recompute in ("layer", "layer-host"):
         c.train.recompute = "chunk"
     options, shape, allowance = planned_step(c, device_type, dtype)
