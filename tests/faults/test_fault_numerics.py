@@ -134,3 +134,9 @@ def test_a_nan_that_arises_in_the_backward_pass_is_placed_at_its_layer():
     # Layer 1 (above) kept finite gradients; layer 0's own went NaN with what it got from its output's gradient.
     assert where.startswith("non-finite gradients in 1 of the 2 decoder layers with gradients, the highest layer 0 ")
     assert "layer 0's backward or in the input gradient layer 1 passed down" in where
+    model.zero_grad(set_to_none=True)
+    handle = layers[1].register_full_backward_pre_hook(poison)  # the last layer gets NaN from above it
+    model(input_ids=ids, labels=ids).loss.backward()
+    handle.remove()
+    assert "the highest layer 1 " in nonfinite_grads(model)[1]
+    assert "or in what runs after the last layer (final norm, LM head, loss)" in nonfinite_grads(model)[1]

@@ -310,9 +310,11 @@ def nonfinite_grads(model: torch.nn.Module) -> tuple[str | None, str | None]:
     if not bad:
         return first, None
     top = max(bad)
+    above = (f"the input gradient layer {top + 1} passed down" if top < max(seen)
+             else "what runs after the last layer (final norm, LM head, loss)")
     return first, (f"non-finite gradients in {len(bad)} of the {len(seen)} decoder layers with gradients, the highest "
                    f"layer {top} (backward runs from the last layer down: it went non-finite in layer {top}'s "
-                   f"backward or in the input gradient layer {top + 1} passed down)")
+                   f"backward or in {above})")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
