@@ -181,3 +181,19 @@ def test_train_lets_the_cuda_allocator_expand_its_segments_unless_the_user_set_i
             assert os.environ[user] == "garbage_collection_threshold:0.6"
             assert (ALLOC_CONF in os.environ) == (user == ALLOC_CONF)
     capsys.readouterr()
+
+
+def test_a_cuda_allocator_that_started_already_is_told_too(monkeypatch):
+    # Where a check used CUDA before the run set its allocator up, the environment alone would come too late.
+    from oomb.train.loop.trainer import ALLOC_CONF, prefer_expandable_segments
+
+    told = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", told.append, raising=False)
+    for name in (ALLOC_CONF, "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    prefer_expandable_segments()
+    assert told == ["expandable_segments:True"] and os.environ[ALLOC_CONF] == "expandable_segments:True"
+    monkeypatch.setenv(ALLOC_CONF, "garbage_collection_threshold:0.6")  # the user's: left alone
+    prefer_expandable_segments()
+    assert told == ["expandable_segments:True"]

@@ -110,9 +110,15 @@ def prefer_expandable_segments() -> None:
     user set the allocator up (either variable). A long-context step allocates chunk-sized blocks of many sizes:
     Gemma-3-12B at 64K ran out of memory on an H100 with 8.9 GiB held free in fragments and 69.3 GiB allocated,
     under the memory plan's 74.7 GiB (benchmarks/results/core-gemma-3-12b-vs-transformers-64k.json). Unsloth sets
-    the same. Read when CUDA first allocates: a process that used CUDA before keeps what it had."""
-    if allocator_setting() is None:
-        os.environ[ALLOC_CONF] = "expandable_segments:True"
+    the same. Set in the environment (read where CUDA starts later, and by child processes) and in the running
+    allocator: where CUDA already started in this process (a check that asked for the GPU's capability), the
+    environment alone would come too late."""
+    if allocator_setting() is not None:
+        return
+    os.environ[ALLOC_CONF] = "expandable_segments:True"
+    if torch.cuda.is_available():
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch.cuda.memory's is deprecated
+        (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
 
 
 def _train(cfg: Config, console: Console | None, ctx: DistributedContext) -> Path:
