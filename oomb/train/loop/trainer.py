@@ -82,8 +82,8 @@ def train(cfg: Config, console: Console | None = None, *,
     fails alone, the others fail as soon as the group is gone, and torchrun stops every rank; a message printed
     after that may never be written (`oomb train` prints it here).
     """
+    prefer_expandable_segments()  # before check_config, which may start CUDA (the attention kernels' check)
     check_config(cfg)
-    prefer_expandable_segments()
     ctx = distributed.setup(cfg)  # a single process: one rank
     try:
         return _train(cfg, console, ctx)
