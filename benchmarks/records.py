@@ -98,30 +98,32 @@ def longrun(run_dir: Path) -> dict:
     return {"settings": settings, "phases": phases, "eval": json.loads(evals[-1].read_text())}
 
 
-def versus_unsloth(unsloth: dict, oomb: dict) -> dict:
-    """Rows of the lengths both records ran (a step that completed in each), oomb's time and memory over Unsloth's.
-    Both records must come from one machine (the same GPU and day: ratios are taken on one machine)."""
-    if unsloth.get("machine") != oomb.get("machine") or str(unsloth.get("date", ""))[:10] != oomb.get("date"):
-        raise RecordError(f"the records come from different machines or days: {unsloth.get('machine')} "
-                          f"{unsloth.get('date')} against {oomb.get('machine')} {oomb.get('date')}")
+def versus_unsloth(unsloth: dict, *oombs: dict) -> dict:
+    """Rows of the lengths Unsloth's record and each of oomb's (one per setting, their rows one after the other)
+    ran, a step that completed in both: oomb's time and memory over Unsloth's. Every record must come from one
+    machine (the same GPU and day: ratios are taken on one machine)."""
     theirs = {r["seq_len"]: r for r in unsloth["results"] if r.get("step_s")}
     rows = []
-    for ours in oomb["results"]:
-        n, step = ours["seq_len"], ours.get("warm_step_s")
-        peaks = [s["peak_gpu_gib"] for s in ours.get("steps", []) if s.get("peak_gpu_gib")]
-        if n not in theirs or step is None or not peaks:
-            continue
-        them = theirs[n]
-        rows.append({"seq_len": n, "oomb_keys": oomb.get("keys"),
-                     "unsloth_step_s": them["step_s"], "unsloth_peak_gpu_gib": them["peak_gpu_gib"],
-                     "oomb_step_s": step, "oomb_peak_gpu_gib": max(peaks),
-                     "oomb_settings": {k: ours.get(k) for k in ("chunk_size", "cache_attention", "recompute",
-                                                                "lora_r", "quantize")},
-                     "time_ratio": step / them["step_s"], "peak_ratio": max(peaks) / them["peak_gpu_gib"]})
+    for oomb in oombs:
+        if unsloth.get("machine") != oomb.get("machine") or str(unsloth.get("date", ""))[:10] != oomb.get("date"):
+            raise RecordError(f"the records come from different machines or days: {unsloth.get('machine')} "
+                              f"{unsloth.get('date')} against {oomb.get('machine')} {oomb.get('date')}")
+        for ours in oomb["results"]:
+            n, step = ours["seq_len"], ours.get("warm_step_s")
+            peaks = [s["peak_gpu_gib"] for s in ours.get("steps", []) if s.get("peak_gpu_gib")]
+            if n not in theirs or step is None or not peaks:
+                continue
+            them = theirs[n]
+            rows.append({"seq_len": n, "oomb_keys": oomb.get("keys"),
+                         "unsloth_step_s": them["step_s"], "unsloth_peak_gpu_gib": them["peak_gpu_gib"],
+                         "oomb_step_s": step, "oomb_peak_gpu_gib": max(peaks),
+                         "oomb_settings": {k: ours.get(k) for k in ("chunk_size", "cache_attention", "recompute",
+                                                                    "lora_r", "quantize")},
+                         "time_ratio": step / them["step_s"], "peak_ratio": max(peaks) / them["peak_gpu_gib"]})
     if not rows:
         raise RecordError("no length has a completed step in both records")
-    return {"unsloth_command": unsloth["command"], "oomb_command": oomb["command"],
-            "unsloth_settings": unsloth.get("settings"), "oomb_keys": oomb.get("keys"),
+    return {"unsloth_command": unsloth["command"], "oomb_command": [o["command"] for o in oombs],
+            "unsloth_settings": unsloth.get("settings"), "oomb_keys": [o.get("keys") for o in oombs],
             "versions": unsloth.get("versions"), "rows": rows}
 
 
@@ -151,9 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.oomb is None:
                 raise RecordError("versus-unsloth needs --oomb (benchmarks.train_steps's record)")
             unsloth = json.loads(source.read_text())
-            bodies = [versus_unsloth(unsloth, json.loads(Path(f).read_text())) for f in args.oomb]
-            body = {**bodies[0], "oomb_command": [b["oomb_command"] for b in bodies],
-                    "oomb_keys": [b["oomb_keys"] for b in bodies], "rows": [r for b in bodies for r in b["rows"]]}
+            body = versus_unsloth(unsloth, *(json.loads(Path(f).read_text()) for f in args.oomb))
             args.machine, args.date = args.machine or unsloth["machine"], args.date or str(unsloth["date"])[:10]
     except (OSError, ValueError, KeyError, RecordError) as e:
         print(f"python -m benchmarks.records {args.kind}: {e}", file=sys.stderr)

@@ -109,7 +109,7 @@ def gpu_memory_source(given: str | None, device, cfg: Config) -> str:
 
 def gpu_room(device, gpu_bytes: int, cfg: Config) -> str:
     """The GPU memory a refused plan had, as the refusal says it: what is free, or what train.gpu_memory allows."""
-    if gpu_memory_cap(cfg) is not None and gpu_bytes == gpu_memory_cap(cfg):
+    if gpu_bytes == gpu_memory_cap(cfg):  # the cap, not the free memory, limited the plan
         return f"train.gpu_memory={cfg.train.gpu_memory} allows {format_bytes(gpu_bytes)}"
     return f"{device} has {format_bytes(gpu_bytes)} free"
 

@@ -23,7 +23,7 @@ from oomb.planning.plan import MeasuredLimits, MemoryPlan
 from oomb.planning.plan import format_bytes as _gib
 from oomb.train.config.step import gpu_memory_cap
 
-__all__ = ["Measured", "available_memory", "host_shortfall", "memory_limits", "process_bytes"]
+__all__ = ["Measured", "available_memory", "cap_gpu_allocator", "host_shortfall", "memory_limits", "process_bytes"]
 
 
 class Measured(tuple):
