@@ -62,6 +62,14 @@ def mlp_width(config) -> int:
     return next((w for name in _MLP_WIDTH_FIELDS if (w := getattr(config, name, None))), 4 * config.hidden_size)
 
 
+def _rope_tables(config) -> int:
+    """How many RoPE cos/sin pairs a forward keeps: Gemma-3 computes one per attention kind its layers use (local
+    layers have their own base); the other families, one."""
+    if config.model_type != "gemma3_text":
+        return 1
+    return len(set((getattr(config, "layer_types", None) or ["full_attention"])[: config.num_hidden_layers]))
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a decoder architecture that memory depends on."""
@@ -76,6 +84,7 @@ class ModelShape:
     vocab: int
     experts: int = 0  # routed experts (0 = dense MLP)
     experts_per_token: int = 0
+    rope_tables: int = 1  # RoPE cos/sin pairs a forward computes and keeps (Gemma-3: its local and global bases)
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -93,6 +102,7 @@ class ModelShape:
             vocab=config.vocab_size,
             experts=getattr(config, "num_local_experts", 0) or 0,
             experts_per_token=getattr(config, "num_experts_per_tok", 0) or 0,
+            rope_tables=_rope_tables(config),
         )
 
 

@@ -8,15 +8,18 @@ each family with distinct sizes so every tensor's shape names its term); the tes
 them against that measurement at other sizes. s = itemsize of the model dtype:
 
     RMSNorm (llama style)  4h (fp32 input) + 4 (rsqrt) + s*h (normalized, model dtype)
-    RMSNorm (gpt_oss)      4h + 4 + 4h (its weight multiplies in fp32)
+    RMSNorm (gpt_oss)      4h + 4 + 4h (its weight multiplies in fp32; Gemma-3's (1 + weight) too)
     decoder layer          2 norms + 2*s*h (inputs of q/k/v and of the MLP or router)
                            + 3*s*H*D (q after RoPE, attention output, o_proj input) + 4*H (lse)
     dense MLP              4*s*I (gate, act(gate), up, act(gate)*up)
     qwen3 q/k norms        (4 + s) * (H + H_kv) * D + 4 * (H + H_kv)
+    Gemma-3                4 norms a layer (sandwich: after attention and after the MLP too), q/k norms
+                           (4 + 4) * (H + H_kv) * D + 4 * (H + H_kv) (fp32 weight), GEGLU as the dense
+                           MLP; a RoPE cos/sin pair per attention kind (local and global)
     gpt_oss MoE            8k + s*k (router top-k ids and weights)
                            + k * (2*s*h + 7*s*I + s + 1 + 32) (per routed token: sorted input and
                            output rows, gate_up [2I], clamp/glu/gated terms, weights, mask, 4 int64 ids)
-    per model              final norm + 8 (token ids) + RoPE cos and sin (2*s*D; gpt_oss 2*s*D/2)
+    per model              final norm + 8 (token ids) + RoPE cos and sin (2*s*D per table; gpt_oss 2*s*D/2)
     layer checkpointing    s*h per layer (its input) + final norm + 8; one layer's full set is
                            rebuilt during that layer's backward
     LoRA (frozen base)     norms keep 4h + 4; a frozen linear saves nothing, an adapted one its
@@ -50,6 +53,13 @@ TORCH_LOSS_LOGITS_BLOCK = 64 * 2**20
 # Model families whose norms (and SwiGLU MLPs; gpt_oss: norms only, its experts stay) oomb.surgery.fused_ops swaps
 # for liger's, as these formulas count them. Gemma-3's fused norms and GEGLU are counted as transformers' (more).
 FUSED_OPS_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "gpt_oss")
+# Families whose RMSNorm multiplies by its weight in fp32 (it keeps the fp32 normalized values for the weight's
+# gradient); Gemma-3's weight is a (1 + weight) offset.
+FP32_WEIGHT_NORMS = ("gpt_oss", "gemma3_text")
+# Families with a norm after attention and after the MLP as well as before each (Gemma's sandwich).
+SANDWICH_NORMS = ("gemma3_text",)
+# Families with RMSNorms over each head's queries and keys.
+QK_NORMS = ("qwen3", "gemma3_text")
 
 
 def _norm_bytes(h: int, s: int, family: str, trainable: bool = True, fused: bool = False) -> int:
@@ -62,7 +72,7 @@ def _norm_bytes(h: int, s: int, family: str, trainable: bool = True, fused: bool
         return s * h + 4
     if not trainable:
         return 4 * h + 4
-    return 4 * h + 4 + (4 * h if family == "gpt_oss" else s * h)
+    return 4 * h + 4 + (4 * h if family in FP32_WEIGHT_NORMS else s * h)
 
 
 @dataclass(frozen=True)
@@ -117,8 +127,9 @@ def saved_bytes_per_token(shape: ModelShape, dtype: torch.dtype, lora: LoraShape
     trainable = lora is None
     fused = fused_ops and shape.family in FUSED_OPS_FAMILIES
     norm = _norm_bytes(h, s, shape.family, trainable, fused)
-    # 2 norms, q after RoPE and the attention output, log-sum-exp, the linears' inputs
-    layer = 2 * norm + 2 * s * hd + 4 * shape.heads + _linear_inputs(shape, dtype, lora)
+    # 2 norms (4 with sandwich norms), q after RoPE and the attention output, log-sum-exp, the linears' inputs
+    norms = 4 if shape.family in SANDWICH_NORMS else 2
+    layer = norms * norm + 2 * s * hd + 4 * shape.heads + _linear_inputs(shape, dtype, lora)
     if shape.family == "gpt_oss":
         k = shape.experts_per_token
         layer += 8 * k + s * k + k * (2 * s * h + 7 * s * shape.intermediate + s + 1 + 32)
@@ -126,9 +137,10 @@ def saved_bytes_per_token(shape: ModelShape, dtype: torch.dtype, lora: LoraShape
     else:
         # act(gate)'s input, act(gate) and up (their product); liger's SwiGLU: gate and up
         layer += (2 if fused else 3) * s * shape.intermediate
-        rope = 2 * s * shape.head_dim
-    if shape.family == "qwen3":  # q_norm / k_norm over each head
-        per_value = s if fused else 4 + (s if trainable else 0)
+        rope = 2 * s * shape.head_dim * shape.rope_tables
+    if shape.family in QK_NORMS:  # q_norm / k_norm over each head
+        kept = 4 if shape.family in FP32_WEIGHT_NORMS else s  # the normalized values, for a trained weight
+        per_value = s if fused else 4 + (kept if trainable else 0)
         layer += per_value * (hd + kvd) + 4 * (shape.heads + shape.kv_heads)
     # per model: the final norm, token ids, RoPE; with LoRA the final norm's bytes equal those the
     # first layer's input norm does not save (its input, the frozen embedding's output, needs no gradient).
@@ -144,8 +156,10 @@ def checkpointed_bytes_per_token(shape: ModelShape, dtype: torch.dtype, *, fused
     return s * shape.hidden, _norm_bytes(shape.hidden, s, shape.family, fused=fused) + 8
 
 
-def layer_backward_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:
-    """Gradients alive at once inside one layer's backward (the MLP's, or attention's if larger).
+def layer_backward_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> tuple[int, int]:
+    """Gradients alive at once inside one layer's backward: (the MLP's, attention's), per token. The MLP's backward
+    runs first and frees its gradients before attention's begins, so a layer holds the larger of the two (with
+    whatever attention's kernel gathers on top of attention's: the planner adds FlashAttention-4's keys there).
 
     Dense MLP: d(act*up), then d(act) and d(up), then d(gate): at most three [T, I] tensors.
     MoE: the same over the k routed rows of width 2I (gate_up). Attention: dq (model dtype),
@@ -158,7 +172,7 @@ def layer_backward_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int
     else:
         mlp = 3 * s * shape.intermediate
     attention = s * shape.heads * shape.head_dim + 4 * shape.heads + 4 * s * shape.kv_heads * shape.head_dim
-    return max(mlp, attention)
+    return mlp, attention
 
 
 def fused_loss_bytes(shape: ModelShape, tokens: int, dtype: torch.dtype, *, liger: bool) -> int:

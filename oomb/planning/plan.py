@@ -80,7 +80,7 @@ AUTO_GPU_MARGIN_BYTES = 1 * GiB
 # (`oomb plan --host-memory`: another machine). The process that will train measures its own (MeasuredLimits).
 HOST_PROCESS_BYTES = 4 * GiB
 # Families whose saved-tensor formula was measured; others are planned with the llama formula.
-MEASURED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt_oss")
+MEASURED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt_oss", "granite", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -367,9 +367,10 @@ def _step_items(model_config, model: ModelShape, spec: StoreSpec, options: StepO
     gpu = shape.device_type == "cuda"
     liger = options.loss_impl == "liger" or (options.loss_impl == "auto" and gpu)
     loss_ws = fused_loss_bytes(model, tokens, shape.dtype, liger=liger)
-    layer_ws = rebuilt + tokens * layer_backward_bytes_per_token(model, shape.dtype)
-    if options.backend == "fa4" or (options.backend == "auto" and gpu):
-        layer_ws += _fa4_gathered(model, options, shape)
+    mlp_grads, attention_grads = layer_backward_bytes_per_token(model, shape.dtype)
+    gathered = _fa4_gathered(model, options, shape) if options.backend == "fa4" or (options.backend == "auto"
+                                                                                     and gpu) else 0
+    layer_ws = rebuilt + max(tokens * mlp_grads, tokens * attention_grads + gathered)
     if weights.four_bit:  # bitsandbytes dequantizes a 4-bit weight to the compute dtype for each matmul
         layer_ws += max(weights.four_bit) * s
     if cache == "host":  # the next layer's outputs on their way back from the host
