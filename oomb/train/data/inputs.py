@@ -277,7 +277,8 @@ def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs | ChatInpu
         return ChatInputs(_chat_corpus(cfg, tokenizer, loss), t.batch_size, t.grad_accum, tokenizer)
     kind, extra = (NeedleTask, {"needles": d.needles}) if d.task == "needle" else (PasskeyTask, {})
     try:
-        task = kind(d.seq_len, digits=d.passkey_digits, depth=d.depth, loss_on=loss, seed=t.seed, **extra)
+        task = kind(d.seq_len, digits=d.passkey_digits, depth=d.depth, loss_on=loss, seed=t.seed,
+                    avoid_id=getattr(config, "pad_token_id", None), **extra)
     except ValueError as e:
         raise ConfigError(f"data: {e}") from e
     if vocab < task.vocab_size:

@@ -21,8 +21,12 @@ sequence trains M retrievals instead of one::
 
     BOS  filler KEY k1 END v1 END filler ... KEY kM END vM END filler  QUERY k3 END v3  QUERY k1 END v1 ...
 
-Token ids: 0 BOS, 1 KEY, 2 END, 3 QUERY, 4..13 the digits 0-9, 14.. filler. Any model
-with a vocabulary of at least ``PasskeyTask.vocab_size`` ids can train on it.
+Token ids: 0 BOS, 1 KEY, 2 END, 3 QUERY, 4..13 the digits 0-9, 14.. filler, shifted past the model's
+padding id where it falls among them (``avoid_id``): an embedding keeps its padding row at zero, and a
+row of zeros at the first position stays zero through every layer, where each RMSNorm's backward
+multiplies its gradient by 1 / sqrt(eps) (Gemma-3's pad id is 0: its gradients overflowed to NaN
+within eight of its 48 layers, in transformers as in oomb). Any model with a vocabulary of at least
+``PasskeyTask.vocab_size`` ids can train on it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ import torch
 BOS, KEY, END, QUERY = 0, 1, 2, 3
 DIGIT0 = 4
 FILLER0 = 14
+
+
+def first_task_id(task_ids: int, avoid_id: int | None) -> int:
+    """The first model id of a task whose own ids are 0 .. ``task_ids`` - 1: 0, or just past ``avoid_id`` (the
+    model's padding id) where that falls among them."""
+    return avoid_id + 1 if avoid_id is not None and 0 <= avoid_id < task_ids else 0
 
 
 @dataclass
@@ -57,6 +67,7 @@ class PasskeyTask:
         lexicon_words: int = 24,
         loss_on: str = "all",
         seed: int = 0,
+        avoid_id: int | None = None,
     ) -> None:
         if digits < 1:
             raise ValueError(f"passkey digits must be >= 1, got {digits}")
@@ -68,10 +79,12 @@ class PasskeyTask:
         if loss_on not in ("all", "answer"):
             raise ValueError(f"loss_on must be 'all' or 'answer', got {loss_on!r}")
         self.seq_len, self.digits, self.depth, self.loss_on, self.seed = seq_len, digits, depth, loss_on, seed
-        self.vocab_size = FILLER0 + filler_tokens
+        self.task_ids = FILLER0 + filler_tokens  # the task's own ids: 0 .. task_ids - 1
+        self.first_id = first_task_id(self.task_ids, avoid_id)  # what they are shifted by in a batch
+        self.vocab_size = self.first_id + self.task_ids  # the ids a model needs
         gen = torch.Generator().manual_seed(seed)
         self.lexicon = [
-            torch.randint(FILLER0, self.vocab_size, (int(torch.randint(2, 6, (1,), generator=gen)),), generator=gen)
+            torch.randint(FILLER0, self.task_ids, (int(torch.randint(2, 6, (1,), generator=gen)),), generator=gen)
             for _ in range(lexicon_words)
         ]
 
@@ -110,7 +123,7 @@ class PasskeyTask:
 
     def batch(self, step: int, batch_size: int) -> PasskeyBatch:
         seqs, positions = zip(*(self.example(step * batch_size + i) for i in range(batch_size)), strict=True)
-        input_ids = torch.stack(seqs)
+        input_ids = torch.stack(seqs) + self.first_id
         answer_positions = torch.stack(positions)
         labels = input_ids.clone()
         if self.loss_on == "answer":
@@ -145,9 +158,9 @@ class NeedleTask(PasskeyTask):
             raise ValueError(f"seq_len={seq_len} is too short for {what} with a {key_tokens}-token key and a "
                              f"{digits}-digit value (need >= {min_len})")
         super().__init__(seq_len, **kwargs)
-        if needles > (self.vocab_size - FILLER0) ** key_tokens:
+        if needles > (self.task_ids - FILLER0) ** key_tokens:
             raise ValueError(f"needles={needles} distinct keys do not exist with {key_tokens}-token keys over "
-                             f"{self.vocab_size - FILLER0} filler ids")
+                             f"{self.task_ids - FILLER0} filler ids")
         self.key_tokens, self.needles = key_tokens, needles
 
     def sequence(self, index: int) -> tuple[torch.Tensor, int]:
@@ -156,7 +169,7 @@ class NeedleTask(PasskeyTask):
             ids, positions = self.example(index)
             return ids, int(positions[0])
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        key = torch.randint(FILLER0, self.vocab_size, (self.key_tokens,), generator=gen)
+        key = torch.randint(FILLER0, self.task_ids, (self.key_tokens,), generator=gen)
         value = torch.randint(0, 10, (self.digits,), generator=gen) + DIGIT0
         needle = torch.cat([torch.tensor([KEY]), key, torch.tensor([END]), value, torch.tensor([END])])
         question = torch.cat([torch.tensor([QUERY]), key, torch.tensor([END])])
@@ -169,7 +182,7 @@ class NeedleTask(PasskeyTask):
         m, k, d = self.needles, self.key_tokens, self.digits
         keys, seen = [], set()
         while len(keys) < m:  # distinct keys: each question has exactly one answer
-            key = torch.randint(FILLER0, self.vocab_size, (k,), generator=gen)
+            key = torch.randint(FILLER0, self.task_ids, (k,), generator=gen)
             if tuple(key.tolist()) not in seen:
                 seen.add(tuple(key.tolist()))
                 keys.append(key)

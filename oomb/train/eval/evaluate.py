@@ -44,6 +44,7 @@ from oomb.train.eval.metrics import (
     plot_perplexity,
     plot_retrieval,
     retrieval_grid,
+    retrieval_task,
     short_length,
 )
 from oomb.train.eval.needle import PROMPTS, chunked_scorer, describe_text_task, text_needle_grid
@@ -304,7 +305,7 @@ def run_eval(args, argv: Sequence[str], console: Console | None = None) -> Path:
     task_name = args.task or _default_task(loaded, args)
     if task_name != "text":
         _check_text_options(args, task_name)
-    make_task = RETRIEVAL_TASKS.get(task_name)
+    make_task = retrieval_task(task_name, model_config)
     if retrieval_on and task_name == "text":
         text_task = _text_task(args, loaded, vocab, lengths, digits, seed)
     elif retrieval_on:

@@ -167,15 +167,25 @@ def perplexity_by_position(
 RetrievalTaskFactory = Callable[[int, float, int, int], object]
 
 
-def _passkey(seq_len: int, depth: float, seed: int, digits: int) -> PasskeyTask:
-    return PasskeyTask(seq_len, digits=digits, depth=depth, seed=seed)
+def _passkey(seq_len: int, depth: float, seed: int, digits: int, avoid_id: int | None = None) -> PasskeyTask:
+    return PasskeyTask(seq_len, digits=digits, depth=depth, seed=seed, avoid_id=avoid_id)
 
 
-def _needle(seq_len: int, depth: float, seed: int, digits: int) -> NeedleTask:
-    return NeedleTask(seq_len, digits=digits, depth=depth, seed=seed)
+def _needle(seq_len: int, depth: float, seed: int, digits: int, avoid_id: int | None = None) -> NeedleTask:
+    return NeedleTask(seq_len, digits=digits, depth=depth, seed=seed, avoid_id=avoid_id)
 
 
 RETRIEVAL_TASKS: dict[str, RetrievalTaskFactory] = {"passkey": _passkey, "needle": _needle}
+
+
+def retrieval_task(name: str, model_config) -> RetrievalTaskFactory | None:
+    """The factory of built-in task ``name`` for a model: its ids kept clear of the model's padding id, as
+    `oomb train` keeps them (data.sources.first_task_id); None for a task that is not built in."""
+    factory = RETRIEVAL_TASKS.get(name)
+    if factory is None:
+        return None
+    pad = getattr(model_config, "pad_token_id", None)
+    return lambda seq_len, depth, seed, digits: factory(seq_len, depth, seed, digits, avoid_id=pad)
 
 
 def answer_labels(input_ids: torch.Tensor, answer_positions: torch.Tensor) -> torch.Tensor:

@@ -42,12 +42,13 @@ def final_eval_samples(cfg: Config, steps_trained: int) -> int:
     return min(AUTO_SAMPLES, trained // 10)
 
 
-def _task_factory(cfg: Config):
+def _task_factory(cfg: Config, model_config):
     d = cfg.data
     kind, extra = (NeedleTask, {"needles": d.needles}) if d.task == "needle" else (PasskeyTask, {})
+    pad = getattr(model_config, "pad_token_id", None)  # the ids kept clear of it, as in training
 
     def make(seq_len: int, depth, seed: int, digits: int):  # the run's depth setting, random or fixed
-        return kind(seq_len, digits=digits, depth=d.depth, seed=seed, **extra)
+        return kind(seq_len, digits=digits, depth=d.depth, seed=seed, avoid_id=pad, **extra)
 
     return make
 
@@ -57,7 +58,7 @@ def report_retrieval(cfg: Config, model: torch.nn.Module, out: Path, samples: in
     options = step_options(cfg)
     engine = {"selection": options.selection, "offload": options.offload,
               "offload_gpu_bytes": options.offload_gpu_bytes, "backend": options.backend}
-    grid = retrieval_grid(model, _task_factory(cfg), lengths=[cfg.data.seq_len], depths=[cfg.data.depth],
+    grid = retrieval_grid(model, _task_factory(cfg, model.config), lengths=[cfg.data.seq_len], depths=[cfg.data.depth],
                           samples=samples, seed=cfg.train.seed, digits=cfg.data.passkey_digits,
                           batch_size=cfg.train.batch_size, chunk_size=options.chunk_size,
                           page_size=options.page_size, engine=engine)
