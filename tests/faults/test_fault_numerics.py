@@ -140,3 +140,37 @@ def test_a_nan_that_arises_in_the_backward_pass_is_placed_at_its_layer():
     handle.remove()
     assert "the highest layer 1 " in nonfinite_grads(model)[1]
     assert "or in what runs after the last layer (final norm, LM head, loss)" in nonfinite_grads(model)[1]
+
+
+def test_a_backward_nan_from_a_zero_embedding_first_token_is_named(tmp_path, capsys):
+    # A deep Gemma-3 whose embedding row 0 is zero (its padding row) but whose config no longer names 0 as its
+    # padding id, so the passkey task begins every sequence with id 0: the forward is finite, the backward
+    # overflows through the RMSNorms (docs/failures.md); the stop names the token, not the learning rate.
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    from oomb.train.data.sources import PasskeyBatch
+    from oomb.train.loop.faults import zero_embedding_starts
+
+    config = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=24,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                              sliding_window=32, max_position_embeddings=1024, rms_norm_eps=1e-6, pad_token_id=0,
+                              bos_token_id=2, eos_token_id=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    assert bool((model.get_input_embeddings().weight[0] == 0).all())
+    ids = torch.tensor([[0, 5, 6, 0, 7], [5, 0, 6, 7, 8]])
+    docs = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 0, 0]])
+    assert zero_embedding_starts(model, [PasskeyBatch(ids, ids, torch.zeros(2, 1))]).startswith(
+        "token id 0 begins a sequence or a document")
+    assert zero_embedding_starts(model, [PasskeyBatch(ids[1:], ids[1:], torch.zeros(1, 1))]) is None  # 0 not first
+    assert zero_embedding_starts(model, [PasskeyBatch(ids[1:], ids[1:], torch.zeros(1, 1), docs[:1])]) is None
+    second_doc = torch.tensor([[0, 1, 1, 1, 1]])  # the 0 at position 1 begins a document
+    assert zero_embedding_starts(model, [PasskeyBatch(ids[1:], ids[1:], torch.zeros(1, 1), second_doc)]) is not None
+    model.config.pad_token_id = None
+    model.save_pretrained(tmp_path / "model")
+    run = tmp_path / "run"
+    assert main(["train", f"model.path={tmp_path / 'model'}", f"out_dir={run}", *RUN]) == EXIT_NONFINITE
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the first non-finite value arose in the backward pass" in out
+    assert "likely cause: token id 0 begins a sequence or a document in this step" in out
+    assert "Begin the sequences with the tokenizer's BOS" in out and "Lower train.lr" not in out

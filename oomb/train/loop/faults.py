@@ -317,6 +317,33 @@ def nonfinite_grads(model: torch.nn.Module) -> tuple[str | None, str | None]:
                    f"backward or in {above})")
 
 
+def zero_embedding_starts(model: torch.nn.Module, batches) -> str | None:
+    """The ids that begin a sequence or a document in ``batches`` whose input embedding row is all zeros (a padding
+    id: transformers zeroes that row and never trains it), as the likely cause of a NaN in the backward pass; None
+    where there are none. Such a token sees only itself, so its hidden state stays zero through every layer, and an
+    RMSNorm's backward multiplies the gradient of a zero row by 1 / sqrt(eps): a deep model overflows."""
+    weight = _local(model.get_input_embeddings().weight)
+    starts = set()
+    for batch in batches:
+        ids = batch.input_ids
+        first = torch.zeros_like(ids, dtype=torch.bool)
+        first[:, 0] = True
+        if batch.doc_ids is not None:
+            first[:, 1:] = batch.doc_ids[:, 1:] != batch.doc_ids[:, :-1]
+        starts.update(int(i) for i in ids[first].unique().tolist())
+    rows = torch.tensor(sorted(i for i in starts if 0 <= i < weight.shape[0]), dtype=torch.long)
+    if rows.numel() == 0:
+        return None
+    zero = rows[(weight[rows.to(weight.device)] == 0).all(dim=1).cpu()].tolist()
+    if not zero:
+        return None
+    ids = ", ".join(str(i) for i in zero[:5])
+    return (f"token id{'s' if len(zero) > 1 else ''} {ids} begin{'' if len(zero) > 1 else 's'} a sequence or a "
+            f"document in this step and {'their' if len(zero) > 1 else 'its'} input embedding row is all zeros (a "
+            "padding id?): such a token sees only itself, so its hidden state stays zero through every layer, and "
+            "an RMSNorm's backward multiplies a zero row's gradient by 1 / sqrt(eps)")
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard (FSDP2, tensor parallel)
 

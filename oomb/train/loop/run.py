@@ -35,6 +35,7 @@ from oomb.train.loop.faults import (
     nonfinite_after_update,
     nonfinite_grads,
     resume_command,
+    zero_embedding_starts,
 )
 from oomb.train.loop.model import base_model_name
 from oomb.train.runfolder.checkpoint import (
@@ -250,18 +251,21 @@ class Run:
                     break
         except StepAbandoned:  # a signal during the diagnosis: report without it, then stop as asked
             site = "not located (interrupted)"
+        cause = zero_embedding_starts(self.model, batches) if site is None and batches else None
         where = (f"first non-finite value: {site}" if site is not None else
                  "the forward pass is finite in every chunk: the first non-finite value arose in the backward pass"
-                 + (f"; {layers}" if layers else ""))
+                 + (f"; {layers}" if layers else "") + (f"; likely cause: {cause}" if cause else ""))
         text = (f"non-finite {'loss' if not bool(torch.isfinite(loss)) else 'gradient'} in step {step + 1} "
                 f"(loss {float(loss)}, gradient norm {float(grad_norm)}); {where}; first parameter with a non-finite "
                 f"gradient: {parameter or 'none'}")
         if t.on_nonfinite == "skip":
             Console(stderr=True).print(f"warning: {text}; step skipped (no update)", highlight=False, soft_wrap=True)
             return {"nonfinite_at": str(site) if site is not None else "backward pass", "nonfinite_grad": parameter}
+        advice = ("Begin the sequences with the tokenizer's BOS (not its padding token), or give that token an "
+                  "embedding, then run again (docs/failures.md)" if cause else self._nonfinite_advice(skip=True))
         raise RunStopped(
             f"{text}.\nNo update was made and no checkpoint was written or changed; "
-            f"{self.newest_checkpoint()}. {self._nonfinite_advice(skip=True)}", EXIT_NONFINITE)
+            f"{self.newest_checkpoint()}. {advice}", EXIT_NONFINITE)
 
     def _nonfinite_advice(self, skip: bool = False) -> str:
         """What to do after non-finite values: where a weight is non-finite before this run updated it (the
