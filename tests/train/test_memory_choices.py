@@ -16,7 +16,7 @@ from oomb.train.config.settings import ConfigError, config_json, load_config
 from oomb.train.config.step import settled_chunk_size
 
 GiB = 2**30
-H200 = dict(gpu_bytes=141 * GiB, host_bytes=int(125.8 * GiB))  # as `oomb plan --gpu-memory 141GiB ...` plans
+H200 = dict(gpu_bytes=139 * GiB, host_bytes=int(125.8 * GiB))  # as `oomb plan --gpu-memory 139GiB ...` plans
 OFFLOAD_7B = ["model.preset=qwen2.5-7b", "train.offload=true", "train.offload_gpu_memory=auto"]
 
 
