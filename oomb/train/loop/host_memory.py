@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from oomb.engine.options import MemoryLimits
-from oomb.planning.plan import MeasuredLimits, MemoryPlan
+from oomb.planning.plan import CUDA_CONTEXT_BYTES, MeasuredLimits, MemoryPlan
 from oomb.planning.plan import format_bytes as _gib
 from oomb.train.config.step import gpu_memory_cap
 
@@ -48,13 +48,14 @@ def available_memory(device: torch.device) -> tuple[int | None, int]:
 
 
 def cap_gpu_allocator(cfg, device: torch.device) -> float | None:
-    """Hold the CUDA caching allocator to train.gpu_memory (set_per_process_memory_fraction: past it an allocation
-    fails as out of memory, which the run reports, instead of taking the rest of the card); the fraction set, or None
-    where there is no cap (auto, or not CUDA)."""
+    """Hold the CUDA caching allocator to train.gpu_memory less the plan's CUDA context allowance
+    (set_per_process_memory_fraction: past it an allocation fails as out of memory, which the run reports, instead
+    of taking the rest of the card), so the process with its context stays within the number the user gave, as the
+    plan counted it; the fraction set, or None where there is no cap (auto, or not CUDA)."""
     cap = gpu_memory_cap(cfg)
     if cap is None or device.type != "cuda":
         return None
-    fraction = min(1.0, cap / torch.cuda.get_device_properties(device).total_memory)
+    fraction = min(1.0, max(0, cap - CUDA_CONTEXT_BYTES) / torch.cuda.get_device_properties(device).total_memory)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
 
