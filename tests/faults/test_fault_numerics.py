@@ -166,6 +166,9 @@ def test_a_backward_nan_from_a_zero_embedding_first_token_is_named(tmp_path, cap
     assert zero_embedding_starts(model, [PasskeyBatch(ids[1:], ids[1:], torch.zeros(1, 1), docs[:1])]) is None
     second_doc = torch.tensor([[0, 1, 1, 1, 1]])  # the 0 at position 1 begins a document
     assert zero_embedding_starts(model, [PasskeyBatch(ids[1:], ids[1:], torch.zeros(1, 1), second_doc)]) is not None
+    padding = torch.tensor([[5, 6, 7, -100, -100]])  # ... a document without targets (trailing padding): no gradient
+    assert zero_embedding_starts(model, [PasskeyBatch(torch.tensor([[5, 6, 7, 0, 0]]), padding, torch.zeros(1, 1),
+                                                      torch.tensor([[0, 0, 0, 1, 1]]))]) is None
     model.config.pad_token_id = None
     model.save_pretrained(tmp_path / "model")
     run = tmp_path / "run"

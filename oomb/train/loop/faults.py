@@ -326,11 +326,14 @@ def zero_embedding_starts(model: torch.nn.Module, batches) -> str | None:
     starts = set()
     for batch in batches:
         ids = batch.input_ids
+        docs = batch.doc_ids if batch.doc_ids is not None else torch.zeros_like(ids)
         first = torch.zeros_like(ids, dtype=torch.bool)
         first[:, 0] = True
-        if batch.doc_ids is not None:
-            first[:, 1:] = batch.doc_ids[:, 1:] != batch.doc_ids[:, :-1]
-        starts.update(int(i) for i in ids[first].unique().tolist())
+        first[:, 1:] = docs[:, 1:] != docs[:, :-1]
+        # only documents with a target: no gradient reaches one without (a packed batch's trailing padding)
+        for row in range(ids.shape[0]):
+            learned = docs[row][batch.labels[row] != -100].unique()
+            starts.update(int(i) for i in ids[row][first[row] & torch.isin(docs[row], learned)].unique().tolist())
     rows = torch.tensor(sorted(i for i in starts if 0 <= i < weight.shape[0]), dtype=torch.long)
     if rows.numel() == 0:
         return None
