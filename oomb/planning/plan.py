@@ -368,8 +368,8 @@ def _step_items(model_config, model: ModelShape, spec: StoreSpec, options: StepO
     liger = options.loss_impl == "liger" or (options.loss_impl == "auto" and gpu)
     loss_ws = fused_loss_bytes(model, tokens, shape.dtype, liger=liger)
     mlp_grads, attention_grads = layer_backward_bytes_per_token(model, shape.dtype)
-    gathered = _fa4_gathered(model, options, shape) if options.backend == "fa4" or (options.backend == "auto"
-                                                                                     and gpu) else 0
+    fa4 = options.backend == "fa4" or (options.backend == "auto" and gpu)
+    gathered = _fa4_gathered(model, options, shape) if fa4 else 0
     layer_ws = rebuilt + max(tokens * mlp_grads, tokens * attention_grads + gathered)
     if weights.four_bit:  # bitsandbytes dequantizes a 4-bit weight to the compute dtype for each matmul
         layer_ws += max(weights.four_bit) * s

@@ -27,7 +27,7 @@ from oomb.train.data.corpus import (
 )
 from oomb.train.data.packing import PackedCorpus
 from oomb.train.data.rows import check_sources
-from oomb.train.data.sources import NeedleTask, PasskeyTask
+from oomb.train.data.sources import NeedleTask, PasskeyTask, padding_id
 from oomb.train.data.windows import held_out
 
 TASKS = ("passkey", "needle", "text", "chat")
@@ -278,7 +278,7 @@ def build_inputs(cfg: Config, config) -> SyntheticInputs | TextInputs | ChatInpu
     kind, extra = (NeedleTask, {"needles": d.needles}) if d.task == "needle" else (PasskeyTask, {})
     try:
         task = kind(d.seq_len, digits=d.passkey_digits, depth=d.depth, loss_on=loss, seed=t.seed,
-                    avoid_id=getattr(config, "pad_token_id", None), **extra)
+                    avoid_id=padding_id(config), **extra)
     except ValueError as e:
         raise ConfigError(f"data: {e}") from e
     if vocab < task.vocab_size:

@@ -40,6 +40,11 @@ DIGIT0 = 4
 FILLER0 = 14
 
 
+def padding_id(model_config) -> int | None:
+    """The id a model's embedding keeps as padding (its row zero and untrained): what a task's ids keep clear of."""
+    return getattr(model_config, "pad_token_id", None)
+
+
 def first_task_id(task_ids: int, avoid_id: int | None) -> int:
     """The first model id of a task whose own ids are 0 .. ``task_ids`` - 1: 0, or just past ``avoid_id`` (the
     model's padding id) where that falls among them."""

@@ -11,7 +11,7 @@ import torch
 
 from oomb.engine import chunked_eval
 from oomb.engine.loss import IGNORE_INDEX
-from oomb.train.data.sources import NeedleTask, PasskeyTask
+from oomb.train.data.sources import NeedleTask, PasskeyTask, padding_id
 from oomb.train.eval.eval_model import EvalError
 
 # Retrieval samples are sequences number HELD_OUT_STEP * samples + i of the task: a training
@@ -184,7 +184,7 @@ def retrieval_task(name: str, model_config) -> RetrievalTaskFactory | None:
     factory = RETRIEVAL_TASKS.get(name)
     if factory is None:
         return None
-    pad = getattr(model_config, "pad_token_id", None)
+    pad = padding_id(model_config)
     return lambda seq_len, depth, seed, digits: factory(seq_len, depth, seed, digits, avoid_id=pad)
 
 

@@ -21,7 +21,7 @@ from rich.console import Console
 
 from oomb.train.config.settings import Config
 from oomb.train.config.step import step_options
-from oomb.train.data.sources import NeedleTask, PasskeyTask
+from oomb.train.data.sources import NeedleTask, PasskeyTask, padding_id
 from oomb.train.eval.metrics import retrieval_grid
 from oomb.train.runfolder.checkpoint import write_text_atomic
 
@@ -45,7 +45,7 @@ def final_eval_samples(cfg: Config, steps_trained: int) -> int:
 def _task_factory(cfg: Config, model_config):
     d = cfg.data
     kind, extra = (NeedleTask, {"needles": d.needles}) if d.task == "needle" else (PasskeyTask, {})
-    pad = getattr(model_config, "pad_token_id", None)  # the ids kept clear of it, as in training
+    pad = padding_id(model_config)  # the ids kept clear of it, as in training
 
     def make(seq_len: int, depth, seed: int, digits: int):  # the run's depth setting, random or fixed
         return kind(seq_len, digits=digits, depth=d.depth, seed=seed, avoid_id=pad, **extra)
