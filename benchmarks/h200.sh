@@ -194,11 +194,16 @@ job core-llama-3-8b-offload-cached-64k "$C --preset llama-3-8b --lengths '' --of
   --baseline-lengths 65536 --baseline-stacks fa4 --chunk 16384 --recompute layer-host --warm-each --repeats 2 --backend fa4"
 job core-llama-3-8b-lora-unfused-64k "$C $LORA64 --trainable lora-unfused"
 # packed: tokens per second on packed chat data at 4K, 16K and 32K, `oomb train` (its own settings, AdamW) against
-# the FA4 stack (packed by position_ids, fused AdamW), full fine-tune and LoRA r=16 of Qwen2.5-7B; a job per length.
+# the FA4 stack (packed by position_ids, fused AdamW) and Unsloth (its padding-free packing on the same sequences,
+# fused AdamW), full fine-tune and LoRA r=16 of Qwen2.5-7B; a job per length and variant. Unsloth's packages come
+# from .unsloth/carry (carry it in the call, after a call that carried .whl: the two do not fit one call).
 for n in 4096 16384 32768; do
-  job "packed-7b-$((n / 1024))k" "python3 -m benchmarks.packed --preset qwen2.5-7b --lengths $n --one-chunk"
+  for v in full lora; do
+    job "packed-7b-$((n / 1024))k-$v" "python3 -m benchmarks.packed --preset qwen2.5-7b --lengths $n --variants $v \
+      --one-chunk --unsloth"
+  done
 done
-part packed 'packed-7b-4k packed-7b-16k packed-7b-32k'
+part packed "$(for k in 4 16 32; do printf 'packed-7b-%sk-full packed-7b-%sk-lora ' $k $k; done)"
 # The same with the attention cache on the GPU (the fast setting), in chunks of 16384 and in one chunk of 64K (with
 # layer-host a chunk's activations are one layer's: fewer, longer expert matmuls), every row and the stack's
 # profiled: where the step's time goes against the stack's. Run on an H100.

@@ -1,6 +1,7 @@
 """Tokens per second on packed chat data at the lengths most fine-tuning runs use: `oomb train` against the stack.
 
     python -m benchmarks.packed --preset qwen2.5-7b --lengths 4096,16384,32768 --out out/packed-7b.json
+    python -m benchmarks.packed --lengths 4096 --variants lora --unsloth --out out/packed-7b-4k-lora.json
 
 Data: seeded synthetic conversations (a system line, a user turn, an assistant reply; their lengths drawn from
 log-normal distributions like those of instruction-tuning sets: median reply ~1,200 tokens, a long tail to
@@ -18,10 +19,15 @@ Rows, each (length, variant) in a process of its own, one after the other on one
   linear cross-entropy, non-reentrant checkpointing, one packed sequence a step with position_ids restarting at
   each conversation (transformers' varlen flash attention), peft LoRA or every weight trained as the variant
   says, torch's fused AdamW on the trained parameters after each backward.
+- Unsloth (``--unsloth``: benchmarks.unsloth_step in a process of its own with ``--unsloth-path`` on its
+  PYTHONPATH, dev/unsloth-device.md): the preset saved as a model folder, LoRA on a bf16 base or
+  ``full_finetuning``, its own checkpointing, the same packed sequences with position_ids restarting at each
+  conversation (its padding-free packing), torch's fused AdamW, gradient clipping as its notebooks' Trainer does.
 
 Variants: ``full`` (every weight) and ``lora`` (r=16 on every linear layer, as `lora.r=16
-lora.targets=all-linear`). The record's ``versus_stack`` gives oomb's tokens per second over the stack's at each
-length and variant (oomb is meant to be at least 1.0).
+lora.targets=all-linear`). The record's ``versus_baselines`` gives, for each oomb row, its tokens per second over
+each other system's at the same length and variant, and over the fastest of them (oomb is meant to be at least 1.0
+against the fastest).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import random
 import statistics
 import subprocess
@@ -38,6 +45,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import LORA_RANK, command_line, int_list, machine_description, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Words the conversations are made of: ASCII, so the byte-level tokenizer's token count is the character count.
 WORDS = ("the of and to in is that for it as with was on be by this are or from at an which have not has but "
@@ -167,16 +176,43 @@ def oomb_row(args, n: int, variant: str, folder: Path, one_chunk: bool = False) 
     return row
 
 
-def versus_stack(rows: list[dict]) -> list[dict]:
-    """Each oomb row's tokens per second over the stack's, per length and variant where both ran."""
-    stack = {(r["seq_len"], r["variant"]): r for r in rows
-             if not r["system"].startswith("oomb") and "tokens_per_s" in r}
+def unsloth_row(args, n: int, variant: str) -> dict:
+    """Unsloth at ``n`` for ``variant`` on the same packed data (benchmarks.unsloth_step, a process of its own: it
+    must import unsloth before transformers, and its path holds no flash-attn-4)."""
+    row = {"system": "unsloth", "variant": variant, "seq_len": n}
+    cmd = [sys.executable, "-m", "benchmarks.unsloth_step", "--preset", args.preset, "--lengths", str(n),
+           "--repeats", str(args.repeats), "--optimizer", "adamw", "--packed-data", args.data]
+    lora = ["--base", "bf16", "--rank", str(LORA_RANK), "--alpha", str(2 * LORA_RANK)]
+    cmd += ["--full"] if variant == "full" else lora
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), args.unsloth_path])}
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        proc = subprocess.run([*cmd, "--out", out.name], env=env, cwd=ROOT)
+        try:
+            record = json.loads(Path(out.name).read_text())
+        except ValueError:
+            return {**row, "error": f"exit {proc.returncode}, no record"}
+    found = record.get("results") or [{"error": f"exit {proc.returncode}, no row"}]
+    return {**row, **{k: v for k, v in found[0].items() if k not in ("system", "seq_len")},
+            "unsloth_system": found[0].get("system"), "unsloth": record.get("unsloth"),
+            "settings": record.get("settings")}
+
+
+def versus_baselines(rows: list[dict]) -> list[dict]:
+    """For each oomb row, its tokens per second over each other system's at the same length and variant where both
+    ran (``ratios``), and over the fastest of them (``fastest_baseline``, ``throughput_ratio``)."""
     out = []
     for r in rows:
-        b = stack.get((r["seq_len"], r.get("variant")))
-        if r["system"].startswith("oomb") and r.get("tokens_per_s") and b is not None:
-            out.append({"system": r["system"], "seq_len": r["seq_len"], "variant": r["variant"],
-                        "baseline": b["system"], "throughput_ratio": r["tokens_per_s"] / b["tokens_per_s"]})
+        if not r["system"].startswith("oomb") or not r.get("tokens_per_s"):
+            continue
+        others = [b for b in rows if not b["system"].startswith("oomb") and b.get("tokens_per_s")
+                  and (b["seq_len"], b.get("variant")) == (r["seq_len"], r.get("variant"))]
+        if not others:
+            continue
+        fastest = max(others, key=lambda b: b["tokens_per_s"])
+        out.append({"system": r["system"], "seq_len": r["seq_len"], "variant": r["variant"],
+                    "ratios": {b["system"]: r["tokens_per_s"] / b["tokens_per_s"] for b in others},
+                    "fastest_baseline": fastest["system"],
+                    "throughput_ratio": r["tokens_per_s"] / fastest["tokens_per_s"]})
     return out
 
 
@@ -190,7 +226,7 @@ def run(args) -> dict:
         return {"bench": "packed", "command": command_line("benchmarks.packed"),
                 "date": datetime.date.today().isoformat(), "machine": machine_description(), "preset": args.preset,
                 "data": {"conversations": args.conversations, "seed": args.seed, "template": TEMPLATE},
-                "results": rows, "versus_stack": versus_stack(rows)}
+                "results": rows, "versus_baselines": versus_baselines(rows)}
 
     for n in args.lengths:
         for variant in args.variants:
@@ -202,12 +238,15 @@ def run(args) -> dict:
                             Path(out.name).stat().st_size else
                             {"system": f"transformers-{args.stack}-liger-ckpt", "variant": variant, "seq_len": n,
                              "error": f"exit {proc.returncode}"})
+            first = len(rows) - 1
+            if args.unsloth:
+                rows.append(unsloth_row(args, n, variant))
             rows.append(oomb_row(args, n, variant, folder))
             if args.one_chunk and rows[-1].get("chunk_size") != n:  # its own choice was not one chunk already
                 rows.append(oomb_row(args, n, variant, folder, one_chunk=True))
             if args.out:
                 write_report(args.out, report())
-            for r in rows[-3 if args.one_chunk else -2:]:
+            for r in rows[first:]:
                 print(json.dumps({k: v for k, v in r.items() if k not in ("steps", "startup", "step_times_s")}),
                       flush=True)
     return report()
@@ -227,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int_list, default=[4096, 16384, 32768])
     p.add_argument("--variants", type=_variants, default=list(VARIANTS), help="full, lora or both (default)")
     p.add_argument("--stack", choices=("fa4", "sdpa"), default="fa4")
+    p.add_argument("--unsloth", action="store_true", help="also Unsloth's rows (its packages on --unsloth-path)")
+    p.add_argument("--unsloth-path", default="/tmp/unsloth_site",
+                   help="the folder holding unsloth, unsloth_zoo, trl and their needs (h200.sh unpacks them)")
     p.add_argument("--steps", type=int, default=4, help="oomb train steps logged per row (the first warms up)")
     p.add_argument("--repeats", type=int, default=3, help="timed stack steps per row, after one warm-up step")
     p.add_argument("--timeout", type=float, default=240, help="seconds allowed per oomb train row")

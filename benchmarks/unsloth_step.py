@@ -2,6 +2,8 @@
 
     python -m benchmarks.unsloth_step --lengths 16384,32768,65536 --out out/unsloth-llama-3-8b.json
     python -m benchmarks.unsloth_step --longest --start 131072 --budget-s 540 --out out/unsloth-llama-3-8b-longest.json
+    python -m benchmarks.unsloth_step --preset qwen2.5-7b --base bf16 --rank 16 --alpha 32 --optimizer adamw \
+        --packed-data DIR/chat.jsonl --lengths 4096 --repeats 3 --out out/unsloth-packed.json  # benchmarks.packed's
 
 The model: the preset's architecture (``--preset``, default llama-3-8b) with random weights in bf16, saved once as
 a model folder (safetensors shards and oomb's byte-level tokenizer, its embedding keeps the preset's 128256 rows)
@@ -9,13 +11,20 @@ in ``--model-dir`` (default: /tmp/oomb-unsloth/PRESET) by a process of its own. 
 model for QLoRA: ``FastLanguageModel.from_pretrained(max_seq_length=the longest length, dtype=bfloat16,
 load_in_4bit=True)``, then ``FastLanguageModel.get_peft_model(r=32, lora_alpha=32, lora_dropout=0, bias="none",
 target_modules=the seven linear layers of each block, use_gradient_checkpointing="unsloth")`` (Unsloth's own
-checkpointing, which keeps each layer's input in host memory). Llama-3-8B knows 8192 positions: for a longer
+checkpointing, which keeps each layer's input in host memory). ``--base bf16``: LoRA on a bf16 base
+(``load_in_16bit=True``); ``--full``: every weight trained, ``full_finetuning=True`` in bf16 (no adapters; Unsloth's
+checkpointing all the same). Llama-3-8B knows 8192 positions: for a longer
 max_seq_length Unsloth scales its RoPE itself (linear), as it does for a user.
 
 A step, as transformers' Trainer runs Unsloth's notebooks (bf16=True, max_grad_norm=1.0, optim="adamw_8bit"):
 one sequence of random token ids (batch 1), labels = the ids, the forward under bf16 autocast, loss.backward(),
 gradient clipping to norm 1, the optimizer's step and zero_grad. The optimizer: bitsandbytes' AdamW8bit (lr 2e-4,
-weight decay 0.01), or torch's AdamW with ``--optimizer adamw``. Each length: one warm-up step (Triton kernels and
+weight decay 0.01), or torch's fused AdamW with ``--optimizer adamw`` (the Trainer's default, adamw_torch_fused).
+``--packed-data chat.jsonl`` (chat.jinja beside it): each step reads the next sequence of oomb's packer over those
+conversations instead (benchmarks.packed: the sequences the stack and `oomb train` read), labels on the replies
+only, position_ids restarting at each conversation and no attention mask: Unsloth's padding-free packing, which
+finds the conversations' bounds from position_ids and attends within each (as TRL's ``padding_free`` hands it
+batches). Each length: one warm-up step (Triton kernels and
 Unsloth's torch.compile'd loss built, the allocator grown), then ``--repeats`` timed steps (CUDA events), median;
 peak = max_memory_allocated of the timed steps. An out-of-memory error is an error row and ends the run (longer
 sequences need more).
@@ -60,6 +69,7 @@ LEARNING_RATE = 2e-4
 WEIGHT_DECAY = 0.01
 MAX_GRAD_NORM = 1.0
 OPTIMIZERS = ("adamw8bit", "adamw")
+BASES = ("nf4", "bf16")
 MARKER = "oomb-unsloth.json"  # written last into a model folder: the folder is whole
 PAD_TOKEN = "<|pad|>"
 
@@ -238,6 +248,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="timed steps per length")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="one untimed step at each length first (--no-warmup: the first step is timed)")
+    p.add_argument("--base", choices=BASES, default=None,
+                   help="the frozen base under the adapters: nf4 (4-bit, QLoRA; the default) or bf16 (LoRA)")
+    p.add_argument("--full", action="store_true",
+                   help="every weight trained in bf16 (full_finetuning=True), no adapters")
+    p.add_argument("--packed-data", default=None,
+                   help="chat.jsonl (chat.jinja beside it): steps on oomb's packed sequences of it, not random ids")
     p.add_argument("--rank", type=int, default=32, help="LoRA rank")
     p.add_argument("--alpha", type=int, default=32, help="LoRA alpha")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw8bit",
@@ -270,21 +286,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--repeats must be at least 1")
     if args.known_fits is not None and args.known_fails is not None and args.known_fits >= args.known_fails:
         p.error("--known-fits must be shorter than --known-fails")
+    if args.full and args.base == "nf4":
+        p.error("--full trains every weight in bf16: leave out --base nf4")
+    args.base = "bf16" if args.full else (args.base or "nf4")
+    if args.packed_data is not None and not Path(args.packed_data).with_name("chat.jinja").is_file():
+        p.error(f"--packed-data {args.packed_data}: no chat.jinja beside it (benchmarks.packed writes both)")
     return args
 
 
 def settings(args) -> dict:
     """What the record says a step ran: the model, the adapters, the optimizer, the step."""
-    return {"preset": args.preset, "model_dir": str(args.model_dir), "init": "random", "load_in_4bit": True,
-            "dtype": "bfloat16", "lora": {"r": args.rank, "alpha": args.alpha, "dropout": 0.0, "bias": "none",
-                                          "targets": TARGET_MODULES},
+    lora = None if args.full else {"r": args.rank, "alpha": args.alpha, "dropout": 0.0, "bias": "none",
+                                   "targets": TARGET_MODULES}
+    data = ({"packed": str(args.packed_data), "labels": "the replies' tokens", "position_ids": "per conversation"}
+            if args.packed_data else {"labels": "input ids (random)"})
+    return {"preset": args.preset, "model_dir": str(args.model_dir), "init": "random",
+            "load_in_4bit": args.base == "nf4", "full_finetuning": args.full, "dtype": "bfloat16", "lora": lora,
             "gradient_checkpointing": "unsloth", "tiled_mlp": args.tiled_mlp, "optimizer": args.optimizer,
             "lr": LEARNING_RATE, "weight_decay": WEIGHT_DECAY, "max_grad_norm": MAX_GRAD_NORM, "autocast": "bfloat16",
-            "batch": 1, "labels": "input ids", "warmup_step": args.warmup, "repeats": args.repeats}
+            "batch": 1, **data, "warmup_step": args.warmup, "repeats": args.repeats}
 
 
 def system_name(args) -> str:
-    return f"unsloth-qlora-r{args.rank}" + ("-tiled-mlp" if args.tiled_mlp else "")
+    """unsloth-qlora-r32 (the default), unsloth-lora-r16 (--base bf16), unsloth-full (--full); -tiled-mlp added."""
+    name = "unsloth-full" if args.full else f"unsloth-{'qlora' if args.base == 'nf4' else 'lora'}-r{args.rank}"
+    return name + ("-tiled-mlp" if args.tiled_mlp else "")
 
 
 def build_record(args, rows: list[dict], *, complete: bool, setup: dict | None = None,
@@ -401,12 +427,19 @@ def attention_kernels() -> dict:
 
 
 def load_model(args, max_seq_length: int):
-    """Unsloth's QLoRA model, as its docs build one."""
+    """Unsloth's model, as its docs build one: QLoRA, LoRA on a bf16 base, or a full fine-tune."""
     from unsloth import FastLanguageModel
 
     kwargs = {"unsloth_tiled_mlp": True} if args.tiled_mlp else {}
+    if args.full:
+        model, _tokenizer = FastLanguageModel.from_pretrained(
+            model_name=str(args.model_dir), max_seq_length=max_seq_length, dtype=torch.bfloat16, load_in_4bit=False,
+            full_finetuning=True, use_gradient_checkpointing="unsloth", **kwargs)
+        FastLanguageModel.for_training(model)
+        return model
     model, _tokenizer = FastLanguageModel.from_pretrained(model_name=str(args.model_dir), max_seq_length=max_seq_length,
-                                                          dtype=torch.bfloat16, load_in_4bit=True, **kwargs)
+                                                          dtype=torch.bfloat16, load_in_4bit=args.base == "nf4",
+                                                          load_in_16bit=args.base == "bf16", **kwargs)
     model = FastLanguageModel.get_peft_model(model, r=args.rank, target_modules=TARGET_MODULES, lora_alpha=args.alpha,
                                              lora_dropout=0, bias="none", use_gradient_checkpointing="unsloth",
                                              random_state=3407, max_seq_length=max_seq_length)
@@ -419,7 +452,26 @@ def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.O
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(params, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
-    return torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    return torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY, fused=torch.cuda.is_available())
+
+
+def step_inputs(args, vocab_size: int, n: int, device: str = "cuda") -> Callable[[], tuple]:
+    """``next_inputs()`` -> (input_ids, labels, position_ids or None) of one step at ``n`` tokens: the same random
+    ids every step, or with ``--packed-data`` the packer's next sequence (benchmarks.packed.packed_batches) with
+    its labels and positions restarting at each conversation."""
+    if args.packed_data is None:
+        ids = torch.randint(0, vocab_size, (1, n), device=device)
+        return lambda: (ids, ids, None)
+    from benchmarks.packed import packed_batches, position_ids_of  # imports oomb: after unsloth
+
+    data = Path(args.packed_data)
+    corpus = packed_batches(args.preset, n, data, data.with_name("chat.jinja"))
+
+    def next_inputs():
+        batch = corpus.batch(1)
+        return (batch.input_ids.to(device), batch.labels.to(device), position_ids_of(batch.doc_ids).to(device))
+
+    return next_inputs
 
 
 def run_lengths(args, started: float) -> int:
@@ -441,6 +493,7 @@ def run_lengths(args, started: float) -> int:
     setup = {"version": getattr(unsloth, "__version__", None), "attention": attention_kernels(),
              "env": {k: os.environ.get(k) for k in RECORDED_ENV}, "model_dir_built_s": built_s,
              "import_s": import_s, "load_s": load_s, "trainable_params": sum(p.numel() for p in params),
+             "trainable_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in params}),
              "vocab_rows": model.get_input_embeddings().weight.shape[0], "max_seq_length": max(lengths),
              "rope_scaling": str(getattr(model.config, "rope_scaling", None)),
              "to_first_step_s": time.monotonic() - started}
@@ -448,9 +501,10 @@ def run_lengths(args, started: float) -> int:
     rows: list[dict] = []
     loss: list[torch.Tensor] = []
 
-    def step(ids: torch.Tensor) -> None:
+    def step(next_inputs) -> None:
+        ids, labels, position_ids = next_inputs()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(input_ids=ids, labels=ids)
+            out = model(input_ids=ids, labels=labels, position_ids=position_ids)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
         optimizer.step()
@@ -461,13 +515,14 @@ def run_lengths(args, started: float) -> int:
     for n in lengths:
         row: dict = {"system": system_name(args), "seq_len": n, "load_s": load_s}
         try:
-            ids = torch.randint(0, model.config.vocab_size, (1, n), device="cuda")
+            inputs = step_inputs(args, model.config.vocab_size, n)
             if args.warmup:
-                row["warmup_s"] = time_steps(lambda ids=ids: step(ids), 1)[0]
+                row["warmup_s"] = time_steps(lambda inputs=inputs: step(inputs), 1)[0]
             torch.cuda.reset_peak_memory_stats()
             with GpuClocks() as clocks:
-                times = time_steps(lambda ids=ids: step(ids), args.repeats)
+                times = time_steps(lambda inputs=inputs: step(inputs), args.repeats)
             row.update(step_s=statistics.median(times), step_times_s=times, first_step_timed=not args.warmup,
+                       tokens_per_s=n / statistics.median(times),
                        peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30,
                        peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                        loss=float(loss[0]), gpu_clocks=clocks.summary())
@@ -478,7 +533,7 @@ def run_lengths(args, started: float) -> int:
         print(json.dumps({k: v for k, v in row.items() if k != "step_times_s"}), flush=True)
         if args.out:
             write_report(args.out, build_record(args, rows, complete=False, setup=setup))
-        ids = None
+        inputs = None
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
         if "error" in row:
@@ -496,6 +551,8 @@ def try_command(args, lengths: list[int], out: Path) -> list[str]:
     cmd = ["-m", MODULE, "--preset", args.preset, "--model-dir", str(args.model_dir),
            "--lengths", ",".join(str(n) for n in lengths), "--repeats", "1", "--no-warmup",
            "--rank", str(args.rank), "--alpha", str(args.alpha), "--optimizer", args.optimizer, "--out", str(out)]
+    cmd += ["--full"] if args.full else ["--base", args.base]
+    cmd += ["--packed-data", str(args.packed_data)] if args.packed_data else []
     return cmd + (["--tiled-mlp"] if args.tiled_mlp else [])
 
 

@@ -3,6 +3,7 @@ positions within packed documents, the ratio to the stack."""
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from benchmarks.packed import (
     conversation_lengths,
     packed_batches,
     position_ids_of,
-    versus_stack,
+    unsloth_row,
+    versus_baselines,
     write_chat_data,
 )
 
@@ -47,17 +49,58 @@ def test_the_data_packs_whole_with_loss_on_the_replies_only(tmp_path):
     assert torch.equal(again.input_ids, batch.input_ids)
 
 
-def test_versus_stack_pairs_length_and_variant():
+def test_versus_baselines_pairs_length_and_variant_and_names_the_fastest():
     rows = [{"system": "transformers-fa4-liger-ckpt", "variant": "lora", "seq_len": 4096, "tokens_per_s": 8000.0},
+            {"system": "unsloth", "variant": "lora", "seq_len": 4096, "tokens_per_s": 10000.0},
             {"system": "oomb train", "variant": "lora", "seq_len": 4096, "tokens_per_s": 10000.0},
             {"system": "transformers-fa4-liger-ckpt", "variant": "full", "seq_len": 4096, "error": "out of memory"},
-            {"system": "oomb train", "variant": "full", "seq_len": 4096, "tokens_per_s": 5000.0}]
+            {"system": "oomb train", "variant": "full", "seq_len": 4096, "tokens_per_s": 5000.0},
+            {"system": "unsloth", "variant": "lora", "seq_len": 16384, "tokens_per_s": 9000.0}]
     rows.append({"system": "oomb train, one chunk", "variant": "lora", "seq_len": 4096, "tokens_per_s": 6000.0})
-    assert versus_stack(rows) == [
-        {"system": "oomb train", "seq_len": 4096, "variant": "lora", "baseline": "transformers-fa4-liger-ckpt",
-         "throughput_ratio": 1.25},
+    assert versus_baselines(rows) == [
+        {"system": "oomb train", "seq_len": 4096, "variant": "lora",
+         "ratios": {"transformers-fa4-liger-ckpt": 1.25, "unsloth": 1.0}, "fastest_baseline": "unsloth",
+         "throughput_ratio": 1.0},
         {"system": "oomb train, one chunk", "seq_len": 4096, "variant": "lora",
-         "baseline": "transformers-fa4-liger-ckpt", "throughput_ratio": 0.75}]
+         "ratios": {"transformers-fa4-liger-ckpt": 0.75, "unsloth": 0.6}, "fastest_baseline": "unsloth",
+         "throughput_ratio": 0.6}]  # the full row has no baseline that ran: no entry
+
+
+@pytest.mark.parametrize("variant", ["lora", "full"])
+def test_an_unsloth_row_runs_its_step_in_a_process_on_its_own_path(monkeypatch, tmp_path, variant):
+    import argparse
+    import os
+    import subprocess
+
+    import benchmarks.unsloth_step as us
+
+    data, _ = write_chat_data(tmp_path, 5)
+    args = argparse.Namespace(preset="qwen2.5-7b", repeats=3, data=str(data), unsloth_path="/opt/unsloth_site")
+    seen = {}
+
+    def fake_run(cmd, env, cwd):
+        seen.update(cmd=cmd, env=env)
+        step_args = us.parse_args(cmd[3:])  # what the step process would parse
+        seen["system"] = us.system_name(step_args)
+        record = {"results": [{"system": seen["system"], "seq_len": 4096, "step_s": 2.0, "tokens_per_s": 2048.0,
+                               "peak_gpu_gib": 30.0}], "unsloth": {"version": "x"}, "settings": {"batch": 1}}
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps(record))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr("benchmarks.packed.subprocess.run", fake_run)
+    row = unsloth_row(args, 4096, variant)
+    assert seen["cmd"][1:3] == ["-m", "benchmarks.unsloth_step"]
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[1] == "/opt/unsloth_site"  # its path only, no flash-attn-4
+    assert seen["system"] == {"lora": "unsloth-lora-r16", "full": "unsloth-full"}[variant]
+    assert "--packed-data" in seen["cmd"] and "adamw" in seen["cmd"]
+    assert (row["system"], row["variant"], row["seq_len"], row["tokens_per_s"], row["unsloth_system"]) == (
+        "unsloth", variant, 4096, 2048.0, seen["system"])
+
+    def failing_run(cmd, env, cwd):
+        return subprocess.CompletedProcess(cmd, 2)
+
+    monkeypatch.setattr("benchmarks.packed.subprocess.run", failing_run)
+    assert unsloth_row(args, 4096, variant)["error"] == "exit 2, no record"
 
 
 def test_variants_are_checked():

@@ -242,6 +242,43 @@ def test_the_try_command_times_one_step_per_length():
         "65536,131072", 1, False, 16, "adamw", "/m", "/w/try0.json", False)
 
 
+def test_lora_on_bf16_and_full_fine_tuning_are_their_own_systems(tmp_path):
+    lora = us.parse_args(["--lengths", "4096", "--base", "bf16", "--rank", "16"])
+    assert (lora.base, us.system_name(lora)) == ("bf16", "unsloth-lora-r16")
+    assert us.settings(lora)["load_in_4bit"] is False and us.settings(lora)["lora"]["r"] == 16
+    full = us.parse_args(["--lengths", "4096", "--full"])
+    assert (full.base, us.system_name(full)) == ("bf16", "unsloth-full")
+    assert us.settings(full)["full_finetuning"] is True and us.settings(full)["lora"] is None
+    assert us.settings(us.parse_args(["--lengths", "4096"]))["load_in_4bit"] is True  # QLoRA stays the default
+    with pytest.raises(SystemExit):
+        us.parse_args(["--lengths", "4096", "--full", "--base", "nf4"])
+    (tmp_path / "chat.jsonl").write_text("")
+    with pytest.raises(SystemExit):  # no chat.jinja beside the data
+        us.parse_args(["--lengths", "4096", "--packed-data", str(tmp_path / "chat.jsonl")])
+    # a --longest try runs what its search runs
+    (tmp_path / "chat.jinja").write_text("")
+    args = us.parse_args(["--longest", "--full", "--packed-data", str(tmp_path / "chat.jsonl")])
+    got = us.parse_args(us.try_command(args, [4096], tmp_path / "t.json")[2:])
+    assert (got.full, got.base, got.packed_data) == (True, "bf16", str(tmp_path / "chat.jsonl"))
+
+
+def test_packed_steps_read_the_packer_s_sequences_with_their_positions(tmp_path):
+    from benchmarks.packed import packed_batches, position_ids_of, write_chat_data
+
+    data, template = write_chat_data(tmp_path, 40, seed=2)
+    args = us.parse_args(["--preset", "qwen2.5-0.5b", "--lengths", "2048", "--packed-data", str(data)])
+    next_inputs = us.step_inputs(args, 1000, 2048, device="cpu")
+    expected = packed_batches("qwen2.5-0.5b", 2048, data, template)
+    for _ in range(2):  # each step the next sequence, as the stack and `oomb train` read them
+        ids, labels, positions = next_inputs()
+        batch = expected.batch(1)
+        assert torch.equal(ids, batch.input_ids) and torch.equal(labels, batch.labels)
+        assert torch.equal(positions, position_ids_of(batch.doc_ids)) and int((positions == 0).sum()) >= 2
+    random_ids = us.step_inputs(us.parse_args(["--lengths", "64"]), 1000, 64, device="cpu")
+    ids, labels, positions = random_ids()
+    assert ids.shape == (1, 64) and labels is ids and positions is None and torch.equal(random_ids()[0], ids)
+
+
 def test_the_record_has_the_shape_of_the_other_benchmarks():
     args = us.parse_args(["--lengths", "16384,32768", "--out", "x.json"])
     rows = [{"system": "unsloth-qlora-r32", "seq_len": 16384, "step_s": 4.2, "peak_gpu_gib": 12.0},
