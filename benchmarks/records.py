@@ -114,7 +114,8 @@ def versus_unsloth(unsloth: dict, *oombs: dict) -> dict:
             if n not in theirs or step is None or not peaks:
                 continue
             them = theirs[n]
-            rows.append({"seq_len": n, "oomb_keys": oomb.get("keys"),
+            keys = " ".join(k for k in (oomb.get("keys"), ours.get("keys")) if k)  # every run's, then its variant's
+            rows.append({"seq_len": n, "oomb_keys": keys or None, "oomb_variant": ours.get("variant"),
                          "unsloth_step_s": them["step_s"], "unsloth_peak_gpu_gib": them["peak_gpu_gib"],
                          "oomb_step_s": step, "oomb_peak_gpu_gib": max(peaks),
                          "oomb_settings": {k: ours.get(k) for k in ("chunk_size", "cache_attention", "recompute",

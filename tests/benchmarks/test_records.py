@@ -105,7 +105,9 @@ def test_oomb_beside_unsloth_at_the_lengths_both_ran_on_one_machine():
 def test_versus_unsloth_takes_one_oomb_record_per_setting(tmp_path):
     unsloth, oomb = _unsloth_and_oomb()
     lean = dict(oomb, keys="lora.r=32 train.offload=true", results=[
-        {"seq_len": 65536, "warm_step_s": 14.0, "steps": [{"peak_gpu_gib": 19.0}]}])
+        {"seq_len": 65536, "warm_step_s": 14.0, "steps": [{"peak_gpu_gib": 19.0}]},
+        {"seq_len": 65536, "variant": "layer-host", "keys": "train.recompute=layer-host", "warm_step_s": 12.0,
+         "steps": [{"peak_gpu_gib": 19.5}]}])
     paths = []
     for name, body in (("u", unsloth), ("fast", oomb), ("lean", lean)):
         paths.append(tmp_path / f"{name}.json")
@@ -114,8 +116,9 @@ def test_versus_unsloth_takes_one_oomb_record_per_setting(tmp_path):
     assert records.main(["versus-unsloth", str(paths[0]), "--oomb", str(paths[1]), "--oomb", str(paths[2]),
                          "--command", "bash benchmarks/h200.sh ...", "--out", str(out)]) == 0
     got = json.loads(out.read_text())
-    assert [(r["seq_len"], r["oomb_keys"]) for r in got["rows"]] == [
-        (16384, "lora.r=32"), (65536, "lora.r=32"), (65536, "lora.r=32 train.offload=true")]
+    assert [(r["seq_len"], r["oomb_keys"], r["oomb_variant"]) for r in got["rows"]] == [
+        (16384, "lora.r=32", None), (65536, "lora.r=32", None), (65536, "lora.r=32 train.offload=true", None),
+        (65536, "lora.r=32 train.offload=true train.recompute=layer-host", "layer-host")]  # a variant's keys added
     assert got["rows"][2]["peak_ratio"] == 0.95 and got["oomb_keys"] == ["lora.r=32", "lora.r=32 train.offload=true"]
     assert got["date"] == "2026-12-07" and got["machine"] == unsloth["machine"]
     assert records.main(["versus-unsloth", str(paths[0]), "--command", "x", "--out", str(out)]) == 2  # no --oomb
