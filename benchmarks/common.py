@@ -241,3 +241,26 @@ def do_bench_s(fn, grad_to_none=None) -> float:
     fn()
     torch.cuda.synchronize()
     return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median") / 1e3
+
+
+def pages_moved_by_kind(store, config) -> dict | None:
+    """An offloaded store's last step of host<->GPU page traffic summed over its sliding layers and its full ones
+    (``store.moved_bytes_by_layer``; None for a store on the GPU): {kind: {"layers", "to_device_gib", "to_host_gib",
+    "per_layer_gib"}}. A sliding layer moves its window's pages, a full one its whole past."""
+    from oomb.engine.sizes import config_windows
+
+    by_layer = getattr(store, "moved_bytes_by_layer", None)
+    if by_layer is None:
+        return None
+    windows = config_windows(config) or (None,) * config.num_hidden_layers
+    out: dict[str, dict] = {}
+    for layer, window in enumerate(windows):
+        kind = "window" if window else "full"
+        moved = by_layer.get(layer, {"to_device": 0, "to_host": 0})
+        entry = out.setdefault(kind, {"layers": 0, "to_device_gib": 0.0, "to_host_gib": 0.0})
+        entry["layers"] += 1
+        entry["to_device_gib"] += moved["to_device"] / 2**30
+        entry["to_host_gib"] += moved["to_host"] / 2**30
+    for entry in out.values():
+        entry["per_layer_gib"] = (entry["to_device_gib"] + entry["to_host_gib"]) / entry["layers"]
+    return out

@@ -47,6 +47,7 @@ from benchmarks.common import (
     int_list,
     library_versions,
     machine_description,
+    pages_moved_by_kind,
     run_benchmark,
     set_trainable,
     time_steps,
@@ -381,6 +382,7 @@ def run(args) -> dict:
                 "options": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in options.items()},
                 "store_gib": store_for_model(model).nbytes() / 2**30,
                 "store_bytes_per_token": store_for_model(model).spec.bytes_per_token(),
+                "pages_moved": pages_moved_by_kind(store_for_model(model), model.config),
                 "params_plus_grads_gib": (param_bytes + grad_bytes) / 2**30,
                 **fused_record, "tiles": args.tiles, "gpu_clocks": clocks.summary(), **profile,
             })

@@ -196,6 +196,15 @@ job core-llama-3-8b-offload-64k "$C --preset llama-3-8b --lengths '' --cache-hos
 job core-llama-3-8b-offload-cached-64k "$C --preset llama-3-8b --lengths '' --offload-cache-host-lengths 65536 \
   --baseline-lengths 65536 --baseline-stacks fa4 --chunk 16384 --recompute layer-host --warm-each --repeats 2 --backend fa4"
 job core-llama-3-8b-lora-unfused-64k "$C $LORA64 --trainable lora-unfused"
+# A sliding layer's attention and page traffic against a full layer's, at 32K and 128K: one profiled step at each
+# with the pages and the attention cache in host memory (the record's profile.ranges: each kind's attention kernels,
+# by oomb's profiler ranges; pages_moved: each kind's copies). Gemma-3-12B (40 layers of 1024-token windows, 8 full)
+# with LoRA, GPT-OSS-20B (12 layers of 128-token windows, 12 full) with its attention weights trained.
+for m in "gemma-3-12b lora" "gpt-oss-20b attention"; do
+  read -r model trained <<< "$m"
+  job "core-$model-windows-profile" "$C --preset $model --trainable $trained --lengths '' --offload-cache-host-lengths 32768,131072 \
+    --chunk 16384 --recompute layer-host --warm-each --repeats 1 --backend fa4 --profile-lengths 32768,131072"
+done
 # packed: tokens per second on packed chat data at 4K, 16K and 32K, `oomb train` (its own settings, AdamW) against
 # the FA4 stack (packed by position_ids, fused AdamW) and Unsloth (its padding-free packing on the same sequences,
 # fused AdamW), full fine-tune and LoRA r=16 of Qwen2.5-7B; a job per length and variant. Unsloth's packages come
@@ -230,7 +239,8 @@ part models 'train-gpt-oss-20b-lora train-gpt-oss-20b-lora-sparse-512k core-gpt-
   core-llama-3-8b-all-profile-64k core-qwen3-8b-vs-transformers-64k core-granite-3.3-8b-vs-transformers-64k
   core-gemma-3-12b-vs-transformers-64k core-llama-3-8b-vs-transformers-128k core-qwen3-8b-vs-transformers-128k
   core-granite-3.3-8b-vs-transformers-128k core-gemma-3-12b-vs-transformers-128k core-llama-3-8b-lora-auto-64k
-  core-qwen3-8b-lora-auto-64k core-granite-3.3-8b-lora-auto-64k'
+  core-qwen3-8b-lora-auto-64k core-granite-3.3-8b-lora-auto-64k core-gemma-3-12b-windows-profile
+  core-gpt-oss-20b-windows-profile'
 
 # memory: GPU memory against context, 16K to 256K (where transformers runs out).
 job core-7b-memory "$C --lengths 16384,32768,65536,131072 --ckpt-lengths 65536 --hf-lengths 16384,32768 --fused-ops none"

@@ -111,7 +111,7 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
     if not spans:
         return {"wall_ms": 0.0, "compute_stream": None, "compute_busy_ms": 0.0, "compute_idle_ms": 0.0,
                 "streams": {}, "top_kernels": [], "kernel_groups": {}, "top_gaps": [],
-                "host_calls": _by_time(host_calls, top), "copies_by_op": []}
+                "host_calls": _by_time(host_calls, top), "copies_by_op": [], "ranges": {}}
     for stream, s in spans.items():
         per[stream]["busy_ms"] = _union_ms([(a, b) for a, b, _ in s])
         if groups[stream]:
@@ -142,7 +142,54 @@ def stream_summary(events: list[dict], top: int = 20) -> dict:
             # cudaDeviceSynchronize / cudaEventSynchronize (or a blocking cudaMemcpy); a host merely
             # slow does not (its time is in Python and in cudaLaunchKernel).
             "host_calls": _by_time(host_calls, top),
-            "copies_by_op": copies_by_op(events, top)}
+            "copies_by_op": copies_by_op(events, top), "ranges": gpu_ms_by_range(events)}
+
+
+def gpu_ms_by_range(events: list[dict], prefix: str = "oomb.") -> dict[str, dict]:
+    """GPU time of the kernels and copies queued inside each profiler range (``torch.profiler.record_function``)
+    whose name starts with ``prefix``: {name: {"ms", "gpu_ops", "ranges"}}, most time first. A kernel counts for
+    the innermost such range around the host call that queued it (matched by correlation id, as
+    ``copies_by_op`` does): oomb names its attention calls by what a layer attends (oomb.attention.forward.window,
+    .full, .sparse; oomb/attention/function.py), so a sliding layer's cost shows beside a full one's. Needs the
+    host's events (ProfilerActivity.CPU)."""
+    gpu = [ev for ev in events if ev.get("ph") == "X" and (ev.get("cat") == _KERNEL or ev.get("cat") in _COPIES)]
+    wanted = {ev.get("args", {}).get("correlation") for ev in gpu} - {None}
+    calls: dict[tuple, list[tuple[float, int]]] = defaultdict(list)  # thread -> (ts, correlation) of its calls
+    ranges: dict[tuple, list[tuple[float, float, str]]] = defaultdict(list)
+    counts: dict[str, int] = defaultdict(int)
+    for ev in events:
+        if ev.get("ph") != "X":
+            continue
+        key, ts = (ev.get("pid"), ev.get("tid")), float(ev.get("ts", 0.0))
+        if ev.get("cat") in _HOST_CALLS and ev.get("args", {}).get("correlation") in wanted:
+            calls[key].append((ts, ev["args"]["correlation"]))
+        elif ev.get("cat") == "user_annotation" and ev.get("name", "").startswith(prefix):
+            ranges[key].append((ts, ts + float(ev.get("dur", 0.0)), ev["name"]))
+            counts[ev["name"]] += 1
+    inside: dict[int, str] = {}  # correlation -> the innermost range around its call
+    for key, queued in calls.items():
+        spans = sorted(ranges.get(key, []), key=lambda r: (r[0], -r[1]))
+        stack: list[tuple[float, float, str]] = []
+        i = 0
+        for ts, corr in sorted(queued):
+            while i < len(spans) and spans[i][0] <= ts:
+                while stack and stack[-1][1] < spans[i][0]:  # ranges on one thread nest: closed ones leave
+                    stack.pop()
+                stack.append(spans[i])
+                i += 1
+            while stack and stack[-1][1] < ts:
+                stack.pop()
+            around = [r for r in stack if r[0] <= ts <= r[1]]
+            if around:
+                inside[corr] = around[-1][2]
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in gpu:
+        name = inside.get(ev.get("args", {}).get("correlation"))
+        if name is not None:
+            totals[name][0] += float(ev.get("dur", 0.0)) / 1e3
+            totals[name][1] += 1
+    return {name: {"ms": ms, "gpu_ops": n, "ranges": counts[name]}
+            for name, (ms, n) in sorted(totals.items(), key=lambda t: -t[1][0])}
 
 
 def copies_by_op(events: list[dict], top: int = 20) -> list[tuple[str, str, str, float, int]]:
@@ -241,12 +288,13 @@ def step_profile(fn: Callable[[], object], top: int = 25, host: bool = True) -> 
     s = profile_streams(fn, host=host)
     return {"wall_ms": s["wall_ms"], "compute_busy_ms": s["compute_busy_ms"], "compute_idle_ms": s["compute_idle_ms"],
             "kernel_groups": s["kernel_groups"], "top_kernels": s["top_kernels"][:top],
-            "host_calls": s["host_calls"][:10]}
+            "host_calls": s["host_calls"][:10], "ranges": s["ranges"]}
 
 
 def format_profile(profile: dict) -> str:
     """One line: wall, idle and each kernel group's milliseconds."""
     groups = ", ".join(f"{g} {v['ms']:.0f}" for g, v in profile["kernel_groups"].items())
+    ranges = ", ".join(f"{r} {v['ms']:.0f}" for r, v in profile.get("ranges", {}).items())
     return (f"profiled step {profile['wall_ms']:.0f} ms, GPU idle {profile['compute_idle_ms']:.0f} ms; "
-            f"kernels (ms): {groups}")
+            f"kernels (ms): {groups}" + (f"; ranges (ms): {ranges}" if ranges else ""))
 

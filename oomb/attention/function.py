@@ -42,6 +42,14 @@ def visibility(step: StepContext, layer_idx: int, q: torch.Tensor, sliding_windo
     return kwargs
 
 
+def profiler_range(direction: str, sliding_window: int | None, vis: dict):
+    """A torch.profiler range around a layer's attention kernels, named by what the layer attends: e.g.
+    ``oomb.attention.forward.window`` (a sliding layer), ``.full`` or ``.sparse`` (its chosen pages). A profile
+    groups the kernels by it (benchmarks/timeline.py): a sliding layer's cost against a full one's."""
+    kind = "window" if sliding_window is not None else "sparse" if "page_select" in vis else "full"
+    return torch.profiler.record_function(f"oomb.attention.{direction}.{kind}")
+
+
 def _attend(step: StepContext, layer_idx: int, q, k, v, sinks, scale, sliding_window):
     """Fetch the layer's working set, write the chunk's K/V, attend; returns (out, lse, vis)."""
     store = step.store
@@ -52,10 +60,11 @@ def _attend(step: StepContext, layer_idx: int, q, k, v, sinks, scale, sliding_wi
     rebuilt = step.by_layer and step.stage == "recompute"
     pools, table = store.fetch(layer_idx, past, grads=rebuilt)
     store.write(layer_idx, k, v)
-    out, lse = step.backend.forward(
-        q, pools.k, pools.v, table, store.num_tokens,
-        scale=scale, sliding_window=sliding_window, sinks=sinks, **vis,
-    )
+    with profiler_range("forward", sliding_window, vis):
+        out, lse = step.backend.forward(
+            q, pools.k, pools.v, table, store.num_tokens,
+            scale=scale, sliding_window=sliding_window, sinks=sinks, **vis,
+        )
     store.writeback(layer_idx, grads=False)
     if rebuilt:
         return out, lse, vis  # no next layer's forward follows: this layer's backward prefetches the one before
@@ -98,11 +107,12 @@ class PagedAttention(torch.autograd.Function):
         pools, table = store.fetch(layer_idx, step.page_lists.past_pages(store, layer_idx)[1], grads=True)
         # d_out as autograd hands it ([B, H, C, D], a view of the [B, C, H, D] gradient of the layer's output): every
         # backend reads strided rows, and FA4 wants exactly that layout, so a copy here would be one more pass
-        dq, d_sinks = step.backend.backward(
-            d_out, q, out, lse, pools.k, pools.v, pools.dk, pools.dv,
-            table, ctx.kv_len,
-            scale=ctx.scale, sliding_window=ctx.sliding_window, sinks=sinks, **ctx.vis,
-        )
+        with profiler_range("backward", ctx.sliding_window, ctx.vis):
+            dq, d_sinks = step.backend.backward(
+                d_out, q, out, lse, pools.k, pools.v, pools.dk, pools.dv,
+                table, ctx.kv_len,
+                scale=ctx.scale, sliding_window=ctx.sliding_window, sinks=sinks, **ctx.vis,
+            )
         dk, dv = store.read_grad(layer_idx, ctx.record)
         store.writeback(layer_idx, grads=True)
         known, pages = step.page_lists.past_pages(store, layer_idx - 1)

@@ -32,11 +32,10 @@ stream and are ordered with events:
     copy:                       wait free(l-1), K/V(l+1) host->slot -[ready(l+1)]-^
                                 chunk K/V(l-1) or dK/dV(l-1) slot->host
 
-A page list made on the compute stream (a sparse layer's selection in stage 1, a window's
-range) is read by the copy kernel on the copy stream: the copy stream first waits for the
-compute stream's point where the list was handed over, and the list's memory is kept from reuse
-until the copies that read it ran (``PastPages.hand_to_stream``, oomb/cache/page_lists.py). A
-slot remembers which list it holds by the list's serial, never by its address.
+A page list made on the compute stream (a sparse layer's selection in stage 1, a window's range) is read by the copy
+kernel on the copy stream: the copy stream first waits for the compute stream's point where the list was handed over,
+and the list's memory is kept from reuse until the copies that read it ran (``PastPages.hand_to_stream``,
+oomb/cache/page_lists.py). A slot remembers which list it holds by the list's serial, never by its address.
 
 Without CUDA (tests) every copy is synchronous and the same code runs. Gradients are bit-identical to the
 device-resident store: the kernels see the same values in the same order, only at other addresses.
@@ -75,9 +74,8 @@ class OffloadedKVStore(ChunkLedger):
             raise ValueError(f"gpu_bytes must be >= 0, got {gpu_bytes}")
         self.gpu_bytes = gpu_bytes  # device allowance for whole layers' pages, applied by reserve()
         self.resident_layers = 0  # layers 0 .. resident_layers-1 live on the device
-        # Bytes copied between host and device since the last reserve() (one step): a measure of the
-        # PCIe traffic, for benchmarks and the transfer-volume trade-offs of docs/offload.md.
-        self.moved_bytes = {"to_device": 0, "to_host": 0}
+        # Bytes copied between host and device since the last reserve() (one step), in all and per layer (``_moved``).
+        self.moved_bytes, self.moved_bytes_by_layer = {"to_device": 0, "to_host": 0}, {}
         self._dev: dict[str, torch.Tensor] = {}  # kind -> [resident_layers, B, max_pages, H_kv, P, D] (mean: no P)
         self._cuda = spec.device.type == "cuda"
         # High priority: the copy kernel (sparse pages) needs multiprocessors; at normal priority its blocks queue
@@ -153,7 +151,7 @@ class OffloadedKVStore(ChunkLedger):
         rows = torch.arange(batch_size, device=s.device, dtype=torch.int32).view(-1, 1) * self._max_pages
         self.page_table = rows + torch.arange(self._max_pages, device=s.device, dtype=torch.int32)
         self.num_tokens = 0
-        self.moved_bytes = {"to_device": 0, "to_host": 0}
+        self.moved_bytes, self.moved_bytes_by_layer = {"to_device": 0, "to_host": 0}, {}
         for slot in self._slots:
             slot.key = slot.mean_key = None
 
@@ -241,7 +239,7 @@ class OffloadedKVStore(ChunkLedger):
         self._sync()
         self._ensure_mean(slot)
         n = record.first_page
-        self.moved_bytes["to_device"] += slot.mean[:, :n].numel() * slot.mean.element_size()
+        self._moved(layer_idx, "to_device", slot.mean[:, :n].numel() * slot.mean.element_size())
         with self._on_copy_stream(wait=slot.free):
             slot.mean[:, :n].copy_(self._host.home("mean", layer_idx)[:, :n], non_blocking=self._cuda)
             if self._cuda:
@@ -300,7 +298,7 @@ class OffloadedKVStore(ChunkLedger):
             page = self._page_nbytes()
             if not grads:
                 c0, n = record.first_page, record.num_pages
-                self.moved_bytes["to_host"] += 2 * self.batch_size * n * page
+                self._moved(layer_idx, "to_host", 2 * self.batch_size * n * page)
                 for kind in ("k", "v"):
                     self._host.write_pages(kind, layer_idx, view[kind], slot.num_past, c0, n, **self._copy_args())
                 self._host.home("mean", layer_idx)[:, c0 : c0 + n].copy_(slot.mean[:, c0 : c0 + n],
@@ -308,7 +306,7 @@ class OffloadedKVStore(ChunkLedger):
             elif slot.num_past:
                 if slot.past is not None and self._cuda:
                     slot.past.hand_to_stream(self._copy_stream)
-                self.moved_bytes["to_host"] += 2 * self.batch_size * slot.num_past * page
+                self._moved(layer_idx, "to_host", 2 * self.batch_size * slot.num_past * page)
                 past_rows = self._host.past_rows(layer_idx, slot.past, slot.num_past)
                 for kind in ("dk", "dv"):
                     self._host.write_past(kind, layer_idx, view[kind], past_rows, slot.past, slot.num_past,
@@ -363,7 +361,7 @@ class OffloadedKVStore(ChunkLedger):
             made.record(torch.cuda.current_stream(s.device))
             for t in tiles.values():
                 t.record_stream(self._copy_stream)  # kept from reuse until the copy ran
-        self.moved_bytes["to_host"] += 2 * b * n * self._page_nbytes()
+        self._moved(layer_idx, "to_host", 2 * b * n * self._page_nbytes())
         with self._on_copy_stream(wait=made):
             for kind, t in tiles.items():
                 self._host.write_pages(kind, layer_idx, t.view(b, n, *t.shape[1:]), 0, record.first_page, n,
@@ -395,6 +393,11 @@ class OffloadedKVStore(ChunkLedger):
         """Bytes of one page of one kind of one layer: the mean of K's and V's (gradients counted at that size)."""
         s = self.spec
         return s.num_kv_heads * s.page_size * (s.shape.key_dim + s.shape.value_dim) // 2 * s.dtype.itemsize
+
+    def _moved(self, layer_idx: int, direction: str, nbytes: int) -> None:
+        """Count a copy: the step's PCIe traffic (docs/offload.md), per layer too (a sliding layer's: its window's)."""
+        self.moved_bytes[direction] += nbytes
+        self.moved_bytes_by_layer.setdefault(layer_idx, {"to_device": 0, "to_host": 0})[direction] += nbytes
 
     def _dev_pools(self, layer_idx: int) -> dict[str, torch.Tensor]:
         s = self.spec
@@ -449,9 +452,8 @@ class OffloadedKVStore(ChunkLedger):
         slot.key, slot.num_past, slot.rows = key, num_past, rows
 
         kinds = KINDS if grads else ("k", "v")
-        self.moved_bytes["to_device"] += len(kinds) * b * num_past * self._page_nbytes()
-        if grads:
-            self.moved_bytes["to_device"] += len(kinds) * b * record.num_pages * self._page_nbytes()
+        pages = num_past + (record.num_pages if grads else 0)  # the chunk's own gradient pages come too
+        self._moved(layer_idx, "to_device", len(kinds) * b * pages * self._page_nbytes())
         if slot.past is not None and self._cuda:
             slot.past.hand_to_stream(self._copy_stream)  # before the copies below read it
         with self._on_copy_stream(wait=slot.free):

@@ -87,3 +87,58 @@ def test_copies_are_attributed_to_the_op_and_oomb_frame_that_queued_them():
         ("Memcpy HtoD (Pageable -> Device)", "aten::add", "?"): (0.008, 1),
         ("Memcpy DtoD (Device -> Device)", "?", "?"): (0.001, 1),
     }
+
+
+def test_gpu_time_goes_to_the_innermost_oomb_range_around_its_launch():
+    def span(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
+
+    events = [
+        span("user_annotation", "oomb.attention.forward.window", 0, 100),
+        span("cuda_driver", "cuLaunchKernel", 10, 5, correlation=1),
+        span("user_annotation", "oomb.attention.forward.full", 200, 100),
+        span("user_annotation", "oomb.inner", 210, 20),  # nested: its launch counts for it alone
+        span("cuda_runtime", "cudaLaunchKernel", 215, 2, correlation=2),
+        span("cuda_runtime", "cudaLaunchKernel", 250, 2, correlation=3),
+        span("cuda_runtime", "cudaMemcpyAsync", 260, 2, correlation=4),
+        span("user_annotation", "ProfilerStep#1", 300, 50),  # not oomb's
+        span("cuda_runtime", "cudaLaunchKernel", 310, 2, correlation=5),
+        span("user_annotation", "oomb.attention.forward.window", 400, 100, tid=2),  # another thread's range
+        span("cuda_runtime", "cudaLaunchKernel", 450, 2, tid=2, correlation=6),
+        span("kernel", "k1", 20, 30, stream=7, correlation=1),
+        span("kernel", "k2", 220, 40, stream=7, correlation=2),
+        span("kernel", "k3", 260, 50, stream=7, correlation=3),
+        span("gpu_memcpy", "Memcpy HtoD", 262, 8, stream=8, correlation=4),
+        span("kernel", "k5", 320, 60, stream=7, correlation=5),
+        span("kernel", "k6", 460, 10, stream=7, correlation=6),
+    ]
+    assert stream_summary(events)["ranges"] == {
+        "oomb.attention.forward.full": {"ms": 0.058, "gpu_ops": 2, "ranges": 1},
+        "oomb.inner": {"ms": 0.04, "gpu_ops": 1, "ranges": 1},
+        "oomb.attention.forward.window": {"ms": 0.04, "gpu_ops": 2, "ranges": 2},
+    }
+
+
+def test_oomb_names_each_layer_s_attention_by_what_it_attends():
+    # On CPU (no kernels) the ranges themselves: a GPT-OSS model alternates sliding and full layers, and a
+    # page-sparse step names its full layers' calls sparse.
+    import torch
+    from tiny_models import VOCAB, tiny_model
+
+    import oomb
+    from oomb.sparse import PageSelection
+
+    model = tiny_model("gpt_oss", sliding_window=9)
+    ids = torch.randint(0, VOCAB, (1, 96))  # 3 chunks: stage 1 runs chunks 0 and 1, stage 2 chunks 2, 1, 0
+    per_kind = model.config.num_hidden_layers // 2  # the layers alternate sliding and full
+    dense = {"window": (5, 3), "full": (5, 3)}  # (forward calls, backward calls) per layer of the kind
+    sparse = {"window": (5, 3), "sparse": (3, 2), "full": (2, 1)}  # the first chunk has no past to choose from
+    for selection, calls in ((None, dense), (PageSelection(page_budget=2, block=16, sink_pages=1), sparse)):
+        oomb.chunked_backward(model, ids, chunk_size=32, page_size=4, selection=selection)  # the first step's probes
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            oomb.chunked_backward(model, ids, chunk_size=32, page_size=4, selection=selection)
+        names = [e.name for e in prof.events() if e.name.startswith("oomb.attention.")]
+        for kind, (forward, backward) in calls.items():
+            assert names.count(f"oomb.attention.forward.{kind}") == forward * per_kind, kind
+            assert names.count(f"oomb.attention.backward.{kind}") == backward * per_kind, kind
+        assert len(names) == 8 * 2 * per_kind

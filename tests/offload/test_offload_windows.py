@@ -93,6 +93,29 @@ def test_a_sliding_layers_page_traffic_grows_with_its_window_not_the_past():
     assert moved("llama", 8 * CHUNK) / moved("llama", 4 * CHUNK) > 3
 
 
+def test_each_layers_traffic_is_counted_and_grouped_by_what_it_attends():
+    # GPT-OSS alternates sliding and full layers: per layer, the sliding ones' traffic grows with the chunks (its
+    # window's pages each), the full ones' with the past; the per-layer counts add up to the step's.
+    from benchmarks.common import pages_moved_by_kind
+
+    def moved(tokens):
+        model = tiny_model("gpt_oss", sliding_window=WINDOW)
+        _step(model, torch.randint(0, VOCAB, (1, tokens)), offload=True)
+        store = store_for_model(model)
+        for direction in ("to_device", "to_host"):
+            assert sum(m[direction] for m in store.moved_bytes_by_layer.values()) == store.moved_bytes[direction]
+        return pages_moved_by_kind(store, model.config)
+
+    short, long = moved(4 * CHUNK), moved(8 * CHUNK)
+    assert {k: v["layers"] for k, v in long.items()} == {"window": 1, "full": 1}
+    assert long["window"]["per_layer_gib"] < long["full"]["per_layer_gib"]
+    assert long["window"]["to_device_gib"] / short["window"]["to_device_gib"] < 2.2  # 8 chunks against 4
+    assert long["full"]["to_device_gib"] / short["full"]["to_device_gib"] > 3
+    device_model = tiny_model("gpt_oss", sliding_window=WINDOW)
+    _step(device_model, torch.randint(0, VOCAB, (1, 64)))
+    assert pages_moved_by_kind(store_for_model(device_model), device_model.config) is None  # no copies to count
+
+
 def test_rows_run_out_where_chunks_outgrow_the_reservation():
     model = tiny_model("mistral", sliding_window=WINDOW)
     _step(model, torch.randint(0, VOCAB, (1, 64)), offload=True)
