@@ -35,6 +35,7 @@ def chunked_backward(
     attention_mask: torch.Tensor | None = None,
     loss_divisor: float | None = None,
     before_last_backward: Callable[[], None] | None = None,
+    on_chunk: Callable[[str, int, int], None] | None = None,
     options: StepOptions | None = None,
     **step_keywords: Unpack[StepKeywords],
 ) -> torch.Tensor:
@@ -86,6 +87,9 @@ def chunked_backward(
         before_last_backward: called once, just before the backward of the step's last chunk
             (c_0, stage 2's final backward): data parallel training turns gradient
             reduction on there, so gradients cross the network once per step, not per chunk.
+        on_chunk: called as each chunk starts with (stage, i, n): "fill" (stage 1) or "backward" (stage 2), the
+            chunk's place in its stage (1 = the stage's first; stage 2 runs the newest chunk first) and the
+            stage's number of chunks: the progress of a step of minutes (`oomb train`'s progress line).
         options: the settings from ``chunk_size`` to ``cache_attention`` as one
             ``oomb.engine.StepOptions`` (then leave those keywords at their defaults). The same
             object given to ``locate_nonfinite`` and ``chunked_eval`` runs them like this step.
@@ -129,7 +133,10 @@ def chunked_backward(
             # chunk, keeping each layer's input).
             step.stage = "fill"
             with torch.no_grad():
-                for start, end in bounds if by_layer else bounds[:-1]:
+                filled = bounds if by_layer else bounds[:-1]
+                for i, (start, end) in enumerate(filled, 1):
+                    if on_chunk is not None:
+                        on_chunk("fill", i, len(filled))
                     store.append_chunk(end - start)
                     if by_layer:
                         replay.begin_chunk("fill", start, end)
@@ -140,7 +147,9 @@ def chunked_backward(
             if not by_layer:
                 store.append_chunk(bounds[-1][1] - bounds[-1][0])
             first_layer = model.config.num_hidden_layers - 1 if by_layer else 0  # the first whose attention is read
-            for (start, end), count in zip(reversed(bounds), reversed(counts), strict=True):
+            for i, ((start, end), count) in enumerate(zip(reversed(bounds), reversed(counts), strict=True), 1):
+                if on_chunk is not None:
+                    on_chunk("backward", i, len(bounds))
                 if by_layer:
                     replay.begin_chunk("recompute", start, end)
                 if isinstance(step.attention_outputs, HostAttentionCache):

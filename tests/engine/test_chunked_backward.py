@@ -68,6 +68,25 @@ def test_labels_with_ignored_positions():
     _assert_same_training(model, ids, labels, chunk_size=32, page_size=8)
 
 
+@pytest.mark.parametrize("recompute", ["chunk", "layer"])
+def test_on_chunk_tells_each_chunk_s_start_in_step_order(recompute):
+    # 3 chunks (the last ragged): stage 1 fills all but the last (recompute=layer: all, keeping each layer's input),
+    # stage 2 runs them newest first; each call comes before its chunk's work, so it sees the store without it.
+    model = tiny_model("llama")
+    store_pages = []
+
+    def seen(stage, i, n):
+        calls.append((stage, i, n))
+        store_pages.append(store_for_model(model).num_tokens)
+
+    calls = []
+    oomb.chunked_backward(model, torch.randint(0, VOCAB, (1, 40)), chunk_size=16, page_size=4, recompute=recompute,
+                          on_chunk=seen)
+    filled = 3 if recompute == "layer" else 2
+    assert calls == [("fill", i, filled) for i in range(1, filled + 1)] + [("backward", i, 3) for i in (1, 2, 3)]
+    assert store_pages[:filled] == [0, 16, 32][:filled]  # before each fill chunk's pages were added
+
+
 def test_gradients_accumulate_like_backward():
     model = tiny_model("llama")
     ids = torch.randint(0, VOCAB, (1, 70))

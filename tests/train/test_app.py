@@ -133,6 +133,25 @@ def test_monitoring_files_hold_the_logged_values(tmp_path):
     assert rss == pytest.approx([r["host_rss_gib"] for r in records], rel=1e-6)
 
 
+def test_the_chunk_log_has_each_chunk_s_start_in_step_order(tmp_path):
+    # 256 tokens in chunks of 128: stage 1 fills the first, stage 2 runs both (newest first); with grad_accum=2 each
+    # batch of the step in turn. The plain run writes no chunk log.
+    run = tmp_path / "run"
+    assert main(["train", f"out_dir={run}", "train.steps=2", "train.grad_accum=2", "train.log_chunks=true",
+                 "train.export=false", *FAST]) == 0
+    lines = [json.loads(line) for line in (run / "chunks.jsonl").read_text().splitlines()]
+    order = [("fill", 1, 1), ("backward", 1, 2), ("backward", 2, 2)]
+    assert [(r["step"], r["batch"], r["stage"], r["chunk"], r["of"]) for r in lines] == [
+        (step, batch, *chunk) for step in (1, 2) for batch in (1, 2) for chunk in order]
+    for step in (1, 2):
+        seconds = [r["seconds"] for r in lines if r["step"] == step]
+        assert seconds == sorted(seconds) and seconds[-1] < _metrics(run)[step - 1]["seconds"]
+    assert "peak_gpu_gib" not in lines[0]  # a CPU run has no GPU peak to report
+    plain = tmp_path / "plain"
+    assert main(["train", f"out_dir={plain}", "train.steps=1", "train.export=false", *FAST]) == 0
+    assert not (plain / "chunks.jsonl").exists()
+
+
 def test_8bit_optimizer_trains_and_resumes_exactly(tmp_path):
     pytest.importorskip("bitsandbytes")
     run = tmp_path / "run"

@@ -280,8 +280,8 @@ def test_a_skipped_nonfinite_step_leaves_the_masters(runs, tmp_path, monkeypatch
     real = trainer._forward_backward
     calls = [0]
 
-    def poisoned(run, batches):
-        loss, norm = real(run, batches)
+    def poisoned(run, batches, on_chunk=None):
+        loss, norm = real(run, batches, on_chunk)
         calls[0] += 1
         if calls[0] == 3:
             run.params[0].grad.view(-1)[0] = float("nan")

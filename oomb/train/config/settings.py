@@ -187,6 +187,10 @@ class TrainConfig:
     """Where each step's metrics go: jsonl (<out_dir>/metrics.jsonl, always written: resume and the plot read it),
     tensorboard (<out_dir>/tensorboard) and wandb (a Weights & Biases run, `pip install 'oomb[wandb]'`; its id is kept
     in <out_dir>/wandb-run.json, so a resumed run continues it; WANDB_MODE=offline writes it under <out_dir>/wandb)."""
+    log_chunks: bool = False
+    """Write <out_dir>/chunks.jsonl: each chunk's start in each step (its stage, place, the seconds since the step began
+    and the GPU memory peak so far), read after the GPU ran what came before it (one sync a chunk): a long step's
+    chunk times, and how far a step that never ended got."""
     val_every: int = 0
     """Validation loss every N steps and after the last; 0 = after the last where held-out data is given, else never."""
     val_batches: int = 4

@@ -23,9 +23,10 @@ from oomb.train.loop.distributed import DistributedContext
 __all__ = ["accumulate_gradients", "clip_gradients", "gradient_norm", "tensor_parallel_norm"]
 
 
-def accumulate_gradients(model, batches, ctx: DistributedContext, cfg: Config) -> torch.Tensor:
+def accumulate_gradients(model, batches, ctx: DistributedContext, cfg: Config, on_chunk=None) -> torch.Tensor:
     """Gradients of the mean loss over every target token of ``batches`` (run one after another) into ``.grad``;
-    returns that mean loss (the same on every rank)."""
+    returns that mean loss (the same on every rank). ``on_chunk(batch, stage, i, n)``: as each chunk of a batch
+    starts (``chunked_backward``'s on_chunk, with the batch's index among those run)."""
     counts = [int((b.labels[:, 1:] != -100).sum()) for b in batches]  # the shifted targets
     sharded = ctx.data_parallel > 1  # FSDP2: every rank runs the same collectives, so every batch runs
     if sharded:
@@ -49,6 +50,7 @@ def accumulate_gradients(model, batches, ctx: DistributedContext, cfg: Config) -
                 model, batch.input_ids.to(ctx.device), batch.labels.to(ctx.device), doc_ids=doc_ids,
                 options=options, loss_divisor=divisor,
                 before_last_backward=(lambda: _gradient_sync(model, True)) if last else None,
+                on_chunk=None if on_chunk is None else (lambda stage, i, n, m=m: on_chunk(m, stage, i, n)),
             )
     finally:
         if sharded:

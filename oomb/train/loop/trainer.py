@@ -34,6 +34,7 @@ from oomb.train.data.inputs import build_inputs, model_config, pin_run_inputs, p
 from oomb.train.eval.retrieval_report import final_retrieval
 from oomb.train.eval.validation import build_validation, validate_if_due
 from oomb.train.loop import distributed
+from oomb.train.loop.chunk_progress import ChunkProgress
 from oomb.train.loop.distributed import DistributedContext
 from oomb.train.loop.faults import (
     RunStopped,
@@ -55,6 +56,7 @@ from oomb.train.loop.schedule import build_scheduler, continue_schedule, keep_st
 from oomb.train.runfolder.checkpoint import CheckpointError, checkpoint_state, load_checkpoint, rng_state, set_rng_state
 from oomb.train.runfolder.inputs_record import InputsCheck, check_inputs
 from oomb.train.runfolder.rundir import (
+    CHUNKS,
     METRICS,
     MetricsLog,
     check_paths,
@@ -317,17 +319,23 @@ def _train_steps(run: Run, console: Console, main_rank: bool, reports: Reports) 
         TextColumn("step {task.completed}/{task.total}"), BarColumn(),
         TextColumn("loss {task.fields[loss]}{task.fields[val]}"), TextColumn("{task.fields[tps]} tok/s"),
         TextColumn("{task.fields[memory]}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+        TextColumn("{task.fields[chunk]}"),  # where a long step is (oomb.train.loop.chunk_progress)
     ]
     metrics = MetricsLog(run.out / METRICS if main_rank else None)
     reports.start_tensorboard(resumed_after=run.start if cfg.resume is not None else None)
     stop = StopRequest().install(run.model, at_chunks=not run.ctx.torchrun)  # torchrun: at step ends, ranks agreed
+    chunks = ChunkProgress(run.out / CHUNKS if cfg.train.log_chunks and main_rank else None, run.device)
     run.started = time.perf_counter()
     try:
         with Progress(*columns, console=console) as progress:
             bar = progress.add_task("train", total=cfg.train.steps, completed=run.start, loss="-", tps="-",
-                                    memory="", val="")  # "-" until a step has run here
+                                    memory="", val="", chunk="")  # "-" until a step has run here
+            chunks.show = lambda text: progress.update(bar, chunk=text)
             for step in range(run.start, cfg.train.steps):
-                record = _train_step(run, step, stop)
+                record = _train_step(run, step, stop, chunks)
+                if chunks.failed:
+                    console.print(f"warning: {chunks.failed}; the chunk log stops, the run goes on", highlight=False)
+                    chunks.failed = None
                 validate_if_due(run, step + 1, record)  # val_loss into the record when due
                 val = f", val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
                 try:
@@ -336,7 +344,7 @@ def _train_steps(run: Run, console: Console, main_rank: bool, reports: Reports) 
                     run.write_failed(f"{run.out / METRICS} (step {step + 1})", step + 1, e)
                 reports.log(record)  # TensorBoard, W&B: train.report_to
                 progress.update(bar, advance=1, loss=f"{run.loss_value:.4f}", tps=f"{record['tokens_per_s']:,.0f}",
-                                memory=_memory_text(record), **({"val": val} if val else {}))
+                                memory=_memory_text(record), chunk="", **({"val": val} if val else {}))
                 if not console.is_terminal and ((step + 1) % 10 == 0 or val):
                     console.print(f"step {step + 1}: loss {run.loss_value:.4f}{val}, "
                                   f"{record['tokens_per_s']:,.0f} tok/s")
@@ -348,9 +356,10 @@ def _train_steps(run: Run, console: Console, main_rank: bool, reports: Reports) 
     finally:
         stop.uninstall()
         metrics.close()
+        chunks.close()
 
 
-def _train_step(run: Run, step: int, stop: StopRequest) -> dict:
+def _train_step(run: Run, step: int, stop: StopRequest, chunks: ChunkProgress) -> dict:
     """One optimizer step (or a skipped one); returns its metrics record. Failures stop the run."""
     cfg, inputs, optimizer = run.cfg, run.inputs, run.optimizer
     data_before = inputs.state_dict()  # a dropped step's sequences are drawn again after a resume
@@ -361,7 +370,8 @@ def _train_step(run: Run, step: int, stop: StopRequest) -> dict:
     rng_before = rng_state()
     abandoned, out_of_memory = False, None
     try:
-        loss, grad_norm = _forward_backward(run, batches)
+        chunks.start(step + 1, len(batches))
+        loss, grad_norm = _forward_backward(run, batches, chunks)
     except StepAbandoned:
         abandoned = True
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
@@ -456,9 +466,9 @@ def _memory_text(record: dict) -> str:
     return memory
 
 
-def _forward_backward(run: Run, batches) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_backward(run: Run, batches, on_chunk=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's loss and the global gradient norm (not yet clipped); gradients land in ``.grad``."""
-    loss = accumulate_gradients(run.model, batches, run.ctx, run.cfg)
+    loss = accumulate_gradients(run.model, batches, run.ctx, run.cfg, on_chunk)
     return loss, gradient_norm(run.params, run.ctx)
 
 

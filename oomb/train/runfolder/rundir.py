@@ -51,10 +51,11 @@ from oomb.train.runfolder.runfiles import WANDB_DIR, RunPathError, check, check_
 LOCK = ".lock"
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
+CHUNKS = "chunks.jsonl"  # train.log_chunks: each chunk's start (oomb.train.loop.chunk_progress)
 ROLLED_BACK = "metrics.rolled-back.jsonl"
 # What a run killed before it wrote its config.json leaves: a folder holding only these takes a new run.
 UNSTARTED = (LOCK, INPUTS, INPUTS + ".tmp", CONFIG + ".tmp")
-IN_PLACE = (LOCK, METRICS, ROLLED_BACK)  # written in place, not replaced by a rename: no hard link may name them
+IN_PLACE = (LOCK, METRICS, ROLLED_BACK, CHUNKS)  # written in place, not renamed into place: no hard link may name them
 
 
 def run_dir_of(ckpt: Path) -> Path:
@@ -248,7 +249,7 @@ def remove_unstarted_run(out: Path, created: bool) -> str:
             return f"{out} is kept: it holds a trained step"
     except OSError:
         return f"{out} is kept"
-    for name in (CONFIG, CONFIG + ".tmp", INPUTS, INPUTS + ".tmp", METRICS, LOCK, WANDB_RUN):
+    for name in (CONFIG, CONFIG + ".tmp", INPUTS, INPUTS + ".tmp", METRICS, CHUNKS, LOCK, WANDB_RUN):
         try:
             (out / name).unlink(missing_ok=True)
         except OSError:
