@@ -103,16 +103,52 @@ def record_of(run: Path, log: Path, seq_len: int) -> dict:
     }
 
 
+def partial_step(lines: list[dict]) -> dict:
+    """How far the first step of a run's chunks.jsonl got (`train.log_chunks`: each chunk's start, after a sync) and
+    its time predicted from its measured chunks.
+
+    Stage 1's chunks are timed by the starts that follow them; a stage-2 chunk by the next start. Stage 2 runs the
+    newest chunk first, and a chunk's stage-2 time (recompute, backward) scales with its stage-1 time (both grow
+    with the past it attends): their ratio over the stage-2 chunks that finished, times every chunk's stage-1 time
+    (the last chunk's, which stage 1 skips with whole-chunk recompute, extrapolated from the two before it), is the
+    stage-2 estimate; the step's is stage 1 measured plus that. The peak is the process's GPU peak at the last
+    start: a step that finished a stage-2 chunk held its first chunk's backward, where the step peaks."""
+    first = [line for line in lines if line["step"] == lines[0]["step"] and line["batch"] == 1]
+    fill = [line for line in first if line["stage"] == "fill"]
+    back = [line for line in first if line["stage"] == "backward"]
+    starts = [line["seconds"] for line in first]
+    n_fill = fill[0]["of"] if fill else 0
+    n_back = back[0]["of"] if back else None
+    out = {"fill_chunks_started": len(fill), "fill_chunks": n_fill, "backward_chunks_started": len(back),
+           "backward_chunks": n_back, "seconds_reached": starts[-1] if starts else None,
+           "peak_gpu_gib": max((line.get("peak_gpu_gib") or 0.0 for line in first), default=None) or None}
+    if not back or len(fill) < n_fill:
+        return {**out, "stage1_s": None, "predicted_step_s": None}
+    stage1 = back[0]["seconds"]
+    fill_t = [b - a for a, b in zip([line["seconds"] for line in fill], [line["seconds"] for line in fill[1:]]
+                                    + [stage1], strict=True)]
+    back_t = [b["seconds"] - a["seconds"] for a, b in zip(back, back[1:], strict=False)]
+    if fill_t and n_fill < n_back:  # whole-chunk recompute: stage 1 skipped the newest chunk
+        fill_t.append(max(fill_t[-1], 2 * fill_t[-1] - fill_t[-2]) if len(fill_t) > 1 else fill_t[-1])
+    if not back_t or len(fill_t) != n_back:
+        return {**out, "stage1_s": stage1, "predicted_step_s": None}
+    ratio = sum(back_t) / sum(fill_t[n_back - 1 - i] for i in range(len(back_t)))  # newest first
+    return {**out, "stage1_s": stage1, "backward_chunk_s": back_t, "stage2_over_stage1": ratio,
+            "predicted_step_s": stage1 + ratio * sum(fill_t)}
+
+
 def run_length(preset: str, seq_len: int, steps: int, folder: Path, timeout: float,
-               variant: tuple[str, str] | None = None, keys_of_all: str = "") -> dict:
+               variant: tuple[str, str] | None = None, keys_of_all: str = "", log_chunks: bool = False) -> dict:
     """One `oomb train` process at ``seq_len``; ``variant``: (name, "KEY=VALUE ...") added to its command, after
-    ``keys_of_all`` (--keys: every run's)."""
+    ``keys_of_all`` (--keys: every run's). ``log_chunks``: with train.log_chunks, so a step the timeout cuts short
+    still says how far it got (``partial_step``)."""
     name, keys = variant if variant is not None else ("", "")
     run, log = folder / f"run{name}{seq_len}", folder / f"run{name}{seq_len}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "oomb.cli", "train", f"model.preset={preset}",
                                  f"data.seq_len={seq_len}", "train.steps=1000", "train.export=false",
-                                 f"out_dir={run}", *shlex.split(keys_of_all), *shlex.split(keys)],
+                                 f"out_dir={run}", *shlex.split(keys_of_all), *shlex.split(keys),
+                                 *(["train.log_chunks=true"] if log_chunks else [])],
                                 stdout=out, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout
         metrics = run / "metrics.jsonl"
@@ -122,11 +158,24 @@ def run_length(preset: str, seq_len: int, steps: int, folder: Path, timeout: flo
             time.sleep(1)
         proc.send_signal(signal.SIGKILL)  # no final checkpoint: what is measured is the steps
         proc.wait()
-    if (run / "metrics.jsonl").is_file():
-        row = record_of(run, log, seq_len)
-    else:  # refused or failed before its first step (e.g. a package missing): the record says why, the rest runs
-        row = {"seq_len": seq_len, "warm_step_s": None, "error": log.read_text().strip().splitlines()[-3:]}
+    row = row_of_run(run, log, seq_len)
     return row if variant is None else {"variant": name, "keys": keys, **row}
+
+
+def row_of_run(run: Path, log: Path, seq_len: int) -> dict:
+    """A length's row from its run folder and log: ``record_of`` where a step was logged; else the log's last lines
+    (refused, failed, or cut short before its first step ended) and, where its chunks.jsonl has lines, how far that
+    step got (``partial``) with the plan's prediction beside the peak it had reached."""
+    if (run / "metrics.jsonl").is_file():
+        return record_of(run, log, seq_len)
+    row = {"seq_len": seq_len, "warm_step_s": None, "error": log.read_text().strip().splitlines()[-3:]}
+    chunks = run / "chunks.jsonl"
+    lines = [json.loads(line) for line in chunks.read_text().splitlines() if line.strip()] if chunks.is_file() else []
+    if lines:
+        row["partial"] = partial_step(lines)
+        peak = row["partial"]["peak_gpu_gib"]
+        row.update(planned_against_measured(log.read_text(), [{"peak_gpu_gib": peak}] if peak else []))
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         for variant in variants if args.longest else []:
             keys = f"{args.keys} {variant[1] if variant else ''}"
             n = longest_planned(args.preset, keys)
-            rows.append({**run_length(args.preset, n, 1, folder, args.timeout, variant, args.keys), "longest": True}
+            rows.append({**run_length(args.preset, n, 1, folder, args.timeout, variant, args.keys, log_chunks=True),
+                         "longest": True}
                         if n else {"seq_len": None, "longest": True, "warm_step_s": None,
                                    "error": ["oomb plan gave no longest length"]})
         machine = machine_description()
@@ -179,8 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     for r in rows:
         warm = f"{r['warm_step_s']:.2f} s" if r["warm_step_s"] is not None else "not reached"
+        part = r.get("partial")
         what = (f"chunk {r['chunk_size']}, cache {r['cache_attention']}, step after the first {warm}"
-                if "error" not in r else f"failed: {' / '.join(r['error'])}")
+                if "error" not in r else
+                f"cut short after {part['seconds_reached']:.0f} s of its first step: stage 1 "
+                f"{part['fill_chunks_started']}/{part['fill_chunks']} chunks, stage 2 {part['backward_chunks_started']}"
+                f"/{part['backward_chunks']}, GPU peak {part['peak_gpu_gib']} GiB, predicted step "
+                f"{part['predicted_step_s'] and round(part['predicted_step_s'])} s" if part else
+                f"failed: {' / '.join(r['error'])}")
         print(f"{r.get('variant', ''):>8}{r['seq_len'] or '-':>9} tokens: {what}")
     return 0
 

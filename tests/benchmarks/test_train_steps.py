@@ -74,3 +74,61 @@ def test_the_longest_length_is_the_plan_s():
     n = longest_planned("tiny", cpu)
     assert isinstance(n, int) and n > 256
     assert longest_planned("tiny", f"{cpu} no.such.key=1") is None  # a refused config: no length, no crash
+
+
+def _chunk_lines(stages, peak=None):
+    """chunks.jsonl lines of step 1: (stage, i, n, seconds) each."""
+    return [{"step": 1, "batch": 1, "stage": st, "chunk": i, "of": n, "seconds": t,
+             **({"peak_gpu_gib": peak + k} if peak is not None else {})} for k, (st, i, n, t) in enumerate(stages)]
+
+
+def test_a_step_cut_short_is_predicted_from_its_measured_chunks():
+    from benchmarks.train_steps import partial_step
+
+    # 4 chunks, whole-chunk recompute: stage 1 fills chunks 0-2 (1, 2 and 3 s; the newest, skipped, extrapolated to
+    # 4 s); stage 2 ran chunk 3 in 12 s and chunk 2 in 9 s (3x their stage-1 times), then was killed in chunk 1.
+    lines = _chunk_lines([("fill", 1, 3, 0.0), ("fill", 2, 3, 1.0), ("fill", 3, 3, 3.0), ("backward", 1, 4, 6.0),
+                          ("backward", 2, 4, 18.0), ("backward", 3, 4, 27.0)], peak=50.0)
+    got = partial_step(lines)
+    assert (got["fill_chunks_started"], got["fill_chunks"], got["backward_chunks_started"], got["backward_chunks"]) == (
+        3, 3, 3, 4)
+    assert got["stage1_s"] == 6.0 and got["backward_chunk_s"] == [12.0, 9.0] and got["stage2_over_stage1"] == 3.0
+    assert got["predicted_step_s"] == 6.0 + 3.0 * (1 + 2 + 3 + 4) and got["peak_gpu_gib"] == 55.0
+    assert got["seconds_reached"] == 27.0
+    # recompute by layer: stage 1 runs every chunk, nothing to extrapolate
+    layer = partial_step(_chunk_lines([("fill", 1, 2, 0.0), ("fill", 2, 2, 2.0), ("backward", 1, 2, 5.0),
+                                       ("backward", 2, 2, 14.0)]))
+    assert layer["stage2_over_stage1"] == 3.0 and layer["predicted_step_s"] == 5.0 + 3.0 * (2 + 3)
+    assert layer["peak_gpu_gib"] is None  # a CPU run's lines carry no GPU peak
+    # killed in stage 1, or before a stage-2 chunk finished: how far, no prediction
+    early = partial_step(lines[:2])
+    assert early["predicted_step_s"] is None and early["stage1_s"] is None and early["backward_chunks"] is None
+    assert partial_step(lines[:4])["predicted_step_s"] is None and partial_step(lines[:4])["stage1_s"] == 6.0
+    # only the first step's first batch is read
+    later = _chunk_lines([("fill", 1, 3, 0.0)])
+    assert partial_step(lines + [{**later[0], "step": 2}])["predicted_step_s"] == 36.0
+
+
+def test_a_run_cut_short_keeps_how_far_its_step_got(tmp_path):
+    from benchmarks.train_steps import row_of_run
+
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    run.mkdir()
+    log.write_text("memory plan: GPU 60.00 GiB of 78.50 GiB, host 90.00 GiB of 120.00 GiB\nstep 0/1\n")
+    (run / "chunks.jsonl").write_text("".join(json.dumps(line) + "\n" for line in _chunk_lines(
+        [("fill", 1, 1, 0.0), ("backward", 1, 2, 4.0), ("backward", 2, 2, 16.0)], peak=57.0)))
+    row = row_of_run(run, log, 1 << 20)
+    assert row["warm_step_s"] is None and row["partial"]["predicted_step_s"] == 4.0 + 3.0 * (4 + 4)
+    assert row["planned_gpu_gib"] == 60.0 and row["planned_over_measured_peak"] == round(60 / 59.0, 4)
+    (run / "chunks.jsonl").unlink()
+    assert "partial" not in row_of_run(run, log, 1 << 20)  # refused before any chunk: the log's lines only
+
+
+def test_a_longest_run_logs_its_chunks(tmp_path):
+    from benchmarks.train_steps import run_length
+
+    cpu = "train.device=cpu train.page_size=64 train.chunk_size=128"
+    row = run_length("tiny", 256, 1, tmp_path, 120, ("c", cpu), log_chunks=True)
+    assert row["warm_step_s"] is None and len(row["steps"]) == 1  # one step: no step after the first
+    lines = (tmp_path / "runc256" / "chunks.jsonl").read_text().splitlines()
+    assert [json.loads(line)["stage"] for line in lines[:3]] == ["fill", "backward", "backward"]
