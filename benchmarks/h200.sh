@@ -152,12 +152,12 @@ job train-llama-3-8b-qlora-r32 "python3 -m benchmarks.train_steps --preset llama
 job train-llama-3-8b-qlora-r32-128k "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 131072 \
   --steps 2 --timeout 300 --keys '$QLORA32'"
 # oomb held to Unsloth's footprint at 64K (its 22.64 GiB allocated, 2026-12-07, plus the plan's 1 GiB for the CUDA
-# context): the settings its plan fits in that budget (offload; at 64K chunks of 2048 with whole-chunk recompute),
-# and with every layer's input in host memory too (recompute=layer-host, which auto does not pick with offload:
-# chunks of 16384 fit, 20 of 32 layers' pages on the GPU). Which is faster decides what auto picks there.
+# context): the settings its plan fits in that budget (offload and recompute=layer-host: at 64K chunks of 16384, 20
+# of 32 layers' pages on the GPU), and with whole-chunk recompute as auto picked it before (chunks of 2048): the
+# check of auto's order with offload (docs/memory.md).
 job train-llama-3-8b-qlora-r32-unsloth-memory "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 16384,65536 \
   --steps 2,2 --timeout 150 --keys '$QLORA32 train.offload=true train.gpu_memory=23.6GiB' --variant auto '' \
-  --variant layer-host 'train.recompute=layer-host'"
+  --variant chunk 'train.recompute=chunk'"
 # The two systems side by side at the lengths both ran (after the jobs above, on the same machine).
 job versus-unsloth-llama-3-8b 'python3 -m benchmarks.records versus-unsloth "$OUT/unsloth-llama-3-8b.json" \
   --oomb "$OUT/train-llama-3-8b-qlora-r32.json" --out "$OUT/versus-unsloth-llama-3-8b.json" \

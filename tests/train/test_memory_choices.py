@@ -105,6 +105,30 @@ def test_the_chunk_and_cache_for_7b_on_an_h200(monkeypatch, seq_len, chunk, cach
                             seq_len=seq_len, **choice).fits
 
 
+def test_with_offload_long_whole_chunks_come_first_then_layer_host():
+    # Each whole chunk brings every offloaded layer's past again: below 8192 tokens layer-host (a layer's pages once
+    # a chunk, chunks twice as long) comes first.
+    cfg = load_config(None, [*OFFLOAD_7B, "data.seq_len=65536", "train.master_weights=false"])
+    order = [(c["recompute"], c["chunk_size"], c["cache_attention"]) for c in memory.auto_choices(cfg, "cuda", 65536)]
+    first_layer = next(i for i, o in enumerate(order) if o[0] == "layer-host")
+    assert order[:first_layer] == [("chunk", 8192, "host"), ("chunk", 8192, False)]
+    layer = [o for o in order if o[0] == "layer-host"]
+    assert layer[0] == ("layer-host", 16384, "host") and all(k != True for _, _, k in order)  # noqa: E712
+    assert order[first_layer + len(layer)] == ("chunk", 4096, "host")  # then the shorter whole chunks
+    # Llama-3-8B QLoRA r=32 in Unsloth's 22.6 GiB (plus the context): chunks of 16384 by layer, where whole-chunk
+    # recompute would take chunks of 2048
+    keys = ["model.preset=llama-3-8b", "model.quantize=nf4", "lora.r=32", "lora.alpha=32", "lora.targets=all-linear",
+            "train.optimizer=adamw8bit", "train.offload=true", "data.seq_len=65536"]
+    limits = dict(gpu_bytes=int(23.6 * GiB), host_bytes=int(125.8 * GiB))
+    cfg, plan, _ = _resolve(keys, **limits)
+    assert plan.fits and (cfg.train.recompute, cfg.train.chunk_size) == ("layer-host", 16384)
+    cfg, plan, _ = _resolve([*keys, "train.recompute=chunk"], **limits)
+    assert plan.fits and cfg.train.chunk_size == 2048
+    # Without layer recompute (layer checkpointing), whole chunks alone, longest first
+    cfg = load_config(None, [*OFFLOAD_7B, "data.seq_len=65536", "train.layer_checkpointing=true"])
+    assert {c["recompute"] for c in memory.auto_choices(cfg, "cuda", 65536)} == {"chunk"}
+
+
 def test_auto_chunk_order_smaller_gpus_and_short_sequences(monkeypatch):
     cfg = load_config(None, ["data.seq_len=65536", "train.master_weights=false"])
     choices = memory.auto_choices(cfg, "cuda", 65536)

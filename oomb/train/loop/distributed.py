@@ -72,6 +72,17 @@ FORMAT = "dcp-fsdp2"  # state.json "format" of a checkpoint written by data para
 TP_FORMAT = "dcp-tp"  # ... by tensor parallel ranks
 
 
+def under_torchrun(cfg: Config) -> bool:
+    """Whether the run is one of several torchrun processes (data or tensor parallel)."""
+    return cfg.train.tensor_parallel > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def smallest_over_ranks(value: int) -> int:
+    """The smallest of every torchrun rank's ``value``, on every rank (one all-reduce of one number)."""
+    tensor = torch.tensor([value], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
 @dataclass(frozen=True)
 class DistributedContext:
     """This process's place in a torchrun job."""

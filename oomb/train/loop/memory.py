@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 
 import torch
 from rich.console import Console
@@ -38,14 +37,10 @@ from oomb.train.config.step import (
     step_options,
 )
 from oomb.train.data.inputs import model_config, position_notes, positions_warning
+from oomb.train.loop.distributed import smallest_over_ranks, under_torchrun
 from oomb.train.loop.host_memory import available_memory, host_shortfall, memory_limits, process_bytes
 from oomb.train.loop.model import lora_target_names
 from oomb.train.loop.optim import wants_master_weights
-
-
-def _under_torchrun(cfg: Config) -> bool:
-    """Whether the run is one of several torchrun processes (data or tensor parallel)."""
-    return cfg.train.tensor_parallel > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def planned_step(cfg: Config, device_type: str, dtype: torch.dtype) -> tuple[StepOptions, RunShape, int | str]:
@@ -59,7 +54,7 @@ def planned_step(cfg: Config, device_type: str, dtype: torch.dtype) -> tuple[Ste
                      lora_r=cfg.lora.r, lora_targets=lora_target_names(cfg),  # the targets "lora.r=16" is offered with
                      lora_fused=cfg.lora.fused,
                      quantize=cfg.model.quantize, optimizer=t.optimizer,
-                     master_weights=wants_master_weights(t.master_weights, torchrun=_under_torchrun(cfg)),
+                     master_weights=wants_master_weights(t.master_weights, torchrun=under_torchrun(cfg)),
                      tensor_parallel=t.tensor_parallel, layer_checkpointing=t.layer_checkpointing,
                      fused_ops=plans_fused_ops(cfg, device_type))
     return options, shape, offload_gpu_bytes(t.offload_gpu_memory) if options.offload else 0
@@ -128,6 +123,8 @@ LAYER_AUTO_CHUNK_START = 16384
 # "Chunks of 8192 tokens instead of 4096"). Cached chunks below 1024 against long uncached ones were not measured: they
 # run many more, smaller kernels per step, so the long chunk is preferred there.
 CACHE_MIN_CHUNK = 1024
+# With offload, whole-chunk recompute's chunks of this size or more come before layer-host (auto_choices).
+OFFLOAD_CHUNK_FLOOR = 8192
 
 
 def chunk_choices(cfg: Config, device_type: str, seq_len: int | None = None, start: int | None = None) -> list[int]:
@@ -151,7 +148,7 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
     """The settings the run's `auto` values may take, as plan_memory arguments, most preferred first.
 
     fp32 master weights first (train.master_weights=auto: precision), then speed and memory. With
-    train.recompute=auto, where the run trains in one process without offload or layer checkpointing,
+    train.recompute=auto, where the run trains in one process without layer checkpointing,
     recompute=layer-host comes first: every layer's input in host memory and one layer's activations on the
     GPU leave room for chunks twice as long (H200, Qwen2.5-7B, 64K, one run: chunks of 16384 with layer-host
     0.94x the best transformers stack's step time in 0.97x its memory, chunks of 8192 with whole-chunk
@@ -159,7 +156,11 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
     attention cache on the GPU, then in host memory; then the chunks without the cache. Then recompute=chunk:
     the largest chunk (train.chunk_size=auto) with the attention cache on the GPU (train.cache_attention=auto; with
     offload in host memory), then without it. Each choice names all four settings, fixed ones as set; the offload
-    GPU allowance (train.offload_gpu_memory=auto) is settled by each choice's own plan.
+    GPU allowance (train.offload_gpu_memory=auto) is settled by each choice's own plan. With offload, whole-chunk
+    recompute keeps its chunks of OFFLOAD_CHUNK_FLOOR and more first (+0.5% over the pages on the GPU, Qwen2.5-7B
+    at 64K, H100: docs/benchmarks.md), then layer-host, then its shorter chunks: each chunk brings every offloaded
+    layer's past again, so halving the chunk doubles the page traffic, where layer-host brings a layer's pages
+    once a chunk for its forward and backward and fits chunks twice as long (not yet measured against each other).
     ``seq_len``: the chunks for that length (None: every chunk auto may take, for the longest context)."""
     t = cfg.train
     options, shape, _ = planned_step(cfg, device_type, torch.float32)  # the fixed values (master weights auto: on)
@@ -183,20 +184,25 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
         cached = [(c, where) for c in chunks if c >= floor for where in (True, "host")]
         return cached + [(c, False) for c in chunks]
 
-    modes = ["chunk" if t.recompute == "auto" else t.recompute]
-    if t.recompute == "auto" and layer_recompute_possible(cfg, device_type):
-        modes.insert(0, "layer-host")
-    return [dict(master_weights=m, chunk_size=c, cache_attention=k, recompute=r)
-            for m in masters for r in modes for c, k in speed(r != "chunk")]
+    def choices(mode: str, keep=lambda chunk: True) -> list[tuple[str, int, bool | str]]:
+        return [(mode, c, k) for c, k in speed(mode != "chunk") if keep(c)]
+
+    by_layer = t.recompute == "auto" and layer_recompute_possible(cfg, device_type)
+    if not by_layer:
+        order = choices("chunk" if t.recompute == "auto" else t.recompute)
+    elif t.offload:
+        order = (choices("chunk", lambda c: c >= OFFLOAD_CHUNK_FLOOR) + choices("layer-host")
+                 + choices("chunk", lambda c: c < OFFLOAD_CHUNK_FLOOR))
+    else:
+        order = choices("layer-host") + choices("chunk")
+    return [dict(master_weights=m, chunk_size=c, cache_attention=k, recompute=r) for m in masters for r, c, k in order]
 
 
 def layer_recompute_possible(cfg: Config, device_type: str) -> bool:
     """Whether train.recompute=auto may choose layer-host: one process (FSDP under torchrun replays no layers),
-    no offload (it runs with offload where asked for, train.recompute=layer-host; its speed against offload's
-    whole-chunk recompute is not measured, so auto keeps that), no transformers layer checkpointing, decoder layers
-    it can rebuild (oomb.engine.layer_recompute)."""
+    no transformers layer checkpointing, decoder layers it can rebuild (oomb.engine.layer_recompute)."""
     t = cfg.train  # (on a CPU the host is the same memory: nothing to gain)
-    if _under_torchrun(cfg) or t.offload or t.layer_checkpointing or device_type != "cuda":
+    if under_torchrun(cfg) or t.layer_checkpointing or device_type != "cuda":
         return False
     # a decoder whose layers cannot be rebuilt one at a time (not transformers' GradientCheckpointingLayers)
     return layers_rebuildable(model_config(cfg), cfg.model.trust_remote_code)
@@ -237,15 +243,6 @@ def resolve_auto_settings(cfg: Config, device_type: str, dtype: torch.dtype, *, 
     if offload_gpu_bytes(t.offload_gpu_memory) == "auto":
         t.offload_gpu_memory = str(plan.settings["offload_gpu_bytes"])  # what the chosen plan settled
     return plan, longest
-
-
-def smallest_over_ranks(value: int) -> int:
-    """The smallest of every torchrun rank's ``value``, on every rank (one all-reduce of one number)."""
-    import torch.distributed as dist
-
-    tensor = torch.tensor([value], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return int(tensor.item())
 
 
 def describe_step_choice(cfg: Config, auto: set[str] | frozenset[str], *, planned: bool) -> str:
