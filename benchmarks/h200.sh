@@ -135,8 +135,17 @@ for preset in llama-3-8b qwen3-8b granite-3.3-8b gemma-3-12b gpt-oss-20b; do
   job "train-$preset-lora-longest" "python3 -m benchmarks.train_steps --preset $preset --lengths '' --steps '' \
     --longest --timeout 540 --keys 'lora.r=16 lora.targets=all-linear'"
 done
+# Gemma-3-12B under `oomb train` on an H100 lease without the FA4 and liger wheels (Triton attention, no fused ops,
+# torch's cross-entropy: the repo alone on the path): 64K in the plan's setting, 128K with the passkey data that
+# begins clear of the padding id (a finite step), the plan against the peak.
+for n in 64 128; do
+  job "train-gemma-3-12b-lora-${n}k-triton" "PYTHONPATH=\$PWD python3 -m benchmarks.train_steps --preset gemma-3-12b \
+    --lengths $((n * 1024)) --steps 2 --timeout 360 --keys 'lora.r=16 lora.targets=all-linear' \
+    --out \"\$OUT/train-gemma-3-12b-lora-${n}k-triton.json\""
+done
 part presets "$(for p in llama-3-8b qwen3-8b granite-3.3-8b gemma-3-12b gpt-oss-20b; do
-  printf 'train-%s-lora-64k-128k train-%s-lora-longest ' "$p" "$p"; done)"
+  printf 'train-%s-lora-64k-128k train-%s-lora-longest ' "$p" "$p"; done)
+  train-gemma-3-12b-lora-64k-triton train-gemma-3-12b-lora-128k-triton"
 # unsloth: Unsloth beside oomb, QLoRA r=32 on every linear layer of a random-init Llama-3-8B: Unsloth as
 # its docs run it (benchmarks.unsloth_step; its wheels from .unsloth/carry, dev/unsloth-device.md, on a path of
 # their own without flash-attn-4), and `oomb train` with the same adapters, 4-bit base and 8-bit AdamW. Each about
@@ -158,6 +167,11 @@ job train-llama-3-8b-qlora-r32-128k "python3 -m benchmarks.train_steps --preset 
 job train-llama-3-8b-qlora-r32-unsloth-memory "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 16384,65536 \
   --steps 2,2 --timeout 150 --keys '$QLORA32 train.offload=true train.gpu_memory=23.6GiB' --variant auto '' \
   --variant chunk 'train.recompute=chunk'"
+# The same budget on a lease without the FA4 and liger wheels (Triton attention, no fused ops): the plan's pick
+# (layer-host) against whole-chunk recompute (which ran out of memory at the cap there).
+job train-llama-3-8b-qlora-r32-offload-23g-triton "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 65536 \
+  --steps 2 --timeout 118 --keys '$QLORA32 train.offload=true train.gpu_memory=23.6GiB train.attention=triton \
+  train.fused_ops=none' --variant auto '' --variant chunk 'train.recompute=chunk'"
 # The two systems side by side at the lengths both ran (after the jobs above, on the same machine).
 job versus-unsloth-llama-3-8b 'python3 -m benchmarks.records versus-unsloth "$OUT/unsloth-llama-3-8b.json" \
   --oomb "$OUT/train-llama-3-8b-qlora-r32.json" --out "$OUT/versus-unsloth-llama-3-8b.json" \
@@ -170,6 +184,7 @@ job versus-unsloth-llama-3-8b-same-memory 'python3 -m benchmarks.records versus-
 job train-llama-3-8b-qlora-r32-longest "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths '' --steps '' \
   --longest --timeout 540 --keys '$QLORA32'"
 part unsloth 'unsloth-llama-3-8b unsloth-llama-3-8b-128k unsloth-llama-3-8b-longest train-llama-3-8b-qlora-r32
+  train-llama-3-8b-qlora-r32-offload-23g-triton
   versus-unsloth-llama-3-8b train-llama-3-8b-qlora-r32-unsloth-memory versus-unsloth-llama-3-8b-same-memory
   train-llama-3-8b-qlora-r32-128k
   train-llama-3-8b-qlora-r32-longest'

@@ -348,8 +348,14 @@ def test_gpu_memory_holds_the_plan_and_the_allocator_to_a_budget(monkeypatch, ca
     # ... and holds the caching allocator to it, less the CUDA context allowance the plan counted within it.
     fractions = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 76 * 2**30}))
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: fractions.append(f))
+    def set_fraction(fraction, device):  # torch's own check of the device first: a bare "cuda" is refused there
+        torch._utils._get_device_index(device, optional=False)
+        fractions.append(fraction)
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert host_memory.cap_gpu_allocator(cfg, torch.device("cuda")) == 0.25 and fractions == [0.25]  # 19 of 76 GiB
+    assert host_memory.cap_gpu_allocator(cfg, torch.device("cuda", 0)) == 0.25
     assert host_memory.cap_gpu_allocator(cfg, torch.device("cpu")) is None
     cfg.train.gpu_memory = "auto"
-    assert host_memory.cap_gpu_allocator(cfg, torch.device("cuda")) is None and fractions == [0.25]
+    assert host_memory.cap_gpu_allocator(cfg, torch.device("cuda")) is None and fractions == [0.25, 0.25]

@@ -55,8 +55,9 @@ def cap_gpu_allocator(cfg, device: torch.device) -> float | None:
     cap = gpu_memory_cap(cfg)
     if cap is None or device.type != "cuda":
         return None
-    fraction = min(1.0, max(0, cap - CUDA_CONTEXT_BYTES) / torch.cuda.get_device_properties(device).total_memory)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # it takes no bare "cuda"
+    fraction = min(1.0, max(0, cap - CUDA_CONTEXT_BYTES) / torch.cuda.get_device_properties(index).total_memory)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
     return fraction
 
 
