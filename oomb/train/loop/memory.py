@@ -160,7 +160,8 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
     recompute keeps its chunks of OFFLOAD_CHUNK_FLOOR and more first (+0.5% over the pages on the GPU, Qwen2.5-7B
     at 64K, H100: docs/benchmarks.md), then layer-host, then its shorter chunks: each chunk brings every offloaded
     layer's past again, so halving the chunk doubles the page traffic, where layer-host brings a layer's pages
-    once a chunk for its forward and backward and fits chunks twice as long (not yet measured against each other).
+    once a chunk for its forward and backward and fits chunks twice as long (Llama-3-8B QLoRA at 64K held to 23.6
+    GiB, H100: layer-host with chunks of 16384 ran, whole chunks of 2048 ran out of memory; docs/benchmarks.md).
     ``seq_len``: the chunks for that length (None: every chunk auto may take, for the longest context)."""
     t = cfg.train
     options, shape, _ = planned_step(cfg, device_type, torch.float32)  # the fixed values (master weights auto: on)
