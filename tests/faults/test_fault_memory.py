@@ -65,3 +65,31 @@ def test_memory_report_measures_each_holder_and_has_room_for_a_plan():
     assert "planned" in planned and "3.00 GiB" in planned
     release_memory(model)
     assert measure_memory(model, optimizer).kv_store == 0
+
+
+def test_a_gpu_that_ran_out_is_told_what_moves_to_the_host_and_what_held_the_run_back():
+    from oomb.train.loop.faults import MemoryUse, memory_advice
+
+    gib = 2**30
+    use = MemoryUse(parameters=5 * gib, gradients=gib // 4, optimizer_state=gib // 8, kv_store=3 * gib,
+                    kv_store_bytes_per_token=None, process_rss=30 * gib, process_peak_rss=30 * gib,
+                    cuda_allocated=22 * gib, cuda_reserved=22 * gib, cuda_peak_allocated=22 * gib, cuda_total=79 * gib)
+    capped = load_config(None, ["model.preset=llama-3-8b", "lora.r=32", "train.gpu_memory=23.6GiB",
+                                "train.recompute=chunk", "data.seq_len=65536"])
+    advice = memory_advice(use, capped)
+    # the cap is what held it back (55 GiB of the card unused): first
+    assert advice[0].startswith("train.gpu_memory=23.6GiB: the run is held to it on a card of 79.0")
+    assert any(a.startswith("train.offload=true: the K/V pages") for a in advice)
+    capped.train.cache_attention = True  # as a run settles it: offload needs the cache moved too
+    assert any(a.startswith("train.offload=true train.cache_attention=host: the K/V pages")
+               for a in memory_advice(use, capped))
+    capped.train.cache_attention = "auto"
+    assert any(a.startswith("train.recompute=layer-host:") for a in advice)
+    cfg = load_config(None, ["model.preset=llama-3-8b", "lora.r=32", "train.offload=true",
+                             "train.recompute=layer-host", "data.seq_len=65536"])
+    advice = memory_advice(use, cfg)  # offloaded already, by layer already, no cap: none of the three
+    assert not any(a.startswith(("train.gpu_memory", "train.offload", "train.recompute")) for a in advice)
+    host = MemoryUse(**{**use.__dict__, "cuda_allocated": None, "cuda_reserved": None, "cuda_peak_allocated": None,
+                        "cuda_total": None})
+    on_host = memory_advice(host, capped)  # the host ran out, not the GPU: no GPU advice
+    assert not any(a.startswith(("train.gpu_memory", "train.offload", "train.recompute")) for a in on_host)

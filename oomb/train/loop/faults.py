@@ -268,6 +268,8 @@ def memory_advice(use: MemoryUse, cfg) -> list[str]:
     if not t.layer_checkpointing:
         advice.append((activations, "train.layer_checkpointing=true: inside a chunk keep one layer's activations "
                                     "instead of every layer's (one more forward per chunk)"))
+    if use.cuda_allocated is not None:  # the GPU ran out: what moves to host memory, what held the run back
+        advice += _gpu_advice(use, cfg, activations)
     if use.master_weights:
         advice.append((use.master_weights, "train.master_weights=false: no fp32 copies of the 16-bit parameters "
                                            "(4 B each, and AdamW's moments in 16 bits again); updates below half "
@@ -283,6 +285,26 @@ def memory_advice(use: MemoryUse, cfg) -> list[str]:
                        f"{_size(use.cuda_reserved - use.cuda_allocated)} it cannot reuse (fragmentation)"))
     advice.sort(key=lambda item: -item[0])
     return [text for _, text in advice]
+
+
+def _gpu_advice(use: MemoryUse, cfg, activations: int) -> list[tuple[int, str]]:
+    """(bytes it frees or gives, advice) for a GPU that ran out: offload, layer-host, and a train.gpu_memory cap."""
+    from oomb.train.config.step import gpu_memory_cap
+    from oomb.train.loop.memory import layer_recompute_possible  # (memory's imports reach this module)
+
+    t, advice = cfg.train, []
+    if not t.offload:  # (the attention cache cannot stay on the GPU beside offload)
+        keys = "train.offload=true" + (" train.cache_attention=host" if t.cache_attention is True else "")
+        advice.append((use.kv_store, f"{keys}: the K/V pages and their gradients in pinned host memory, whole "
+                                     "layers' pages kept on the GPU where they fit (the same gradients)"))
+    if t.recompute == "chunk" and layer_recompute_possible(cfg, "cuda"):
+        advice.append((activations, "train.recompute=layer-host: every layer's input in host memory and one "
+                                    "layer's activations on the GPU, not every layer's (the same gradients)"))
+    cap = gpu_memory_cap(cfg)
+    if cap is not None and use.cuda_total is not None and use.cuda_total > cap:
+        advice.append((use.cuda_total - cap, f"train.gpu_memory={t.gpu_memory}: the run is held to it on a card of "
+                                             f"{_size(use.cuda_total)}; raise it (or auto) where the card has room"))
+    return advice
 
 
 # ---------------------------------------------------------------------------------- numerics
