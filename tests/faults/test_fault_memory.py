@@ -76,20 +76,26 @@ def test_a_gpu_that_ran_out_is_told_what_moves_to_the_host_and_what_held_the_run
                     cuda_allocated=22 * gib, cuda_reserved=22 * gib, cuda_peak_allocated=22 * gib, cuda_total=79 * gib)
     capped = load_config(None, ["model.preset=llama-3-8b", "lora.r=32", "train.gpu_memory=23.6GiB",
                                 "train.recompute=chunk", "data.seq_len=65536"])
-    advice = memory_advice(use, capped)
+    model = build_model("tiny", dtype=torch.float32, device="cpu").train()  # layers it can rebuild one at a time
+    advice = memory_advice(use, capped, model)
     # the cap is what held it back (55 GiB of the card unused): first
     assert advice[0].startswith("train.gpu_memory=23.6GiB: the run is held to it on a card of 79.0")
     assert any(a.startswith("train.offload=true: the K/V pages") for a in advice)
     capped.train.cache_attention = True  # as a run settles it: offload needs the cache moved too
     assert any(a.startswith("train.offload=true train.cache_attention=host: the K/V pages")
-               for a in memory_advice(use, capped))
+               for a in memory_advice(use, capped, model))
     capped.train.cache_attention = "auto"
     assert any(a.startswith("train.recompute=layer-host:") for a in advice)
+    import peft
+
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert any(a.startswith("train.recompute=layer-host:") for a in memory_advice(use, capped, lora))  # peft's too
+    assert not any(a.startswith("train.recompute") for a in memory_advice(use, capped, torch.nn.Linear(2, 2)))
     cfg = load_config(None, ["model.preset=llama-3-8b", "lora.r=32", "train.offload=true",
                              "train.recompute=layer-host", "data.seq_len=65536"])
-    advice = memory_advice(use, cfg)  # offloaded already, by layer already, no cap: none of the three
+    advice = memory_advice(use, cfg, model)  # offloaded already, by layer already, no cap: none of the three
     assert not any(a.startswith(("train.gpu_memory", "train.offload", "train.recompute")) for a in advice)
     host = MemoryUse(**{**use.__dict__, "cuda_allocated": None, "cuda_reserved": None, "cuda_peak_allocated": None,
                         "cuda_total": None})
-    on_host = memory_advice(host, capped)  # the host ran out, not the GPU: no GPU advice
+    on_host = memory_advice(host, capped, model)  # the host ran out, not the GPU: no GPU advice
     assert not any(a.startswith(("train.gpu_memory", "train.offload", "train.recompute")) for a in on_host)

@@ -31,6 +31,9 @@ from pathlib import Path
 import torch
 
 from oomb.engine import store_for_model
+from oomb.engine.layer_recompute import check_layer_recompute
+from oomb.engine.prepare import unwrap_peft
+from oomb.train.config.step import gpu_memory_cap
 from oomb.train.loop.optim import MasterWeights
 
 EXIT_CONFIG = 2
@@ -213,7 +216,7 @@ def _size(n: int | None) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def memory_report(use: MemoryUse, cfg, *, estimate: dict[str, int] | None = None) -> str:
+def memory_report(use: MemoryUse, cfg, *, estimate: dict[str, int] | None = None, model=None) -> str:
     """What held the memory, and which setting to change.
 
     ``estimate`` (a planner's prediction, keyed like MemoryUse's fields) adds a column
@@ -243,11 +246,12 @@ def memory_report(use: MemoryUse, cfg, *, estimate: dict[str, int] | None = None
         if estimate is not None:
             line += f"  {_size(estimate.get(key)):>13}"
         lines.append(line)
-    return "\n".join(lines) + "\nTo need less memory:\n" + "\n".join(f"  - {a}" for a in memory_advice(use, cfg))
+    return "\n".join(lines) + "\nTo need less memory:\n" + "\n".join(f"  - {a}" for a in memory_advice(use, cfg, model))
 
 
-def memory_advice(use: MemoryUse, cfg) -> list[str]:
-    """Settings that shrink what was measured, the largest holder first."""
+def memory_advice(use: MemoryUse, cfg, model=None) -> list[str]:
+    """Settings that shrink what was measured, the largest holder first (``model``: the run's, asked whether its
+    layers can be rebuilt one at a time)."""
     t = cfg.train
     tokens = t.batch_size * cfg.data.seq_len
     advice: list[tuple[int, str]] = []
@@ -269,7 +273,7 @@ def memory_advice(use: MemoryUse, cfg) -> list[str]:
         advice.append((activations, "train.layer_checkpointing=true: inside a chunk keep one layer's activations "
                                     "instead of every layer's (one more forward per chunk)"))
     if use.cuda_allocated is not None:  # the GPU ran out: what moves to host memory, what held the run back
-        advice += _gpu_advice(use, cfg, activations)
+        advice += _gpu_advice(use, cfg, activations, model)
     if use.master_weights:
         advice.append((use.master_weights, "train.master_weights=false: no fp32 copies of the 16-bit parameters "
                                            "(4 B each, and AdamW's moments in 16 bits again); updates below half "
@@ -287,17 +291,14 @@ def memory_advice(use: MemoryUse, cfg) -> list[str]:
     return [text for _, text in advice]
 
 
-def _gpu_advice(use: MemoryUse, cfg, activations: int) -> list[tuple[int, str]]:
+def _gpu_advice(use: MemoryUse, cfg, activations: int, model) -> list[tuple[int, str]]:
     """(bytes it frees or gives, advice) for a GPU that ran out: offload, layer-host, and a train.gpu_memory cap."""
-    from oomb.train.config.step import gpu_memory_cap
-    from oomb.train.loop.memory import layer_recompute_possible  # (memory's imports reach this module)
-
     t, advice = cfg.train, []
     if not t.offload:  # (the attention cache cannot stay on the GPU beside offload)
         keys = "train.offload=true" + (" train.cache_attention=host" if t.cache_attention is True else "")
         advice.append((use.kv_store, f"{keys}: the K/V pages and their gradients in pinned host memory, whole "
                                      "layers' pages kept on the GPU where they fit (the same gradients)"))
-    if t.recompute == "chunk" and layer_recompute_possible(cfg, "cuda"):
+    if t.recompute == "chunk" and not t.layer_checkpointing and model is not None and _rebuilds_layers(model):
         advice.append((activations, "train.recompute=layer-host: every layer's input in host memory and one "
                                     "layer's activations on the GPU, not every layer's (the same gradients)"))
     cap = gpu_memory_cap(cfg)
@@ -305,6 +306,15 @@ def _gpu_advice(use: MemoryUse, cfg, activations: int) -> list[tuple[int, str]]:
         advice.append((use.cuda_total - cap, f"train.gpu_memory={t.gpu_memory}: the run is held to it on a card of "
                                              f"{_size(use.cuda_total)}; raise it (or auto) where the card has room"))
     return advice
+
+
+def _rebuilds_layers(model) -> bool:
+    """Whether a step of ``model`` can recompute one layer at a time (one process, decoder layers it rebuilds)."""
+    try:
+        check_layer_recompute(unwrap_peft(model))
+    except Exception:  # noqa: BLE001 - a stop's advice never fails the stop: not offered
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------- numerics

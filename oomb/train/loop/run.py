@@ -224,7 +224,7 @@ class Run:
         change = f"train.chunk_size={smaller}" if smaller >= t.page_size else "train.layer_checkpointing=true"
         raise RunStopped(
             f"out of memory in {where} of step {step + 1}: {error}\n"
-            f"Memory when it failed:\n{memory_report(use, self.cfg)}\n{kept}\n"
+            f"Memory when it failed:\n{memory_report(use, self.cfg, model=self.model)}\n{kept}\n"
             f"Change a setting above and continue, e.g.:\n  {resume_command(self.out, change)}",
             EXIT_OUT_OF_MEMORY)
 
