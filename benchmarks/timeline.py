@@ -154,7 +154,7 @@ def gpu_ms_by_range(events: list[dict], prefix: str = "oomb.") -> dict[str, dict
     host's events (ProfilerActivity.CPU)."""
     gpu = [ev for ev in events if ev.get("ph") == "X" and (ev.get("cat") == _KERNEL or ev.get("cat") in _COPIES)]
     wanted = {ev.get("args", {}).get("correlation") for ev in gpu} - {None}
-    calls: dict[tuple, list[tuple[float, int]]] = defaultdict(list)  # thread -> (ts, correlation) of its calls
+    calls: dict[tuple, list[tuple[float, float, int]]] = defaultdict(list)  # thread -> (ts, end, correlation)
     ranges: dict[tuple, list[tuple[float, float, str]]] = defaultdict(list)
     counts: dict[str, int] = defaultdict(int)
     for ev in events:
@@ -162,26 +162,12 @@ def gpu_ms_by_range(events: list[dict], prefix: str = "oomb.") -> dict[str, dict
             continue
         key, ts = (ev.get("pid"), ev.get("tid")), float(ev.get("ts", 0.0))
         if ev.get("cat") in _HOST_CALLS and ev.get("args", {}).get("correlation") in wanted:
-            calls[key].append((ts, ev["args"]["correlation"]))
+            calls[key].append((ts, ts + float(ev.get("dur", 0.0)), ev["args"]["correlation"]))
         elif ev.get("cat") == "user_annotation" and ev.get("name", "").startswith(prefix):
             ranges[key].append((ts, ts + float(ev.get("dur", 0.0)), ev["name"]))
             counts[ev["name"]] += 1
-    inside: dict[int, str] = {}  # correlation -> the innermost range around its call
-    for key, queued in calls.items():
-        spans = sorted(ranges.get(key, []), key=lambda r: (r[0], -r[1]))
-        stack: list[tuple[float, float, str]] = []
-        i = 0
-        for ts, corr in sorted(queued):
-            while i < len(spans) and spans[i][0] <= ts:
-                while stack and stack[-1][1] < spans[i][0]:  # ranges on one thread nest: closed ones leave
-                    stack.pop()
-                stack.append(spans[i])
-                i += 1
-            while stack and stack[-1][1] < ts:
-                stack.pop()
-            around = [r for r in stack if r[0] <= ts <= r[1]]
-            if around:
-                inside[corr] = around[-1][2]
+    # correlation -> the innermost range around its call
+    inside = {corr: around[-1][2] for corr, around in spans_around_calls(calls, ranges).items() if around}
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for ev in gpu:
         name = inside.get(ev.get("args", {}).get("correlation"))
@@ -190,6 +176,28 @@ def gpu_ms_by_range(events: list[dict], prefix: str = "oomb.") -> dict[str, dict
             totals[name][1] += 1
     return {name: {"ms": ms, "gpu_ops": n, "ranges": counts[name]}
             for name, (ms, n) in sorted(totals.items(), key=lambda t: -t[1][0])}
+
+
+def spans_around_calls(calls: dict[tuple, list[tuple[float, float, int]]],
+                       spans: dict[tuple, list[tuple]]) -> dict[int, list[tuple]]:
+    """For each host call ({thread: [(ts, end, correlation)]}), the spans of its thread ({thread: [(ts, end,
+    ...)]}) that enclose it, outermost first: one sweep per thread with a stack of open spans (a thread's spans
+    nest, so a closed one leaves the stack before the next opens)."""
+    around: dict[int, list[tuple]] = {}
+    for key, pending in calls.items():
+        ordered = sorted(spans.get(key, []), key=lambda s: (s[0], -s[1]))
+        stack: list[tuple] = []
+        i = 0
+        for ts, end, corr in sorted(pending):
+            while i < len(ordered) and ordered[i][0] <= ts:
+                while stack and stack[-1][1] < ordered[i][0]:
+                    stack.pop()
+                stack.append(ordered[i])
+                i += 1
+            while stack and stack[-1][1] < end:
+                stack.pop()
+            around[corr] = [s for s in stack if s[0] <= ts and end <= s[1]]
+    return around
 
 
 def copies_by_op(events: list[dict], top: int = 20) -> list[tuple[str, str, str, float, int]]:
@@ -216,26 +224,15 @@ def copies_by_op(events: list[dict], top: int = 20) -> list[tuple[str, str, str,
             calls[ev["args"]["correlation"]] = (key, ts, end)
         elif cat in ("cpu_op", "python_function"):
             threads[key].append((ts, end, cat, ev.get("name", "?")))
-    # The innermost op and oomb frame around each call: one sweep per thread with a stack of open events.
-    where: dict[int, tuple[str, str]] = {}
+    # The innermost op and oomb frame around each call.
     by_thread: dict[tuple, list[tuple[float, float, int]]] = defaultdict(list)
     for corr, (key, ts, end) in calls.items():
         by_thread[key].append((ts, end, corr))
-    for key, pending in by_thread.items():
-        spans = sorted(threads.get(key, []), key=lambda t: (t[0], -t[1]))
-        stack: list[tuple[float, float, str, str]] = []
-        i = 0
-        for ts, end, corr in sorted(pending):
-            while i < len(spans) and spans[i][0] <= ts:
-                while stack and stack[-1][1] < spans[i][0]:
-                    stack.pop()
-                stack.append(spans[i])
-                i += 1
-            while stack and stack[-1][1] < end:
-                stack.pop()
-            ops = [s for s in stack if s[2] == "cpu_op" and s[0] <= ts and end <= s[1]]
-            frames = [s for s in stack if s[2] == "python_function" and "oomb" in s[3] and s[0] <= ts and end <= s[1]]
-            where[corr] = (ops[-1][3] if ops else "?", frames[-1][3] if frames else "?")
+    where: dict[int, tuple[str, str]] = {}
+    for corr, around in spans_around_calls(by_thread, threads).items():
+        ops = [s for s in around if s[2] == "cpu_op"]
+        frames = [s for s in around if s[2] == "python_function" and "oomb" in s[3]]
+        where[corr] = (ops[-1][3] if ops else "?", frames[-1][3] if frames else "?")
     totals: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     for ev in copies:
         op, frame = where.get(ev.get("args", {}).get("correlation"), ("?", "?"))

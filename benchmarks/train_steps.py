@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 
 from benchmarks.common import command_line, int_list, machine_description
@@ -116,18 +117,17 @@ def partial_step(lines: list[dict]) -> dict:
     first = [line for line in lines if line["step"] == lines[0]["step"] and line["batch"] == 1]
     fill = [line for line in first if line["stage"] == "fill"]
     back = [line for line in first if line["stage"] == "backward"]
-    starts = [line["seconds"] for line in first]
     n_fill = fill[0]["of"] if fill else 0
     n_back = back[0]["of"] if back else None
     out = {"fill_chunks_started": len(fill), "fill_chunks": n_fill, "backward_chunks_started": len(back),
-           "backward_chunks": n_back, "seconds_reached": starts[-1] if starts else None,
+           "backward_chunks": n_back, "seconds_reached": first[-1]["seconds"] if first else None,
            "peak_gpu_gib": max((line.get("peak_gpu_gib") or 0.0 for line in first), default=None) or None}
     if not back or len(fill) < n_fill:
         return {**out, "stage1_s": None, "predicted_step_s": None}
     stage1 = back[0]["seconds"]
-    fill_t = [b - a for a, b in zip([line["seconds"] for line in fill], [line["seconds"] for line in fill[1:]]
-                                    + [stage1], strict=True)]
-    back_t = [b["seconds"] - a["seconds"] for a, b in zip(back, back[1:], strict=False)]
+    fill_starts, back_starts = [line["seconds"] for line in fill] + [stage1], [line["seconds"] for line in back]
+    fill_t = [b - a for a, b in pairwise(fill_starts)]  # each chunk: until the next one starts
+    back_t = [b - a for a, b in pairwise(back_starts)]
     if fill_t and n_fill < n_back:  # whole-chunk recompute: stage 1 skipped the newest chunk
         fill_t.append(max(fill_t[-1], 2 * fill_t[-1] - fill_t[-2]) if len(fill_t) > 1 else fill_t[-1])
     if not back_t or len(fill_t) != n_back:

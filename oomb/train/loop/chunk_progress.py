@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
+from oomb.train.loop.monitor import GIB
 from oomb.train.runfolder.rundir import CHUNKS, MetricsLog
-
-GIB = 2**30
 
 
 class ChunkProgress:

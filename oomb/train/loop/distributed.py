@@ -83,6 +83,7 @@ def smallest_over_ranks(value: int) -> int:
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return int(tensor.item())
 
+
 @dataclass(frozen=True)
 class DistributedContext:
     """This process's place in a torchrun job."""
