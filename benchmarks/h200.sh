@@ -135,17 +135,8 @@ for preset in llama-3-8b qwen3-8b granite-3.3-8b gemma-3-12b gpt-oss-20b; do
   job "train-$preset-lora-longest" "python3 -m benchmarks.train_steps --preset $preset --lengths '' --steps '' \
     --longest --timeout 540 --keys 'lora.r=16 lora.targets=all-linear'"
 done
-# Gemma-3-12B under `oomb train` on an H100 lease without the FA4 and liger wheels (Triton attention, no fused ops,
-# torch's cross-entropy: the repo alone on the path): 64K in the plan's setting, 128K with the passkey data that
-# begins clear of the padding id (a finite step), the plan against the peak.
-for n in 64 128; do
-  job "train-gemma-3-12b-lora-${n}k-triton" "PYTHONPATH=\$PWD python3 -m benchmarks.train_steps --preset gemma-3-12b \
-    --lengths $((n * 1024)) --steps 2 --timeout 360 --keys 'lora.r=16 lora.targets=all-linear' \
-    --out \"\$OUT/train-gemma-3-12b-lora-${n}k-triton.json\""
-done
 part presets "$(for p in llama-3-8b qwen3-8b granite-3.3-8b gemma-3-12b gpt-oss-20b; do
-  printf 'train-%s-lora-64k-128k train-%s-lora-longest ' "$p" "$p"; done)
-  train-gemma-3-12b-lora-64k-triton train-gemma-3-12b-lora-128k-triton"
+  printf 'train-%s-lora-64k-128k train-%s-lora-longest ' "$p" "$p"; done)"
 # unsloth: Unsloth beside oomb, QLoRA r=32 on every linear layer of a random-init Llama-3-8B: Unsloth as
 # its docs run it (benchmarks.unsloth_step; its wheels from .unsloth/carry, dev/unsloth-device.md, on a path of
 # their own without flash-attn-4), and `oomb train` with the same adapters, 4-bit base and 8-bit AdamW. Each about
@@ -167,12 +158,8 @@ job train-llama-3-8b-qlora-r32-128k "python3 -m benchmarks.train_steps --preset 
 job train-llama-3-8b-qlora-r32-unsloth-memory "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 16384,65536 \
   --steps 2,2 --timeout 150 --keys '$QLORA32 train.offload=true train.gpu_memory=23.6GiB' --variant auto '' \
   --variant chunk 'train.recompute=chunk'"
-# The same budget on a lease without the FA4 and liger wheels (Triton attention, no fused ops): the plan's pick
-# (layer-host) against whole-chunk recompute (which ran out of memory at the cap there).
-job train-llama-3-8b-qlora-r32-offload-23g-triton "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 65536 \
-  --steps 2 --timeout 118 --keys '$QLORA32 train.offload=true train.gpu_memory=23.6GiB train.attention=triton \
-  train.fused_ops=none' --variant auto '' --variant chunk 'train.recompute=chunk'"
-# The two systems side by side at the lengths both ran (after the jobs above, on the same machine).
+# The two systems side by side at the lengths both ran, from the records of the jobs above made on one machine: in
+# the same call, or anywhere after with those records put in $OUT (they read no GPU).
 job versus-unsloth-llama-3-8b 'python3 -m benchmarks.records versus-unsloth "$OUT/unsloth-llama-3-8b.json" \
   --oomb "$OUT/train-llama-3-8b-qlora-r32.json" --out "$OUT/versus-unsloth-llama-3-8b.json" \
   --command "bash benchmarks/h200.sh unsloth-llama-3-8b train-llama-3-8b-qlora-r32 versus-unsloth-llama-3-8b"'
@@ -181,12 +168,15 @@ job versus-unsloth-llama-3-8b-same-memory 'python3 -m benchmarks.records versus-
   --oomb "$OUT/train-llama-3-8b-qlora-r32.json" --oomb "$OUT/train-llama-3-8b-qlora-r32-unsloth-memory.json" \
   --out "$OUT/versus-unsloth-llama-3-8b-same-memory.json" --command "bash benchmarks/h200.sh unsloth-llama-3-8b \
   train-llama-3-8b-qlora-r32 train-llama-3-8b-qlora-r32-unsloth-memory versus-unsloth-llama-3-8b-same-memory"'
+# ... and at 128K (its own records: the 64K and 128K runs need a device call each).
+job versus-unsloth-llama-3-8b-128k 'python3 -m benchmarks.records versus-unsloth "$OUT/unsloth-llama-3-8b-128k.json" \
+  --oomb "$OUT/train-llama-3-8b-qlora-r32-128k.json" --out "$OUT/versus-unsloth-llama-3-8b-128k.json" \
+  --command "bash benchmarks/h200.sh unsloth-llama-3-8b-128k train-llama-3-8b-qlora-r32-128k versus-unsloth-llama-3-8b-128k"'
 job train-llama-3-8b-qlora-r32-longest "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths '' --steps '' \
   --longest --timeout 540 --keys '$QLORA32'"
 part unsloth 'unsloth-llama-3-8b unsloth-llama-3-8b-128k unsloth-llama-3-8b-longest train-llama-3-8b-qlora-r32
-  train-llama-3-8b-qlora-r32-offload-23g-triton
   versus-unsloth-llama-3-8b train-llama-3-8b-qlora-r32-unsloth-memory versus-unsloth-llama-3-8b-same-memory
-  train-llama-3-8b-qlora-r32-128k
+  train-llama-3-8b-qlora-r32-128k versus-unsloth-llama-3-8b-128k
   train-llama-3-8b-qlora-r32-longest'
 # LoRA r=16 on every linear layer of Llama-3-8B at 64K in the lean setting, oomb's fused LoRA layers (with the
 # stack running peft's own beside) and peft's own layers, each in its own process; the full-gradient step in the
@@ -202,12 +192,9 @@ for trained in lora all; do
     --cache-lengths 65536 --chunk 16384 --recompute layer-host --warm-each --repeats 2 --backend fa4 \
     --profile-lengths 65536"
 done
-# The leanest exact setting: the pages (offload) and every layer's input (layer-host) in host memory, one layer's
-# activations on the GPU, beside the lean row (the cache in host memory), all weights trained, against the stack.
-job core-llama-3-8b-offload-64k "$C --preset llama-3-8b --lengths '' --cache-host-lengths 65536 --offload-lengths 65536 \
-  --baseline-lengths 65536 --baseline-stacks fa4 --chunk 16384 --recompute layer-host --warm-each --repeats 2 --backend fa4"
-# The same pages and inputs in host memory with the attention cache there too (what `oomb train` picks with offload
-# where the host holds both), against the stack.
+# The leanest exact setting: the pages (offload), every layer's input (layer-host) and the attention cache in host
+# memory, one layer's activations on the GPU (what `oomb train` picks with offload where the host holds them), all
+# weights trained, against the stack.
 job core-llama-3-8b-offload-cached-64k "$C --preset llama-3-8b --lengths '' --offload-cache-host-lengths 65536 \
   --baseline-lengths 65536 --baseline-stacks fa4 --chunk 16384 --recompute layer-host --warm-each --repeats 2 --backend fa4"
 job core-llama-3-8b-lora-unfused-64k "$C $LORA64 --trainable lora-unfused"
@@ -250,7 +237,7 @@ job train-gpt-oss-20b-lora-sparse-512k "python3 -m benchmarks.train_steps --pres
   --steps 2 --timeout 540 --keys 'lora.r=16 lora.targets=all-linear train.page_budget=64'"
 part models 'train-gpt-oss-20b-lora train-gpt-oss-20b-lora-sparse-512k core-gpt-oss-20b-vs-transformers-64k core-gpt-oss-20b-fast-64k
   core-gpt-oss-20b-sparse-128k core-llama-3-8b-vs-transformers-64k core-llama-3-8b-lora-64k
-  core-llama-3-8b-lora-unfused-64k core-llama-3-8b-offload-64k core-llama-3-8b-offload-cached-64k core-llama-3-8b-lora-profile-64k
+  core-llama-3-8b-lora-unfused-64k core-llama-3-8b-offload-cached-64k core-llama-3-8b-lora-profile-64k
   core-llama-3-8b-all-profile-64k core-qwen3-8b-vs-transformers-64k core-granite-3.3-8b-vs-transformers-64k
   core-gemma-3-12b-vs-transformers-64k core-llama-3-8b-vs-transformers-128k core-qwen3-8b-vs-transformers-128k
   core-granite-3.3-8b-vs-transformers-128k core-gemma-3-12b-vs-transformers-128k core-llama-3-8b-lora-auto-64k
