@@ -158,6 +158,18 @@ job train-llama-3-8b-qlora-r32-128k "python3 -m benchmarks.train_steps --preset 
 job train-llama-3-8b-qlora-r32-unsloth-memory "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 16384,65536 \
   --steps 2,2 --timeout 150 --keys '$QLORA32 train.offload=true train.gpu_memory=23.6GiB' --variant auto '' \
   --variant chunk 'train.recompute=chunk'"
+# ... and at 128K held to Unsloth's 39.44 GiB there (2026-12-08) plus the plan's 1 GiB for the CUDA context.
+job train-llama-3-8b-qlora-r32-unsloth-memory-128k "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 131072 \
+  --steps 2 --timeout 300 --keys '$QLORA32 train.offload=true train.gpu_memory=40.4GiB'"
+# The plan under-counted the 16K step held to Unsloth's footprint (all 32 layers' pages on the GPU, the attention
+# cache and the layer inputs in host memory, one chunk: 14.11 GiB planned, 15.00 allocated), where the same step with
+# the cache on the GPU was over-counted (18.04 against 17.50): which part brings the difference, one variant each;
+# each row's chunk lines (train.log_chunks) hold the peak at stage 2's start, i.e. stage 1's.
+job train-llama-3-8b-qlora-r32-16k-peaks "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 16384 \
+  --steps 2 --timeout 100 --keys '$QLORA32 train.chunk_size=16384 train.recompute=layer-host train.log_chunks=true' \
+  --variant cache-gpu 'train.cache_attention=true' --variant cache-host 'train.cache_attention=host' \
+  --variant no-cache 'train.cache_attention=false' --variant offload-cache-host 'train.offload=true train.cache_attention=host' \
+  --variant offload-no-cache 'train.offload=true train.cache_attention=false'"
 # The two systems side by side at the lengths both ran, from the records of the jobs above made on one machine: in
 # the same call, or anywhere after with those records put in $OUT (they read no GPU).
 job versus-unsloth-llama-3-8b 'python3 -m benchmarks.records versus-unsloth "$OUT/unsloth-llama-3-8b.json" \
@@ -172,11 +184,18 @@ job versus-unsloth-llama-3-8b-same-memory 'python3 -m benchmarks.records versus-
 job versus-unsloth-llama-3-8b-128k 'python3 -m benchmarks.records versus-unsloth "$OUT/unsloth-llama-3-8b-128k.json" \
   --oomb "$OUT/train-llama-3-8b-qlora-r32-128k.json" --out "$OUT/versus-unsloth-llama-3-8b-128k.json" \
   --command "bash benchmarks/h200.sh unsloth-llama-3-8b-128k train-llama-3-8b-qlora-r32-128k versus-unsloth-llama-3-8b-128k"'
+# ... and at 128K with oomb held to Unsloth's footprint there (the same machine and day as Unsloth's 128K record).
+job versus-unsloth-llama-3-8b-128k-same-memory 'python3 -m benchmarks.records versus-unsloth "$OUT/unsloth-llama-3-8b-128k.json" \
+  --oomb "$OUT/train-llama-3-8b-qlora-r32-128k.json" --oomb "$OUT/train-llama-3-8b-qlora-r32-unsloth-memory-128k.json" \
+  --out "$OUT/versus-unsloth-llama-3-8b-128k-same-memory.json" --command "bash benchmarks/h200.sh unsloth-llama-3-8b-128k \
+  train-llama-3-8b-qlora-r32-128k train-llama-3-8b-qlora-r32-unsloth-memory-128k versus-unsloth-llama-3-8b-128k-same-memory"'
 job train-llama-3-8b-qlora-r32-longest "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths '' --steps '' \
   --longest --timeout 540 --keys '$QLORA32'"
 part unsloth 'unsloth-llama-3-8b unsloth-llama-3-8b-128k unsloth-llama-3-8b-longest train-llama-3-8b-qlora-r32
   versus-unsloth-llama-3-8b train-llama-3-8b-qlora-r32-unsloth-memory versus-unsloth-llama-3-8b-same-memory
-  train-llama-3-8b-qlora-r32-128k versus-unsloth-llama-3-8b-128k
+  train-llama-3-8b-qlora-r32-16k-peaks
+  train-llama-3-8b-qlora-r32-128k versus-unsloth-llama-3-8b-128k train-llama-3-8b-qlora-r32-unsloth-memory-128k
+  versus-unsloth-llama-3-8b-128k-same-memory
   train-llama-3-8b-qlora-r32-longest'
 # LoRA r=16 on every linear layer of Llama-3-8B at 64K in the lean setting, oomb's fused LoRA layers (with the
 # stack running peft's own beside) and peft's own layers, each in its own process; the full-gradient step in the
@@ -195,8 +214,10 @@ done
 # The leanest exact setting: the pages (offload), every layer's input (layer-host) and the attention cache in host
 # memory, one layer's activations on the GPU (what `oomb train` picks with offload where the host holds them), all
 # weights trained, against the stack.
-job core-llama-3-8b-offload-cached-64k "$C --preset llama-3-8b --lengths '' --offload-cache-host-lengths 65536 \
-  --baseline-lengths 65536 --baseline-stacks fa4 --chunk 16384 --recompute layer-host --warm-each --repeats 2 --backend fa4"
+for preset in llama-3-8b qwen3-8b granite-3.3-8b; do
+  job "core-$preset-offload-cached-64k" "$C --preset $preset --lengths '' --offload-cache-host-lengths 65536 \
+    --baseline-lengths 65536 --baseline-stacks fa4 --chunk 16384 --recompute layer-host --warm-each --repeats 2 --backend fa4"
+done
 job core-llama-3-8b-lora-unfused-64k "$C $LORA64 --trainable lora-unfused"
 # A sliding layer's attention and page traffic against a full layer's, at 32K and 128K: one profiled step at each
 # with the pages and the attention cache in host memory (the record's profile.ranges: each kind's attention kernels,
@@ -237,7 +258,8 @@ job train-gpt-oss-20b-lora-sparse-512k "python3 -m benchmarks.train_steps --pres
   --steps 2 --timeout 540 --keys 'lora.r=16 lora.targets=all-linear train.page_budget=64'"
 part models 'train-gpt-oss-20b-lora train-gpt-oss-20b-lora-sparse-512k core-gpt-oss-20b-vs-transformers-64k core-gpt-oss-20b-fast-64k
   core-gpt-oss-20b-sparse-128k core-llama-3-8b-vs-transformers-64k core-llama-3-8b-lora-64k
-  core-llama-3-8b-lora-unfused-64k core-llama-3-8b-offload-cached-64k core-llama-3-8b-lora-profile-64k
+  core-llama-3-8b-lora-unfused-64k core-llama-3-8b-offload-cached-64k core-qwen3-8b-offload-cached-64k
+  core-granite-3.3-8b-offload-cached-64k core-llama-3-8b-lora-profile-64k
   core-llama-3-8b-all-profile-64k core-qwen3-8b-vs-transformers-64k core-granite-3.3-8b-vs-transformers-64k
   core-gemma-3-12b-vs-transformers-64k core-llama-3-8b-vs-transformers-128k core-qwen3-8b-vs-transformers-128k
   core-granite-3.3-8b-vs-transformers-128k core-gemma-3-12b-vs-transformers-128k core-llama-3-8b-lora-auto-64k

@@ -165,12 +165,13 @@ def run_length(preset: str, seq_len: int, steps: int, folder: Path, timeout: flo
 def row_of_run(run: Path, log: Path, seq_len: int) -> dict:
     """A length's row from its run folder and log: ``record_of`` where a step was logged; else the log's last lines
     (refused, failed, or cut short before its first step ended) and, where its chunks.jsonl has lines, how far that
-    step got (``partial``) with the plan's prediction beside the peak it had reached."""
-    if (run / "metrics.jsonl").is_file():
-        return record_of(run, log, seq_len)
-    row = {"seq_len": seq_len, "warm_step_s": None, "error": log.read_text().strip().splitlines()[-3:]}
+    step got (``partial``) with the plan's prediction beside the peak it had reached. A run with train.log_chunks
+    keeps its chunk lines (``chunks``: the GPU peak at each chunk's start says which stage reached the step's)."""
     chunks = run / "chunks.jsonl"
     lines = [json.loads(line) for line in chunks.read_text().splitlines() if line.strip()] if chunks.is_file() else []
+    if (run / "metrics.jsonl").is_file():
+        return {**record_of(run, log, seq_len), **({"chunks": lines} if lines else {})}
+    row = {"seq_len": seq_len, "warm_step_s": None, "error": log.read_text().strip().splitlines()[-3:]}
     if lines:
         row["partial"] = partial_step(lines)
         peak = row["partial"]["peak_gpu_gib"]

@@ -124,6 +124,20 @@ def test_a_run_cut_short_keeps_how_far_its_step_got(tmp_path):
     assert "partial" not in row_of_run(run, log, 1 << 20)  # refused before any chunk: the log's lines only
 
 
+def test_a_finished_run_keeps_its_chunk_lines(tmp_path, monkeypatch):
+    import benchmarks.train_steps as train_steps
+
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    monkeypatch.setattr(train_steps, "record_of", lambda run, log, seq_len: {"seq_len": seq_len, "warm_step_s": 2.0})
+    assert "chunks" not in train_steps.row_of_run(run, log, 16384)
+    lines = _chunk_lines([("fill", 1, 1, 0.0), ("backward", 1, 1, 0.8)], peak=15.0)
+    (run / "chunks.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    row = train_steps.row_of_run(run, log, 16384)
+    assert row["warm_step_s"] == 2.0 and row["chunks"] == lines
+
+
 def test_a_longest_run_logs_its_chunks(tmp_path):
     from benchmarks.train_steps import run_length
 

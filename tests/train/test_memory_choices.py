@@ -110,6 +110,7 @@ def test_with_offload_long_whole_chunks_come_first_then_layer_host():
     # a chunk, chunks twice as long) comes first.
     cfg = load_config(None, [*OFFLOAD_7B, "data.seq_len=65536", "train.master_weights=false"])
     order = [(c["recompute"], c["chunk_size"], c["cache_attention"]) for c in memory.auto_choices(cfg, "cuda", 65536)]
+    assert order.pop(0) == ("chunk", 65536, False)  # the whole sequence in one chunk first, where it fits
     first_layer = next(i for i, o in enumerate(order) if o[0] == "layer-host")
     assert order[:first_layer] == [("chunk", 8192, "host"), ("chunk", 8192, False)]
     layer = [o for o in order if o[0] == "layer-host"]
@@ -129,10 +130,41 @@ def test_with_offload_long_whole_chunks_come_first_then_layer_host():
     assert {c["recompute"] for c in memory.auto_choices(cfg, "cuda", 65536)} == {"chunk"}
 
 
+def test_a_sequence_whose_activations_fit_runs_as_one_chunk_computed_once(monkeypatch):
+    # One chunk with whole-chunk recompute is a plain forward and backward (stage 1 runs every chunk but the last);
+    # layer-host would run every layer's forward twice. Taken wherever all the activations fit the card.
+    monkeypatch.setattr(fused_ops, "liger_available", lambda: True)
+    card = dict(gpu_bytes=int(79.2 * GiB), host_bytes=int(125.8 * GiB))
+    lora = ["model.preset=qwen2.5-7b", "lora.r=16", "lora.targets=all-linear"]
+    cfg, plan, _ = _resolve([*lora, "data.seq_len=4000"], **card)
+    t = cfg.train
+    assert plan.fits and (t.recompute, t.chunk_size, t.cache_attention) == ("chunk", 4096, False)
+    # Too long for every layer's activations at once: chunks of 16384 by layer, as before.
+    cfg, plan, _ = _resolve([*lora, "data.seq_len=32768"], **card)
+    assert plan.fits and (cfg.train.recompute, cfg.train.chunk_size) == ("layer-host", 16384)
+    qlora = ["model.preset=llama-3-8b", "model.quantize=nf4", "lora.r=32", "lora.alpha=32", "lora.targets=all-linear",
+             "train.optimizer=adamw8bit"]
+    assert _resolve([*qlora, "data.seq_len=8192"], **card)[0].train.recompute == "chunk"
+    assert _resolve([*qlora, "data.seq_len=16384"], **card)[0].train.recompute == "layer-host"
+    # An explicit chunk shorter than the sequence, a fixed recompute by layer, and a CPU run keep their chunks.
+    for keys, device in (([*lora, "data.seq_len=4096", "train.chunk_size=2048"], "cuda"),
+                         ([*lora, "data.seq_len=4096", "train.recompute=layer-host"], "cuda"),
+                         ([*lora, "data.seq_len=4096"], "cpu")):
+        cfg = load_config(None, keys)
+        assert memory.whole_sequence_choice(cfg, device, 4096, False) is None
+    cfg = load_config(None, [*lora, "data.seq_len=4096"])
+    assert 4096 not in {c["chunk_size"] for c in memory.auto_choices(cfg, "cpu", 4096)}
+    # An explicit chunk as long as the sequence is one chunk, computed once; the cache as set.
+    cfg = load_config(None, [*lora, "data.seq_len=4096", "train.chunk_size=8192", "train.cache_attention=host"])
+    first = memory.auto_choices(cfg, "cuda", 4096)[0]
+    assert (first["chunk_size"], first["cache_attention"], first["recompute"]) == (8192, "host", "chunk")
+
+
 def test_auto_chunk_order_smaller_gpus_and_short_sequences(monkeypatch):
     cfg = load_config(None, ["data.seq_len=65536", "train.master_weights=false"])
     choices = memory.auto_choices(cfg, "cuda", 65536)
-    # recompute=layer-host first (chunks from 16384, each with the cache on the GPU, then in host memory; then
+    assert choices.pop(0) == dict(master_weights=False, chunk_size=65536, cache_attention=False, recompute="chunk")
+    # then recompute=layer-host (chunks from 16384, each with the cache on the GPU, then in host memory; then
     # without it), then whole-chunk recompute (chunks from 8192; the cache on the GPU, then none)
     by_layer = [(c["chunk_size"], c["cache_attention"]) for c in choices if c["recompute"] == "layer-host"]
     speed = [(c["chunk_size"], c["cache_attention"]) for c in choices[len(by_layer):]]
@@ -149,12 +181,14 @@ def test_auto_chunk_order_smaller_gpus_and_short_sequences(monkeypatch):
     assert memory.chunk_choices(cfg, "cuda") == [8160, 4032, 2016, 960, 480, 192, 96]
     # Where layer recompute is not possible (layer checkpointing here), whole-chunk recompute alone, as before.
     cfg = load_config(None, ["data.seq_len=65536", "train.master_weights=false", "train.layer_checkpointing=true"])
-    assert [(c["chunk_size"], c["cache_attention"]) for c in memory.auto_choices(cfg, "cuda", 65536)] == speed
+    assert [(c["chunk_size"], c["cache_attention"]) for c in memory.auto_choices(cfg, "cuda", 65536)] == [
+        (65536, False), *speed]
     # nor for a decoder whose layers cannot be rebuilt one at a time
     cfg = load_config(None, ["data.seq_len=65536", "train.master_weights=false"])
     with monkeypatch.context() as patched:
         patched.setattr(memory, "layers_rebuildable", lambda config, trust_remote_code: False)
-        assert [(c["chunk_size"], c["cache_attention"]) for c in memory.auto_choices(cfg, "cuda", 65536)] == speed
+        assert [(c["chunk_size"], c["cache_attention"]) for c in memory.auto_choices(cfg, "cuda", 65536)] == [
+            (65536, False), *speed]
     # A smaller GPU moves the cache to the host where the 141 GiB one would not; a host too small for every
     # layer's input recomputes whole chunks.
     order = [(c["recompute"], c["chunk_size"], c["cache_attention"]) for c in choices]

@@ -37,6 +37,13 @@ from oomb.train.config.step import (
     step_options,
 )
 from oomb.train.data.inputs import model_config, position_notes, positions_warning
+from oomb.train.loop.auto_chunks import (
+    CACHE_MIN_CHUNK,
+    LAYER_AUTO_CHUNK_START,
+    OFFLOAD_CHUNK_FLOOR,
+    chunk_choices,
+    whole_sequence_choice,
+)
 from oomb.train.loop.distributed import smallest_over_ranks, under_torchrun
 from oomb.train.loop.host_memory import available_memory, host_shortfall, memory_limits, process_bytes
 from oomb.train.loop.model import lora_target_names
@@ -110,46 +117,13 @@ def _alternatives(cfg: Config, device_type: str, dtype: torch.dtype, limits: Mem
     return found
 
 
-# train.chunk_size=auto tries chunks from this size down, halving: on the GPU a longer chunk runs faster (fewer,
-# longer kernels; docs/benchmarks.md). On CPU from 1024, the fixed default before auto, so the CPU runs (the
-# built-in tiny job) keep their speed and losses.
-AUTO_CHUNK_START = {"cuda": 8192, "cpu": 1024}
-# With train.recompute=layer-host a chunk's activations are one layer's, so chunks twice as long fit where 8192
-# did with every layer's: fewer, larger matrix products (H200, Qwen2.5-7B, 128K: 0.92x the best transformers
-# stack's step with chunks of 16384, docs/benchmarks.md).
-LAYER_AUTO_CHUNK_START = 16384
-# The smallest automatic chunk tried with the attention cache before the largest chunk without it. The cache
-# and long chunks each speed a step up (H200, Qwen2.5-7B: docs/benchmarks.md, "chunked_backward's defaults" and
-# "Chunks of 8192 tokens instead of 4096"). Cached chunks below 1024 against long uncached ones were not measured: they
-# run many more, smaller kernels per step, so the long chunk is preferred there.
-CACHE_MIN_CHUNK = 1024
-# With offload, whole-chunk recompute's chunks of this size or more come before layer-host (auto_choices).
-OFFLOAD_CHUNK_FLOOR = 8192
-
-
-def chunk_choices(cfg: Config, device_type: str, seq_len: int | None = None, start: int | None = None) -> list[int]:
-    """The chunk sizes train.chunk_size=auto tries, largest first: halvings of ``start`` (default
-    AUTO_CHUNK_START) as multiples of train.page_size, none longer than ``seq_len`` rounded up to a whole page."""
-    page = cfg.train.page_size
-    top = start or AUTO_CHUNK_START["cuda" if device_type == "cuda" else "cpu"]
-    if seq_len is not None:
-        top = min(top, -(-seq_len // page) * page)
-    sizes, size = [], top
-    while True:
-        chunk = max(page, size // page * page)
-        if chunk not in sizes:
-            sizes.append(chunk)
-        if chunk == page:
-            return sizes
-        size //= 2
-
-
 def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> list[dict]:
     """The settings the run's `auto` values may take, as plan_memory arguments, most preferred first.
 
-    fp32 master weights first (train.master_weights=auto: precision), then speed and memory. With
+    fp32 master weights first (train.master_weights=auto: precision), then speed and memory: on a GPU the whole
+    sequence as one chunk computed once (whole_sequence_choice), where its activations fit. Then, with
     train.recompute=auto, where the run trains in one process without layer checkpointing,
-    recompute=layer-host comes first: every layer's input in host memory and one layer's activations on the
+    recompute=layer-host comes next: every layer's input in host memory and one layer's activations on the
     GPU leave room for chunks twice as long (H200, Qwen2.5-7B, 64K, one run: chunks of 16384 with layer-host
     0.94x the best transformers stack's step time in 0.97x its memory, chunks of 8192 with whole-chunk
     recompute 0.95x in 1.53x; docs/benchmarks.md); its chunks start at LAYER_AUTO_CHUNK_START, each with the
@@ -196,6 +170,9 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
                  + choices("chunk", lambda c: c < OFFLOAD_CHUNK_FLOOR))
     else:
         order = choices("layer-host") + choices("chunk")
+    one = whole_sequence_choice(cfg, device_type, seq_len, options.cache_attention)
+    if one is not None:
+        order = [one, *(o for o in order if o != one)]
     return [dict(master_weights=m, chunk_size=c, cache_attention=k, recompute=r) for m in masters for r, c, k in order]
 
 
