@@ -156,6 +156,8 @@ def test_a_sequence_whose_activations_fit_runs_as_one_chunk_computed_once(monkey
     assert 4096 not in {c["chunk_size"] for c in memory.auto_choices(cfg, "cpu", 4096)}
     # An explicit chunk as long as the sequence is one chunk, computed once; the cache as set.
     cfg = load_config(None, [*lora, "data.seq_len=4096", "train.chunk_size=8192", "train.cache_attention=host"])
+    assert memory.describe_step_choice(cfg, {"chunk_size"}, planned=True).startswith(
+        "chunk 8192 (the whole sequence: no layer computed twice) (chosen by the memory plan)")
     first = memory.auto_choices(cfg, "cuda", 4096)[0]
     assert (first["chunk_size"], first["cache_attention"], first["recompute"]) == (8192, "host", "chunk")
 
@@ -318,8 +320,8 @@ def test_train_states_the_choice_and_a_resume_keeps_the_recorded_chunk(tmp_path,
     assert json.loads((run / "config.json").read_text())["train"]["chunk_size"] == 256
     # Unless it is asked for again: auto plans anew (the cache stays as the run recorded it, off).
     assert main(["train", f"resume={run}", "train.steps=3", "train.chunk_size=auto"]) == 0
-    assert ("chunk 1024 (chosen by the memory plan), attention cache off, page 64, attention kernels torch (auto);"
-            in _printed(capsys))
+    assert ("chunk 1024 (the whole sequence: no layer computed twice) (chosen by the memory plan), attention cache "
+            "off, page 64, attention kernels torch (auto);" in _printed(capsys))
     assert json.loads((run / "config.json").read_text())["train"]["chunk_size"] == 1024
 
 
