@@ -39,7 +39,6 @@ def chunk_choices(cfg: Config, device_type: str, seq_len: int | None = None, sta
         size //= 2
 
 
-
 def whole_sequence_choice(cfg: Config, device_type: str, seq_len: int | None,
                           fixed_cache: bool | str) -> tuple[str, int, bool | str] | None:
     """The whole sequence as one chunk with whole-chunk recompute, where the run's settings allow it (on a GPU):

@@ -228,9 +228,8 @@ def describe_step_choice(cfg: Config, auto: set[str] | frozenset[str], *, planne
     cache on (chosen by the memory plan)". ``auto``: the train keys that were "auto" before check_memory."""
     t = cfg.train
     why = "chosen by the memory plan" if planned else "train.memory_check=false: no memory plan"
-    chunk = f"chunk {t.chunk_size}" + (" (the whole sequence: no layer computed twice)"
-                                         if t.recompute in ("chunk", "auto") and t.chunk_size >= cfg.data.seq_len
-                                         else "")
+    whole = isinstance(t.chunk_size, int) and t.chunk_size >= cfg.data.seq_len and t.recompute in ("chunk", "auto")
+    chunk = f"chunk {t.chunk_size}" + (" (the whole sequence: no layer computed twice)" if whole else "")
     cache = ("attention cache " + {True: "on", "host": "in host memory"}.get(t.cache_attention, "off")
              if isinstance(t.cache_attention, (bool, str)) else "attention cache off")
     by_layer = "" if t.recompute in ("chunk", "auto") else (
