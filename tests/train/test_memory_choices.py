@@ -151,7 +151,7 @@ def test_a_sequence_whose_activations_fit_runs_as_one_chunk_computed_once(monkey
                          ([*lora, "data.seq_len=4096", "train.recompute=layer-host"], "cuda"),
                          ([*lora, "data.seq_len=4096"], "cpu")):
         cfg = load_config(None, keys)
-        assert memory.whole_sequence_choice(cfg, device, 4096, False) is None
+        assert memory.whole_sequence_chunk(cfg, device, 4096) is None
     cfg = load_config(None, [*lora, "data.seq_len=4096"])
     assert 4096 not in {c["chunk_size"] for c in memory.auto_choices(cfg, "cpu", 4096)}
     # An explicit chunk as long as the sequence is one chunk, computed once; the cache as set.

@@ -28,7 +28,7 @@ def chunk_choices(cfg: Config, device_type: str, seq_len: int | None = None, sta
     page = cfg.train.page_size
     top = start or AUTO_CHUNK_START["cuda" if device_type == "cuda" else "cpu"]
     if seq_len is not None:
-        top = min(top, -(-seq_len // page) * page)
+        top = min(top, _whole_pages(seq_len, page))
     sizes, size = [], top
     while True:
         chunk = max(page, size // page * page)
@@ -39,19 +39,21 @@ def chunk_choices(cfg: Config, device_type: str, seq_len: int | None = None, sta
         size //= 2
 
 
-def whole_sequence_choice(cfg: Config, device_type: str, seq_len: int | None,
-                          fixed_cache: bool | str) -> tuple[str, int, bool | str] | None:
-    """The whole sequence as one chunk with whole-chunk recompute, where the run's settings allow it (on a GPU):
-    the fastest step there is wherever all its activations fit. Stage 1 runs every chunk but the last, so one
-    chunk is a plain forward and backward, no layer computed twice; recompute=layer-host runs every layer's forward
-    twice (stage 1 keeps the layer inputs, stage 2 rebuilds each layer): half as much again of a LoRA step's matrix
-    work (no weight gradients), a third more of a full fine-tune's.
-    With one chunk there is nothing for the attention cache to keep (train.cache_attention=auto: off). On a CPU the
-    chunks stay as chunk_choices gives them (the built-in tiny job keeps its chunks and losses)."""
+def whole_sequence_chunk(cfg: Config, device_type: str, seq_len: int | None) -> int | None:
+    """The chunk that holds the whole sequence, run with whole-chunk recompute, where the run's settings allow it (on
+    a GPU; None elsewhere): the fastest step there is wherever all its activations fit. Stage 1 runs every chunk but
+    the last, so one chunk is a plain forward and backward, no layer computed twice; recompute=layer-host runs every
+    layer's forward twice (stage 1 keeps the layer inputs, stage 2 rebuilds each layer): half as much again of a
+    LoRA step's matrix work (no weight gradients), a third more of a full fine-tune's. On a CPU the chunks stay as
+    chunk_choices gives them (the built-in tiny job keeps its chunks and losses)."""
     t = cfg.train
     if seq_len is None or device_type != "cuda" or t.recompute not in ("auto", "chunk"):
         return None
-    if t.chunk_size != "auto" and t.chunk_size < seq_len:
-        return None
-    chunk = -(-seq_len // t.page_size) * t.page_size if t.chunk_size == "auto" else t.chunk_size
-    return "chunk", chunk, False if t.cache_attention == "auto" else fixed_cache
+    if t.chunk_size == "auto":
+        return _whole_pages(seq_len, t.page_size)
+    return t.chunk_size if t.chunk_size >= seq_len else None
+
+
+def _whole_pages(tokens: int, page: int) -> int:
+    """``tokens`` rounded up to a whole page."""
+    return -(-tokens // page) * page

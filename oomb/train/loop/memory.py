@@ -42,7 +42,7 @@ from oomb.train.loop.auto_chunks import (
     LAYER_AUTO_CHUNK_START,
     OFFLOAD_CHUNK_FLOOR,
     chunk_choices,
-    whole_sequence_choice,
+    whole_sequence_chunk,
 )
 from oomb.train.loop.distributed import smallest_over_ranks, under_torchrun
 from oomb.train.loop.host_memory import available_memory, host_shortfall, memory_limits, process_bytes
@@ -121,7 +121,7 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
     """The settings the run's `auto` values may take, as plan_memory arguments, most preferred first.
 
     fp32 master weights first (train.master_weights=auto: precision), then speed and memory: on a GPU the whole
-    sequence as one chunk computed once (whole_sequence_choice), where its activations fit. Then, with
+    sequence as one chunk computed once (whole_sequence_chunk), where its activations fit. Then, with
     train.recompute=auto, where the run trains in one process without layer checkpointing,
     recompute=layer-host comes next: every layer's input in host memory and one layer's activations on the
     GPU leave room for chunks twice as long (H200, Qwen2.5-7B, 64K, one run: chunks of 16384 with layer-host
@@ -170,8 +170,9 @@ def auto_choices(cfg: Config, device_type: str, seq_len: int | None = None) -> l
                  + choices("chunk", lambda c: c < OFFLOAD_CHUNK_FLOOR))
     else:
         order = choices("layer-host") + choices("chunk")
-    one = whole_sequence_choice(cfg, device_type, seq_len, options.cache_attention)
-    if one is not None:
+    whole = whole_sequence_chunk(cfg, device_type, seq_len)
+    if whole is not None:  # with one chunk there is nothing for the attention cache to keep: off, unless set
+        one = ("chunk", whole, False if t.cache_attention == "auto" else options.cache_attention)
         order = [one, *(o for o in order if o != one)]
     return [dict(master_weights=m, chunk_size=c, cache_attention=k, recompute=r) for m in masters for r, c, k in order]
 
