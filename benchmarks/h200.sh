@@ -164,9 +164,11 @@ job train-llama-3-8b-qlora-r32-unsloth-memory-128k "python3 -m benchmarks.train_
 # The plan under-counted the 16K step held to Unsloth's footprint (all 32 layers' pages on the GPU, the attention
 # cache and the layer inputs in host memory, one chunk: 14.11 GiB planned, 15.00 allocated), where the same step with
 # the cache on the GPU was over-counted (18.04 against 17.50): which part brings the difference, one variant each;
-# each row's chunk lines (train.log_chunks) hold the peak at stage 2's start, i.e. stage 1's.
+# each row's chunk lines (train.log_chunks) hold the peak at stage 2's start, i.e. stage 1's, and its memory_peak
+# (train.memory_snapshot=2) the tensors alive at the peak by the code that made them, beside the plan's items.
 job train-llama-3-8b-qlora-r32-16k-peaks "python3 -m benchmarks.train_steps --preset llama-3-8b --lengths 16384 \
-  --steps 2 --timeout 100 --keys '$QLORA32 train.chunk_size=16384 train.recompute=layer-host train.log_chunks=true' \
+  --steps 2 --timeout 140 --keys '$QLORA32 train.chunk_size=16384 train.recompute=layer-host train.log_chunks=true \
+  train.memory_snapshot=2' \
   --variant cache-gpu 'train.cache_attention=true' --variant cache-host 'train.cache_attention=host' \
   --variant no-cache 'train.cache_attention=false' --variant offload-cache-host 'train.offload=true train.cache_attention=host' \
   --variant offload-no-cache 'train.offload=true train.cache_attention=false'"

@@ -152,8 +152,11 @@ def run_length(preset: str, seq_len: int, steps: int, folder: Path, timeout: flo
                                 stdout=out, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout
         metrics = run / "metrics.jsonl"
+        # train.memory_snapshot=N: its files are written after step N's metrics line
+        recorded = run / "memory_peak.json" if "train.memory_snapshot=" in f"{keys_of_all} {keys}" else None
         while proc.poll() is None and time.time() < deadline:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps and (
+                    recorded is None or recorded.is_file()):
                 break
             time.sleep(1)
         proc.send_signal(signal.SIGKILL)  # no final checkpoint: what is measured is the steps
@@ -166,12 +169,15 @@ def row_of_run(run: Path, log: Path, seq_len: int) -> dict:
     """A length's row from its run folder and log: ``record_of`` where a step was logged; else the log's last lines
     (refused, failed, or cut short before its first step ended) and, where its chunks.jsonl has lines, how far that
     step got (``partial``) with the plan's prediction beside the peak it had reached. A run with train.log_chunks
-    keeps its chunk lines (``chunks``: the GPU peak at each chunk's start says which stage reached the step's)."""
-    chunks = run / "chunks.jsonl"
+    keeps its chunk lines (``chunks``: the GPU peak at each chunk's start says which stage reached the step's), and
+    one with train.memory_snapshot its memory_peak.json (``memory_peak``: what was alive at the peak, by site)."""
+    chunks, peak_file = run / "chunks.jsonl", run / "memory_peak.json"
     lines = [json.loads(line) for line in chunks.read_text().splitlines() if line.strip()] if chunks.is_file() else []
+    extra = {**({"chunks": lines} if lines else {}),
+             **({"memory_peak": json.loads(peak_file.read_text())} if peak_file.is_file() else {})}
     if (run / "metrics.jsonl").is_file():
-        return {**record_of(run, log, seq_len), **({"chunks": lines} if lines else {})}
-    row = {"seq_len": seq_len, "warm_step_s": None, "error": log.read_text().strip().splitlines()[-3:]}
+        return {**record_of(run, log, seq_len), **extra}
+    row = {"seq_len": seq_len, "warm_step_s": None, "error": log.read_text().strip().splitlines()[-3:], **extra}
     if lines:
         row["partial"] = partial_step(lines)
         peak = row["partial"]["peak_gpu_gib"]

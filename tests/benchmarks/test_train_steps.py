@@ -136,6 +136,9 @@ def test_a_finished_run_keeps_its_chunk_lines(tmp_path, monkeypatch):
     (run / "chunks.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     row = train_steps.row_of_run(run, log, 16384)
     assert row["warm_step_s"] == 2.0 and row["chunks"] == lines
+    assert "memory_peak" not in row
+    (run / "memory_peak.json").write_text(json.dumps({"peak_gib": 14.9, "sites": []}))  # train.memory_snapshot's
+    assert train_steps.row_of_run(run, log, 16384)["memory_peak"] == {"peak_gib": 14.9, "sites": []}
 
 
 def test_a_longest_run_logs_its_chunks(tmp_path):

@@ -183,6 +183,8 @@ def test_8bit_optimizer_trains_and_resumes_exactly(tmp_path):
     (["data.task=needle", "data.needles=4", "data.depth=0.5"], "data.needles=4 spreads .* leave data.depth null"),
     (["data.task=needle", "data.needles=20"], r"seq_len=256 is too short for 20 needles.*need >= 423"),
     (["data.task=needle", "data.needles=2.5"], "data.needles .* must be int"),
+    (["train.memory_snapshot=2"], "train.memory_snapshot=2 records the CUDA allocator, and this run is on cpu"),
+    (["train.memory_snapshot=-1"], "train.memory_snapshot=-1: the number of steps to record"),
     # The byte-level tokenizer (257 ids) does not fit the tiny preset's 64-row embedding.
     (["data.task=text", "data.paths=[{texts}]"], r"257 ids but the model's embedding has only 64 rows"),
 ])

@@ -191,6 +191,11 @@ class TrainConfig:
     """Write <out_dir>/chunks.jsonl: each chunk's start in each step (its stage, place, the seconds since the step began
     and the GPU memory peak so far), read after the GPU ran what came before it (one sync a chunk): a long step's
     chunk times, and how far a step that never ended got."""
+    memory_snapshot: int = 0
+    """Record the GPU allocator over the run's first N steps (0: no record; CUDA only) and write
+    <out_dir>/memory_snapshot.pickle (every allocation with its stack, for https://pytorch.org/memory_viz) and
+    memory_peak.json (what was alive at the peak, summed by the code that made it, beside the memory plan's items);
+    also written where a step runs out of memory before step N (docs/memory.md, "Where the memory went")."""
     val_every: int = 0
     """Validation loss every N steps and after the last; 0 = after the last where held-out data is given, else never."""
     val_batches: int = 4

@@ -90,6 +90,7 @@ class Run:
     loss_value: float = float("nan")  # the last step's loss
     started: float = 0.0  # perf_counter when the loop began
     validation: object = None  # oomb.train.eval.validation.Validation: the held-out batches, when the run has them
+    memory_record: object = None  # oomb.train.loop.memory_record.MemoryRecord: train.memory_snapshot
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -201,6 +202,12 @@ class Run:
     def stop_out_of_memory(self, step: int, where: str, error: str, use, *, model_intact: bool = True,
                            data_state: dict | None = None):
         """Free what the step held, keep what is good, and say what used the memory."""
+        recorded = None
+        if self.memory_record is not None:  # train.memory_snapshot: the record up to the failure, before the frees
+            try:
+                recorded = self.memory_record.stop(f"at the out-of-memory error of step {step + 1}")
+            except Exception as e:  # noqa: BLE001 - a full disk, or too little host memory to pickle it
+                recorded = f"memory record not written: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         self.optimizer.zero_grad(set_to_none=True)  # no optimizer step happened (or it failed)
         release_memory(self.model)
         gc.collect()
@@ -224,7 +231,8 @@ class Run:
         change = f"train.chunk_size={smaller}" if smaller >= t.page_size else "train.layer_checkpointing=true"
         raise RunStopped(
             f"out of memory in {where} of step {step + 1}: {error}\n"
-            f"Memory when it failed:\n{memory_report(use, self.cfg, model=self.model)}\n{kept}\n"
+            f"Memory when it failed:\n{memory_report(use, self.cfg, model=self.model)}\n"
+            + (f"{recorded}\n" if recorded else "") + f"{kept}\n"
             f"Change a setting above and continue, e.g.:\n  {resume_command(self.out, change)}",
             EXIT_OUT_OF_MEMORY)
 

@@ -46,6 +46,7 @@ from oomb.train.loop.faults import (
 from oomb.train.loop.gradients import accumulate_gradients, clip_gradients, gradient_norm
 from oomb.train.loop.host_memory import cap_gpu_allocator
 from oomb.train.loop.memory import check_memory, describe_offload, describe_step_choice
+from oomb.train.loop.memory_record import MemoryRecord, check_memory_snapshot
 from oomb.train.loop.model import build, describe_size, prepare_for_training
 from oomb.train.loop.monitor import memory_fields, plot_run
 from oomb.train.loop.optim import MasterWeights, build_optimizer, check_optimizer, wants_master_weights
@@ -131,6 +132,7 @@ def _train(cfg: Config, console: Console | None, ctx: DistributedContext) -> Pat
     dtype = resolve_dtype(cfg.model.dtype, device)
     check_optimizer(cfg.train.optimizer, device)
     check_quantize_runs(cfg, device)  # model.quantize=nf4: bitsandbytes runs 4-bit layers on this device
+    check_memory_snapshot(cfg, device)  # train.memory_snapshot: a CUDA run
     try:  # nothing written yet: Ctrl-C here leaves nothing to clean up
         inputs = _build_inputs(cfg, ctx, console)
         # After the data (train.epochs counts its sequences), before config.json is written: it holds the numbers
@@ -145,11 +147,14 @@ def _train(cfg: Config, console: Console | None, ctx: DistributedContext) -> Pat
         cfg.out_dir = str(out)
     lock = open_run_folder(cfg, out, created, main_rank, recorded.record if recorded.write else None)
     reports = Reports(cfg, out, console, enabled=main_rank)
-    failed, run = True, None
+    failed, run, record = True, None, None
     try:
         _start_wandb(reports, ctx)
+        record = MemoryRecord(cfg.train.memory_snapshot if main_rank else 0, out, device,
+                              {item.name: item.gpu_bytes for item in plan.items} if plan is not None else None)
+        record.start()  # before the model is built: the record holds every allocation of the run
         run = _start_run(cfg, out, inputs, device, dtype, ctx, resume_from, console, f"{schedule}, {step_choice}")
-        run.validation = validation
+        run.validation, run.memory_record = validation, record
         for note in (*recorded.notes, *inputs.notes, *(validation.notes if validation else ())):  # e.g. chat samples
             console.print(note, highlight=False)
         if plan is not None:
@@ -169,6 +174,8 @@ def _train(cfg: Config, console: Console | None, ctx: DistributedContext) -> Pat
             e.add_note(crash_note(out))
         raise
     finally:
+        if record is not None:
+            record.discard()  # a run that stopped before step N: the record ends with it, unwritten
         reports.close(failed)
         if lock is not None:
             lock.release()
@@ -349,6 +356,8 @@ def _train_steps(run: Run, console: Console, main_rank: bool, reports: Reports) 
                     console.print(f"step {step + 1}: loss {run.loss_value:.4f}{val}, "
                                   f"{record['tokens_per_s']:,.0f} tok/s")
                 last = step + 1 == cfg.train.steps
+                if (recorded := run.memory_record.after_step(step + 1, last)) is not None:
+                    console.print(recorded, highlight=False)
                 if last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
                     run.checkpoint(step + 1)  # the data files checked first: one changed stops the run
                 if distributed.any_rank(run.ctx, stop.requested) and not last:
