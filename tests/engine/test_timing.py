@@ -120,3 +120,88 @@ def test_the_module_docstring_states_what_the_rates_were_measured_on():
     predicted = predict_step_seconds(config, row["seq_len"], cache_attention=False, sparsity=sparsity)
     assert f"{row['step_s']:.1f} s measured, {predicted:.1f} s predicted" in doc
     assert "NVIDIA H200" in doc and all("H200" in r.gpu for r in (H200_DENSE, H200_SPARSE))
+
+
+# --- other settings and the H100 (the module docstring's second part) ---------------------------------------------
+
+LLAMA_LORA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _train_rows(record: str) -> list[dict]:
+    report = json.loads((RESULTS / record).read_text())
+    assert "H100" in report["machine"]
+    return report["results"]
+
+
+def _h100_full_step(record: str) -> tuple[int, float]:
+    report = json.loads((RESULTS / record).read_text())
+    assert "H100" in report["machine"]
+    row = next(r for r in report["results"] if r["system"] == "oomb+cached-attn")
+    assert row["backend"] == "fa4" and row["chunk_size"] == 16384 and row["options"]["recompute"] == "layer-host"
+    return row["seq_len"], row["step_s"]
+
+
+@pytest.mark.parametrize(("preset", "tolerance"), [("llama-3-8b", 0.02), ("qwen3-8b", 0.02), ("granite-3.3-8b", 0.06)])
+def test_the_h200_rates_predict_the_h100s_full_weight_steps(preset, tolerance):
+    n, seconds = _h100_full_step(f"core-{preset}-vs-transformers-64k.json")
+    predicted = predict_step_seconds(preset_config(preset), n)
+    assert predicted == pytest.approx(seconds, rel=tolerance)
+    assert f"{seconds:.2f} s ({predicted:.2f} predicted)" in " ".join(timing.__doc__.split())
+
+
+def _lora_steps() -> list[tuple[int, float]]:
+    rows = _train_rows("train-llama-3-8b-lora-64k-128k.json")
+    assert all(r["lora_r"] == 16 and r["recompute"] == "layer-host" and r["quantize"] == "none" for r in rows)
+    return [(r["seq_len"], r["warm_step_s"]) for r in rows]
+
+
+def test_the_adapter_rate_is_the_fit_of_the_lora_steps_it_cites():
+    config = preset_config("llama-3-8b")
+    adapters = timing.adapter_bytes_per_token(config, LLAMA_LORA, forwards=2)
+    no_adapters = timing.StepWork(weight_grads=False)
+    rest = [(s - predict_step_seconds(config, n, work=no_adapters), n * 32 * adapters) for n, s in _lora_steps()]
+    seconds_per_byte = sum(r * b for r, b in rest) / sum(b * b for _, b in rest)  # least squares through 0
+    assert 1 / seconds_per_byte == pytest.approx(timing.ADAPTER_BYTES_PER_S, rel=1e-3)
+    work = timing.StepWork(weight_grads=False, adapter_bytes=adapters)
+    doc = " ".join(timing.__doc__.split())
+    for n, s in _lora_steps():
+        predicted = predict_step_seconds(config, n, work=work)
+        assert predicted == pytest.approx(s, rel=0.015)
+        assert f"{s:.2f} s" in doc and f"{predicted:.2f} s" in doc
+
+
+def test_a_4bit_base_runs_a_little_slower_than_its_lora_prediction():
+    config = preset_config("llama-3-8b")
+    work = timing.StepWork(weight_grads=False, adapter_bytes=timing.adapter_bytes_per_token(config, LLAMA_LORA, 2))
+    rows = _train_rows("train-llama-3-8b-qlora-r32.json") + _train_rows("train-llama-3-8b-qlora-r32-128k.json")
+    doc = " ".join(timing.__doc__.split())
+    for r in rows:
+        assert r["quantize"] == "nf4" and r["recompute"] == "layer-host" and r["chunk_size"] == 16384
+        over = r["warm_step_s"] / predict_step_seconds(config, r["seq_len"], work=work) - 1
+        assert 0 < over < 0.15, (r["seq_len"], over)
+        assert f"{r['warm_step_s']:.2f} s" in doc and f"{over:.0%}" in doc
+
+
+def test_the_work_a_setting_runs_is_counted_from_the_rates_setting():
+    assert timing.linear_work(timing.StepWork()) == 1  # two forwards, dx and dW: the rates' own setting
+    assert timing.linear_work(timing.StepWork(weight_grads=False)) == 0.75  # LoRA: no frozen weight gradient
+    assert timing.linear_work(timing.StepWork(forwards=1)) == 0.75  # one chunk: each layer's forward once
+    assert timing.linear_work(timing.StepWork(forwards=1, weight_grads=False)) == 0.5
+    config = preset_config("qwen2.5-7b")
+    n = 8192
+    linear, attention = step_flops(config, n)
+    once = predict_step_seconds(config, n, cache_attention=False, work=timing.StepWork(forwards=1))
+    # computed once, the attention forward runs once without any cache
+    rates = H200_DENSE
+    assert once == pytest.approx(0.75 * linear * rates.linear_s_per_flop + attention * rates.attention_s_per_flop)
+
+
+def test_the_adapters_stream_each_adapted_layers_rows():
+    config = preset_config("llama-3-8b")  # hidden 4096, 32 x 128 query and 8 x 128 key/value widths, MLP 14336
+    assert timing.adapter_bytes_per_token(config, ("q_proj",), forwards=2) == 2 * (2 * (4096 + 2 * 4096) + 2 * 4096
+                                                                                 + 3 * 4096)
+    assert timing.adapter_bytes_per_token(config, ("down_proj",), forwards=1) == 2 * ((14336 + 2 * 4096) + 2 * 4096
+                                                                                    + 3 * 14336)
+    assert timing.adapter_bytes_per_token(config, ("experts", "lm_head"), forwards=2) == 0  # not counted
+    both = timing.adapter_bytes_per_token(config, ("k_proj", "v_proj"), forwards=2)
+    assert both == 2 * timing.adapter_bytes_per_token(config, ("k_proj",), forwards=2)
