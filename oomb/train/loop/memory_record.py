@@ -73,7 +73,8 @@ class MemoryRecord:
 
     def start(self) -> None:
         if self.steps:
-            torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
+            # Stacks of allocations only ("alloc"): what made a tensor is what the summary and the viewer show.
+            torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
                                                      max_entries=MAX_ENTRIES, device=self.device)
             self.recording = True
 
