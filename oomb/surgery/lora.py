@@ -243,3 +243,37 @@ def plain_lora(model: torch.nn.Module) -> list[str]:
             module.__dict__.pop("fused_lora_into_grad", None)
             names.append(name)
     return names
+
+
+def merged_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's state dict with each LoRA layer's adapter merged into its weight, from ``state``, a full
+    state dict of the peft ``model`` (gathered from ranks that each hold a shard: the model's own Parameters are
+    not whole here, so peft's merge_and_unload cannot run). As peft merges: W + s (B A), the product in float32,
+    added in W's dtype. Keys lose peft's ``base_model.model.`` prefix and ``.base_layer``; ValueError for peft
+    state this does not merge (another adapter kind, modules_to_save)."""
+    from peft.tuners.lora import LoraLayer
+
+    scalings = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            if len(module.active_adapters) != 1 or module.merged:
+                raise ValueError(f"{name}: {len(module.active_adapters)} active adapters (or merged): merge one")
+            adapter = module.active_adapters[0]
+            scalings[name] = (adapter, float(module.scaling[adapter]))
+    merged, used = {}, set()
+    for key, tensor in state.items():
+        module, _, leaf = key.rpartition(".")
+        owner = module.removesuffix(".base_layer")
+        if owner in scalings and module.endswith(".base_layer") and leaf == "weight":
+            adapter, scaling = scalings[owner]
+            a, b = (f"{owner}.lora_A.{adapter}.weight", f"{owner}.lora_B.{adapter}.weight")
+            delta = (state[b].float() @ state[a].float()) * scaling
+            tensor = tensor + delta.to(tensor.dtype)
+            used.update((a, b))
+        elif ".lora_" in key or "modules_to_save" in key or "original_module" in key:
+            continue  # merged above, or refused below
+        merged[key.removeprefix("base_model.model.").replace(".base_layer.", ".")] = tensor
+    left = [k for k in state if (".lora_" in k or "modules_to_save" in k) and k not in used]
+    if left:
+        raise ValueError(f"peft state that is not a LoRA adapter on a linear layer's weight: {left[:3]}")
+    return merged

@@ -135,7 +135,8 @@ def test_tensor_parallel_without_torchrun_or_with_other_settings_is_refused(monk
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
     for overrides, message in ((["train.tensor_parallel=3"], "train.tensor_parallel=3 does not divide the 4 ranks"),
-                               (["train.tensor_parallel=4", "lora.r=8"], "lora.r > 0 is not supported under torchrun"),
+                               (["train.tensor_parallel=4", "lora.r=8"], "LoRA runs data parallel under torchrun"),
+                               (["lora.r=8", "model.quantize=nf4"], "FSDP2 cannot shard bitsandbytes' packed 4-bit"),
                                (["train.tensor_parallel=4", "train.optimizer=adamw8bit"], "only adamw")):
         with pytest.raises(ConfigError, match=message):  # before any process group starts
             distributed.setup(load_config(None, ["train.device=cpu", *overrides]))

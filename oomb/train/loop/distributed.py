@@ -31,6 +31,10 @@ says how to launch and what each choice costs; in short, for P parameters of b b
   step calls the decoder and reads the head's weight for the fused cross-entropy, never the
   causal LM's own forward, so the head's weight must be gathered together with the decoder.
 
+LoRA (peft) trains the same way: the frozen base and the adapters sharded, the adapters' gradients reduced;
+checkpoints hold the trained parameters only (``_trained_state``), and the export merges the adapters on rank 0
+from the gathered state (oomb.surgery.lora.merged_state_dict) as one process's export does.
+
 The step's gradients, their norm and clipping are one path for one process and for torchrun
 (oomb/train/loop/gradients.py), which also says how the loss is normalised over the ranks.
 """
@@ -60,6 +64,7 @@ from oomb.train.runfolder.checkpoint import (
     fsync_dir,
     fsync_file,
     load_plain,
+    name_base_model,
     publish_dir,
     rng_state,
     set_rng_state,
@@ -150,9 +155,13 @@ def setup(cfg: Config) -> DistributedContext:
                           "takes cuda:LOCAL_RANK itself)")
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
-    if cfg.lora.r > 0:
-        raise ConfigError("lora.r > 0 is not supported under torchrun yet (data and tensor parallel train full "
-                          "fine-tuning only); run LoRA in one process")
+    if cfg.lora.r > 0 and tp > 1:
+        raise ConfigError(f"lora.r > 0 with train.tensor_parallel={tp}: LoRA runs data parallel under torchrun "
+                          "(train.tensor_parallel=1, the default), or in one process")
+    if cfg.model.quantize != "none":
+        raise ConfigError(f"model.quantize={cfg.model.quantize} under torchrun: FSDP2 cannot shard bitsandbytes' "
+                          "packed 4-bit weights; run QLoRA in one process, or LoRA on a 16-bit base "
+                          "(model.quantize=none) under torchrun")
     if cfg.train.optimizer != "adamw":
         raise ConfigError(f"train.optimizer={cfg.train.optimizer} under torchrun: only adamw (torch) works on "
                           "FSDP2's sharded parameters")
@@ -363,7 +372,6 @@ def save_checkpoint(ctx: DistributedContext, out_dir: Path, step: int, model, op
     previous checkpoint as it was.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     final = checkpoint_dir(out_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -371,7 +379,7 @@ def save_checkpoint(ctx: DistributedContext, out_dir: Path, step: int, model, op
         start_folder_write(tmp)
     barrier(ctx)
     try:
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = _trained_state(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp / "dcp")
         rng = tmp / f"rng-rank{ctx.rank}.pt"
         torch.save(rng_state(), rng)
@@ -402,6 +410,25 @@ def save_checkpoint(ctx: DistributedContext, out_dir: Path, step: int, model, op
     return final
 
 
+def _trained_state(model, optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts of what a checkpoint holds: ``_trained_only``, and of a frozen weight tied to a
+    trained name (an LM head tied to a frozen embedding), nothing either."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=_trained_only())
+    trained = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {k: v for k, v in model_state.items() if k in trained}, optim_state
+
+
+def _trained_only(loading: bool = False):
+    """What a checkpoint holds of the model: the trained parameters, as one process's checkpoint does
+    (``trainable_state_dict``); a frozen base (LoRA) is rebuilt from the model's source on resume. Loading, the
+    frozen ones are left as built (not strict: DCP's load has already refused a trained one it lacks)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=not loading)
+
+
 def check_checkpoint_format(ckpt: Path, ctx: DistributedContext) -> None:
     """Refuse, before loading, a checkpoint written by a different number of processes."""
     state = checkpoint_state(ckpt)
@@ -424,22 +451,27 @@ def check_checkpoint_format(ckpt: Path, ctx: DistributedContext) -> None:
 
 def load_checkpoint(ctx: DistributedContext, ckpt: Path, model, optimizer, scheduler) -> int:
     """Restore this rank's shards, the scheduler and this rank's RNG; returns the step."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     from oomb.train.runfolder.safe_dcp import load_dcp
 
     check_checkpoint_format(ckpt, ctx)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _trained_state(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     load_dcp(state, ckpt / "dcp")  # no pickled code runs from the checkpoint (oomb.train.runfolder.safe_dcp)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=_trained_only(loading=True))
     scheduler.load_state_dict(load_plain(ckpt / "scheduler.pt"))
     set_rng_state(load_plain(ckpt / f"rng-rank{ctx.rank}.pt"))
     return checkpoint_state(ckpt)["step"]
 
 
-def export_model(ctx: DistributedContext, model, out_dir: Path, *, tokenizer=None) -> Path:
-    """Gather the full weights on rank 0 and write one transformers folder (``export/``), atomically."""
+def export_model(ctx: DistributedContext, model, out_dir: Path, *, tokenizer=None, merge_lora: bool = True,
+                 base_model: str | None = None) -> Path:
+    """Gather the full weights on rank 0 and write one transformers folder (``export/``), atomically. A LoRA
+    (peft) model is exported as one process exports it (oomb.train.runfolder.checkpoint.export_model): the
+    adapters merged into the base's weights, or with ``merge_lora=False`` the adapter folder, naming
+    ``base_model``."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -447,6 +479,14 @@ def export_model(ctx: DistributedContext, model, out_dir: Path, *, tokenizer=Non
     kept = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
     full = {name: tensor for name, tensor in full.items() if name in kept}
     if ctx.is_main:
-        write_export(out_dir, model, tokenizer, state_dict=full)
+        peft_configs = getattr(model, "peft_config", None)
+        if isinstance(peft_configs, dict) and merge_lora:
+            from oomb.surgery.lora import merged_state_dict
+
+            write_export(out_dir, model.get_base_model(), tokenizer, state_dict=merged_state_dict(model, full))
+        else:
+            if isinstance(peft_configs, dict) and base_model is not None:
+                name_base_model(peft_configs, base_model)
+            write_export(out_dir, model, tokenizer, state_dict=full)
     barrier(ctx)
     return out_dir / "export"

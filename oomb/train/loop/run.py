@@ -161,7 +161,9 @@ class Run:
     def export(self, tokenizer) -> Path:
         try:
             if self.ctx.torchrun:
-                return distributed.export_model(self.ctx, self.model, self.out, tokenizer=tokenizer)
+                return distributed.export_model(self.ctx, self.model, self.out, tokenizer=tokenizer,
+                                                merge_lora=self.cfg.lora.merge_on_export,
+                                                base_model=base_model_name(self.cfg))
             return export_model(self.model, self.out, merge_lora=self.cfg.lora.merge_on_export, tokenizer=tokenizer,
                                 base_model=base_model_name(self.cfg))
         except Exception as e:  # noqa: BLE001 - a failed write of any kind; export.tmp was removed

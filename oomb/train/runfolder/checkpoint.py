@@ -430,13 +430,18 @@ def export_model(model, out_dir: Path, *, merge_lora: bool = True, tokenizer=Non
 
         model = copy.deepcopy(model).merge_and_unload()  # the training model keeps its adapters
     elif isinstance(peft_configs, dict) and base_model is not None:
-        # A hub id pinned as NAME@REVISION (oomb.train.config.hub): peft's config keeps the id and the revision apart.
-        hub = None if Path(base_model).exists() else split_revision(base_model)
-        name, revision = hub if hub is not None else (base_model, None)
-        for adapter in peft_configs.values():
-            adapter.base_model_name_or_path = name
-            adapter.revision = revision or adapter.revision
+        name_base_model(peft_configs, base_model)
     return write_export(out_dir, model, tokenizer)
+
+
+def name_base_model(peft_configs: dict, base_model: str) -> None:
+    """Make each adapter's config name ``base_model`` (a path, or a hub id pinned as NAME@REVISION by
+    oomb.train.config.hub, which peft's config keeps apart as the id and the revision)."""
+    hub = None if Path(base_model).exists() else split_revision(base_model)
+    name, revision = hub if hub is not None else (base_model, None)
+    for adapter in peft_configs.values():
+        adapter.base_model_name_or_path = name
+        adapter.revision = revision or adapter.revision
 
 
 def write_export(out_dir: Path, model, tokenizer=None, **save_kwargs) -> Path:
