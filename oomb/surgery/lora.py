@@ -248,8 +248,8 @@ def plain_lora(model: torch.nn.Module) -> list[str]:
 def merged_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The base model's state dict with each LoRA layer's adapter merged into its weight, from ``state``, a full
     state dict of the peft ``model`` (gathered from ranks that each hold a shard: the model's own Parameters are
-    not whole here, so peft's merge_and_unload cannot run). As peft merges: W + s (B A), the product in float32,
-    added in W's dtype. Keys lose peft's ``base_model.model.`` prefix and ``.base_layer``; ValueError for peft
+    not whole here, so peft's merge_and_unload cannot run). As peft merges on a CPU: W + s (B A) in float32,
+    rounded once to W's dtype. Keys lose peft's ``base_model.model.`` prefix and ``.base_layer``; ValueError for peft
     state this does not merge (another adapter kind, modules_to_save)."""
     from peft.tuners.lora import LoraLayer
 
@@ -268,7 +268,7 @@ def merged_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
             adapter, scaling = scalings[owner]
             a, b = (f"{owner}.lora_A.{adapter}.weight", f"{owner}.lora_B.{adapter}.weight")
             delta = (state[b].float() @ state[a].float()) * scaling
-            tensor = tensor + delta.to(tensor.dtype)
+            tensor = (tensor.float() + delta).to(tensor.dtype)  # one rounding, as peft's merge on a CPU
             used.update((a, b))
         elif ".lora_" in key or "modules_to_save" in key or "original_module" in key:
             continue  # merged above, or refused below

@@ -54,3 +54,27 @@ def test_adapter_export_names_its_base_by_absolute_path(tmp_path, monkeypatch):
     for name, value in trained.items():  # the adapters as trained, on the base the export names
         torch.testing.assert_close(state[name.replace(".lora_B.weight", ".lora_B.default.weight")
                                          .replace(".lora_A.weight", ".lora_A.default.weight")], value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adapters_merged_from_a_gathered_state_are_peft_merge_and_unload(dtype):
+    """Under torchrun the export merges from the state gathered off the ranks (no whole Parameters to merge in
+    place): the base model's state dict peft's merge_and_unload gives, key for key."""
+    import copy
+
+    from oomb.surgery.lora import merged_state_dict
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(tiny_model("llama").to(dtype), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: a trained adapter has B != 0
+            torch.nn.init.normal_(p, std=0.1)
+    merged = merged_state_dict(model, dict(model.state_dict()))
+    expected = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert merged.keys() == expected.keys()
+    for key, tensor in expected.items():
+        torch.testing.assert_close(merged[key], tensor, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="not a LoRA adapter"):
+        merged_state_dict(model, {**model.state_dict(), "base_model.model.lm_head.modules_to_save.default.weight":
+                                  torch.zeros(1)})
