@@ -54,6 +54,12 @@ def whole_sequence_chunk(cfg: Config, device_type: str, seq_len: int | None) -> 
     return t.chunk_size if t.chunk_size >= seq_len else None
 
 
+def computes_each_layer_once(recompute: str, chunk_size, seq_len: int) -> bool:
+    """Whether a step of ``seq_len`` tokens runs as one chunk with whole-chunk recompute (``recompute`` "auto" runs
+    so where no plan settled it): stage 1 has nothing to fill, so no layer is computed twice."""
+    return isinstance(chunk_size, int) and chunk_size >= seq_len and recompute in ("chunk", "auto")
+
+
 def _whole_pages(tokens: int, page: int) -> int:
     """``tokens`` rounded up to a whole page."""
     return -(-tokens // page) * page

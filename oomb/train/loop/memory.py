@@ -42,6 +42,7 @@ from oomb.train.loop.auto_chunks import (
     LAYER_AUTO_CHUNK_START,
     OFFLOAD_CHUNK_FLOOR,
     chunk_choices,
+    computes_each_layer_once,
     whole_sequence_chunk,
 )
 from oomb.train.loop.distributed import smallest_over_ranks, under_torchrun
@@ -229,7 +230,7 @@ def describe_step_choice(cfg: Config, auto: set[str] | frozenset[str], *, planne
     cache on (chosen by the memory plan)". ``auto``: the train keys that were "auto" before check_memory."""
     t = cfg.train
     why = "chosen by the memory plan" if planned else "train.memory_check=false: no memory plan"
-    whole = isinstance(t.chunk_size, int) and t.chunk_size >= cfg.data.seq_len and t.recompute in ("chunk", "auto")
+    whole = computes_each_layer_once(t.recompute, t.chunk_size, cfg.data.seq_len)
     chunk = f"chunk {t.chunk_size}" + (" (the whole sequence: no layer computed twice)" if whole else "")
     cache = ("attention cache " + {True: "on", "host": "in host memory"}.get(t.cache_attention, "off")
              if isinstance(t.cache_attention, (bool, str)) else "attention cache off")
@@ -397,8 +398,8 @@ def _step_work(cfg: Config, recompute: str, chunk: int, config, device_type: str
     """What the planned step runs beside the time model's setting (oomb.planning.timing.StepWork): whole-chunk
     recompute over one chunk computes each layer once (layer checkpointing once more), LoRA forms no frozen weight
     gradient and streams its adapters' rows."""
-    one_chunk = recompute == "chunk" and chunk >= cfg.data.seq_len
-    forwards = (1 if one_chunk else 2) + (recompute == "chunk" and cfg.train.layer_checkpointing)
+    once = computes_each_layer_once(recompute, chunk, cfg.data.seq_len)
+    forwards = (1 if once else 2) + (recompute in ("chunk", "auto") and cfg.train.layer_checkpointing)
     if cfg.lora.r == 0:
         return StepWork(forwards=forwards)
     _, shape, _ = planned_step(cfg, device_type, dtype)

@@ -38,6 +38,7 @@ from oomb.train.loop.faults import (
     zero_embedding_starts,
 )
 from oomb.train.loop.model import base_model_name
+from oomb.train.loop.reporting import first_line
 from oomb.train.runfolder.checkpoint import (
     CheckpointError,
     NonFiniteCheckpointError,
@@ -209,7 +210,7 @@ class Run:
             try:
                 recorded = self.memory_record.stop(f"at the out-of-memory error of step {step + 1}")
             except Exception as e:  # noqa: BLE001 - a full disk, or too little host memory to pickle it
-                recorded = f"memory record not written: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                recorded = f"memory record not written: {first_line(e)}"
         self.optimizer.zero_grad(set_to_none=True)  # no optimizer step happened (or it failed)
         release_memory(self.model)
         gc.collect()

@@ -51,7 +51,7 @@ from oomb.train.loop.model import build, describe_size, prepare_for_training
 from oomb.train.loop.monitor import memory_fields, plot_run
 from oomb.train.loop.optim import MasterWeights, build_optimizer, check_optimizer, wants_master_weights
 from oomb.train.loop.quantize import check_quantize_runs
-from oomb.train.loop.reporting import Reports
+from oomb.train.loop.reporting import Reports, first_line
 from oomb.train.loop.run import Run
 from oomb.train.loop.schedule import build_scheduler, continue_schedule, keep_started_steps, resolve_schedule
 from oomb.train.runfolder.checkpoint import CheckpointError, checkpoint_state, load_checkpoint, rng_state, set_rng_state
@@ -386,7 +386,7 @@ def _train_step(run: Run, step: int, stop: StopRequest, chunks: ChunkProgress) -
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
         if not is_out_of_memory(e):
             raise
-        out_of_memory = (_first_line(e), measure_memory(run.model, optimizer))  # before anything is freed
+        out_of_memory = (first_line(e), measure_memory(run.model, optimizer))  # before anything is freed
     # Handled outside the except blocks: the traceback holds the step's activations.
     if abandoned:
         optimizer.zero_grad(set_to_none=True)  # also the gradients of earlier grad_accum batches
@@ -436,7 +436,7 @@ def _optimizer_step(run: Run, step: int, grad_norm: torch.Tensor) -> None:
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
         if not is_out_of_memory(e):
             raise
-        out_of_memory = (_first_line(e), measure_memory(run.model, run.optimizer))
+        out_of_memory = (first_line(e), measure_memory(run.model, run.optimizer))
     if out_of_memory is not None:
         run.stop_out_of_memory(step, "the optimizer step", *out_of_memory, model_intact=False)
     run.check_update(step)  # before anything is saved
@@ -449,7 +449,7 @@ def _finish(run: Run, console: Console, main_rank: bool, started: float) -> None
         try:
             plot_run(out)
         except Exception as e:  # noqa: BLE001 - a full disk, a matplotlib backend: the run's results stand
-            console.print(f"warning: could not draw {out / 'training.png'}: {_first_line(e)}", highlight=False)
+            console.print(f"warning: could not draw {out / 'training.png'}: {first_line(e)}", highlight=False)
     if cfg.train.export:
         run.export(run.inputs.tokenizer)
     ran = cfg.train.steps - run.start
@@ -481,6 +481,3 @@ def _forward_backward(run: Run, batches, on_chunk=None) -> tuple[torch.Tensor, t
     return loss, gradient_norm(run.params, run.ctx)
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:400] if text else ''}"
