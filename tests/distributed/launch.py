@@ -25,6 +25,23 @@ def torchrun(*args: str, check: bool = True, ranks: int = 2, timeout: int = 600)
     return proc
 
 
+# The data parallel runs the tests compare: 4 steps of 2 accumulated batches, checkpoints at steps 2 and 4.
+DP_STEPS = 4
+DP_RUN = ["data.seq_len=512", "train.chunk_size=128", "train.page_size=64", "train.lr=0.01", "train.warmup_steps=1",
+          "train.device=cpu", f"train.steps={DP_STEPS}", "train.grad_accum=2", "train.save_every=2",
+          "train.keep_last=0"]
+
+
+def two_ranks_and_one(root: Path, run: list[str]) -> tuple[Path, Path]:
+    """(``root/two``, ``root/one``): ``run`` on 2 ranks, and in one process training both ranks' sequences as one
+    batch (train.batch_size=2 where each rank has 1), each with its checkpoints and export."""
+    from oomb.cli import main
+
+    torchrun("-m", "oomb.cli", "train", *run, f"out_dir={root / 'two'}")
+    assert main(["train", *run, "train.batch_size=2", f"out_dir={root / 'one'}"]) == 0
+    return root / "two", root / "one"
+
+
 def losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 

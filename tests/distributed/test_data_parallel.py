@@ -19,11 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 from launch import (
+    DP_RUN,
+    DP_STEPS,
     assert_export_holds_the_trained_weights,
     assert_resumes_exactly,
     assert_same_losses,
     losses,
     torchrun,
+    two_ranks_and_one,
 )
 from planning import plan_of
 from safetensors.torch import load_file
@@ -32,18 +35,13 @@ from oomb.cli import main
 from oomb.train.runfolder.checkpoint import find_checkpoint, verify_checkpoint
 
 HERE = Path(__file__).resolve().parent
-STEPS = 4
-RUN = ["data.seq_len=512", "train.chunk_size=128", "train.page_size=64", "train.lr=0.01", "train.warmup_steps=1",
-       "train.device=cpu", f"train.steps={STEPS}", "train.grad_accum=2", "train.save_every=2", "train.keep_last=0"]
+STEPS, RUN = DP_STEPS, DP_RUN
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(2-rank run, 1-process run) of the same 4 steps, each with checkpoints at steps 2 and 4 and an export."""
-    root = tmp_path_factory.mktemp("dp")
-    torchrun("-m", "oomb.cli", "train", *RUN, f"out_dir={root / 'two'}")
-    assert main(["train", *RUN, "train.batch_size=2", f"out_dir={root / 'one'}"]) == 0
-    return root / "two", root / "one"
+    return two_ranks_and_one(tmp_path_factory.mktemp("dp"), RUN)
 
 
 def test_two_ranks_train_like_one_process_with_both_sequences(runs):

@@ -8,24 +8,17 @@ import json
 import pickle
 
 import pytest
-from launch import assert_resumes_exactly, assert_same_losses, torchrun
+from launch import DP_RUN, DP_STEPS, assert_resumes_exactly, assert_same_losses, torchrun, two_ranks_and_one
 from safetensors.torch import load_file
 
-from oomb.cli import main
-
-STEPS = 4
-RUN = ["data.seq_len=512", "train.chunk_size=128", "train.page_size=64", "train.lr=0.01", "train.warmup_steps=1",
-       "train.device=cpu", f"train.steps={STEPS}", "train.grad_accum=2", "train.save_every=2", "train.keep_last=0",
-       "lora.r=4", "lora.targets=all-linear"]
+STEPS = DP_STEPS
+RUN = [*DP_RUN, "lora.r=4", "lora.targets=all-linear"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(2-rank run, 1-process run) of the same 4 LoRA steps, checkpoints at steps 2 and 4, each with its export."""
-    root = tmp_path_factory.mktemp("lora-dp")
-    torchrun("-m", "oomb.cli", "train", *RUN, f"out_dir={root / 'two'}")
-    assert main(["train", *RUN, "train.batch_size=2", f"out_dir={root / 'one'}"]) == 0
-    return root / "two", root / "one"
+    return two_ranks_and_one(tmp_path_factory.mktemp("lora-dp"), RUN)
 
 
 def test_two_ranks_train_the_adapters_like_one_process_and_export_the_same_merged_model(runs):
